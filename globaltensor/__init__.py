@@ -1,0 +1,11 @@
+"""globaltensor: global tensors for PyTorch in the SBP style."""
+from .api import from_local, to_global
+from .layout import Layout
+from .placement import Placement, placement
+from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
+from .sbp import SBP, Broadcast, Partial, Split, broadcast, partial, partial_sum, split
+from .tensor import GlobalTensor
+
+__all__ = ["from_local", "to_global", "Layout", "Placement", "placement", "CollectiveError", "RankError",
+           "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
+           "partial", "partial_sum", "split", "GlobalTensor"]

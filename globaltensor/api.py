@@ -1,0 +1,110 @@
+"""The front door: creating global tensors from full tensors or from local shards."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .layout import Layout, normalize_sbp, slice_box
+from .placement import Placement
+from .runtime import context
+from .sbp import Partial, Split
+from .tensor import GlobalTensor, _FromLocal, device_for
+
+
+def _check_placement(placement: Any, fn: str) -> Placement:
+    if not isinstance(placement, Placement):
+        raise TypeError(f"{fn}(placement): expected gt.placement(device_type, ranks), got {type(placement).__name__}")
+    placement.check_world(context.current().world_size)
+    return placement
+
+
+def to_global(obj: Any, placement: Placement, sbp: Any) -> Any:
+    """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
+
+    Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`.
+    A Partial(sum) axis puts the value on its first rank and zeros on the others;
+    Partial(max/min) keeps the value everywhere.
+    """
+    if isinstance(obj, GlobalTensor):
+        return obj.to_global(placement, sbp)
+    if isinstance(obj, torch.nn.Module):
+        raise NotImplementedError("to_global(module): converting modules arrives with the operator rules")
+    if not isinstance(obj, torch.Tensor):
+        raise TypeError(f"to_global(tensor): expected a torch.Tensor or GlobalTensor, got {type(obj).__name__}")
+    placement = _check_placement(placement, "to_global")
+    layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
+    layout.check_shape(obj.shape)
+    comm = context.current()
+    t = obj.detach().to(device_for(placement))
+    box = layout.shard(obj.shape, comm.rank)
+    if box is None:
+        local = t.new_empty((0,))
+    else:
+        local = slice_box(t, box).contiguous()
+        coord = placement.coord(comm.rank)
+        if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(layout.sbp)):
+            local = torch.zeros_like(local)
+    return GlobalTensor(local, layout, tuple(obj.shape), requires_grad=obj.requires_grad)
+
+
+def _check_shape_arg(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, torch.Size):
+        return tuple(shape)
+    if not isinstance(shape, (tuple, list)) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise TypeError(f"from_local(shape): expected a tuple of non-negative ints, got {shape!r}")
+    return tuple(shape)
+
+
+def _discover_shape(local: torch.Tensor, layout: Layout) -> tuple[int, ...]:
+    """One small collective over the world: every rank learns every shard's shape."""
+    comm = context.current()
+    p = layout.placement
+    inside = p.coord(comm.rank) is not None
+    shapes = comm.all_gather_object(tuple(local.shape) if inside else None, tuple(range(comm.world_size)))
+    by_rank = {r: shapes[r] for r in p.flat_ranks}
+    ndims = {len(s) for s in by_rank.values()}
+    if len(ndims) != 1:
+        raise ValueError(f"from_local(local): shards have different numbers of dims: {by_rank}")
+    ndim = ndims.pop()
+    layout.check_shape((0,) * ndim, "from_local(sbp)")
+    shape = []
+    for d in range(ndim):
+        axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim == d}
+        shape.append(sum(by_rank[r][d] for r in p.flat_ranks
+                         if all(c == 0 for a, c in enumerate(p.coord(r)) if a not in axes)))
+    bad = {r: s for r, s in by_rank.items() if layout.local_shape(shape, r) != s}
+    if bad:
+        raise ValueError(f"from_local(local): shard shapes {by_rank} are not the array_split shards of any "
+                         f"global shape under sbp {layout.sbp} (ranks {sorted(bad)} disagree with {tuple(shape)})")
+    return tuple(shape)
+
+
+def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
+               shape: Sequence[int] | None = None) -> GlobalTensor:
+    """Build a GlobalTensor from each rank's shard (differentiable).
+
+    Without `shape`, a split layout (or a placement that leaves ranks out) learns
+    the global shape with one small collective, so uneven shards just work.
+    """
+    if isinstance(local, GlobalTensor) or not isinstance(local, torch.Tensor):
+        raise TypeError(f"from_local(local): expected a plain torch.Tensor shard, got {type(local).__name__}")
+    placement = _check_placement(placement, "from_local")
+    layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
+    comm = context.current()
+    inside = placement.coord(comm.rank) is not None
+    if shape is None:
+        needs = any(isinstance(s, Split) for s in layout.sbp) or placement.size != comm.world_size
+        shape = _discover_shape(local, layout) if needs else tuple(local.shape)
+    else:
+        shape = _check_shape_arg(shape)
+        layout.check_shape(shape, "from_local(sbp)")
+        if inside and tuple(local.shape) != layout.local_shape(shape, comm.rank):
+            raise ValueError(f"from_local(shape): rank {comm.rank} should hold a shard of shape "
+                             f"{layout.local_shape(shape, comm.rank)} of the global {tuple(shape)} under "
+                             f"{layout.sbp}, but local has shape {tuple(local.shape)}")
+    layout.check_shape(shape, "from_local(sbp)")
+    if not inside:
+        local = local.new_empty((0,))
+    local = local.to(device_for(placement))
+    return _FromLocal.apply(local, layout, tuple(shape))

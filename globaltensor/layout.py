@@ -1,0 +1,107 @@
+"""Layout = placement + one SBP per mesh axis, and the shard arithmetic it implies.
+
+Where several mesh axes split the same dim, mesh axis 0 cuts first and each
+later axis cuts that piece further; every cut is `numpy.array_split`-balanced,
+so shards differ by at most one element and may be empty.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+from .placement import Placement
+from .sbp import SBP, SBP_TYPES, Broadcast, Partial, Split
+
+
+def split_range(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of piece `index` of `length` cut into `parts` as numpy.array_split does."""
+    base, extra = divmod(length, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    base, extra = divmod(length, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
+    """A single SBP stands for a 1-D placement's tuple; anything else must match the mesh."""
+    if isinstance(sbp, SBP_TYPES):
+        if ndim != 1:
+            raise ValueError(f"{arg}: a single SBP {sbp!r} is only accepted for a 1-D placement; "
+                             f"give a tuple of {ndim} SBPs, one per mesh axis")
+        return (sbp,)
+    if not isinstance(sbp, (tuple, list)):
+        raise TypeError(f"{arg}: expected an SBP or a tuple of SBPs (gt.split(d), gt.broadcast, "
+                        f"gt.partial_sum), got {type(sbp).__name__}")
+    if len(sbp) != ndim:
+        raise ValueError(f"{arg}: has {len(sbp)} entries but the placement mesh has {ndim} axes; "
+                         f"give one SBP per mesh axis")
+    for s in sbp:
+        if not isinstance(s, SBP_TYPES):
+            raise TypeError(f"{arg}: {s!r} is not an SBP; use gt.split(d), gt.broadcast or gt.partial(op)")
+    return tuple(sbp)
+
+
+@dataclass(frozen=True)
+class Layout:
+    placement: Placement
+    sbp: tuple[SBP, ...]
+
+    def __init__(self, placement: Placement, sbp: object) -> None:
+        if not isinstance(placement, Placement):
+            raise TypeError(f"Layout(placement): expected a gt.placement, got {type(placement).__name__}")
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "sbp", normalize_sbp(sbp, placement.ndim))
+
+    def __repr__(self) -> str:
+        return f"Layout({self.placement!r}, ({', '.join(map(repr, self.sbp))}))"
+
+    @property
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Partial))
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(s, Partial) for s in self.sbp)
+
+    def check_shape(self, shape: Sequence[int], arg: str = "sbp") -> None:
+        for s in self.sbp:
+            if isinstance(s, Split) and s.dim >= len(shape):
+                raise ValueError(f"{arg}: {s!r} splits dim {s.dim} but the tensor has {len(shape)} dims "
+                                 f"(shape {tuple(shape)}); pick a dim below {len(shape)}")
+
+    def shard(self, shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...] | None:
+        """Per dim (start, size) of the block `rank` holds, or None outside the placement."""
+        coord = self.placement.coord(rank)
+        if coord is None:
+            return None
+        return _shard(self.sbp, self.placement.shape, tuple(shape), coord)
+
+    def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        box = self.shard(shape, rank)
+        return (0,) if box is None else tuple(size for _, size in box)
+
+
+@lru_cache(maxsize=65536)
+def _shard(sbp: tuple[SBP, ...], mesh: tuple[int, ...], shape: tuple[int, ...],
+           coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    box = [(0, n) for n in shape]
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Split):
+            start, size = box[s.dim]
+            off, size = split_range(size, mesh[axis], coord[axis])
+            box[s.dim] = (start + off, size)
+    return tuple(box)
+
+
+def slice_box(t, box: tuple[tuple[int, int], ...]):
+    """View of `t` restricted to `box` (a local slice: no copy, no communication)."""
+    for d, (start, size) in enumerate(box):
+        if size != t.shape[d]:
+            t = t.narrow(d, start, size)
+    return t
+
+
+__all__ = ["Layout", "split_range", "split_sizes", "normalize_sbp", "slice_box", "Broadcast"]

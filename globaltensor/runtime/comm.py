@@ -1,0 +1,199 @@
+"""The Communicator interface: the only code that talks to other ranks.
+
+Every primitive takes this rank's local tensors and a `group` (global ranks in
+mesh order, containing this rank), returns new local tensors, and records what
+this rank received under DESIGN.md's byte convention, so that plans and logs
+count the same way on every backend. Backends implement the `_`-prefixed raw
+methods only.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from ..layout import split_sizes
+
+Group = tuple  # of int ranks, in mesh order
+
+
+class CollectiveError(RuntimeError):
+    """A collective that could not complete: mismatch, missing rank, timeout or abort."""
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    kind: str
+    group: tuple[int, ...]
+    recv_bytes: int
+
+
+@dataclass
+class CommLog:
+    events: list[CommEvent] = field(default_factory=list)
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(e.recv_bytes for e in self.events)
+
+    def summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.events:
+            out[e.kind] = out.get(e.kind, 0) + e.recv_bytes
+        return out
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def all_reduce_recv_bytes(numel: int, itemsize: int, n: int, index: int) -> int:
+    """Reduce-scatter then all-gather over array_split chunks: 2(n-1)/n|T| when even."""
+    chunk = split_sizes(numel, n)[index]
+    return ((n - 1) * chunk + (numel - chunk)) * itemsize
+
+
+class Communicator:
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __init__(self) -> None:
+        self._logs: list[CommLog] = []
+
+    # -- accounting -------------------------------------------------------
+    def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
+        if self._logs:
+            ev = CommEvent(kind, tuple(group), int(recv_bytes))
+            for log in self._logs:
+                log.events.append(ev)
+
+    def _index(self, group: Group, kind: str) -> int:
+        try:
+            return group.index(self.rank)
+        except ValueError:
+            raise ValueError(f"{kind}: rank {self.rank} is not in group {group}") from None
+
+    # -- primitives -------------------------------------------------------
+    def all_gather(self, t: torch.Tensor, group: Group,
+                   shapes: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+        """Every member's tensor, in group order. `shapes` (one per member) allows uneven pieces."""
+        i = self._index(group, "all_gather")
+        if len(group) == 1:
+            return [t]
+        shapes = [tuple(t.shape)] * len(group) if shapes is None else [tuple(s) for s in shapes]
+        if shapes[i] != tuple(t.shape):
+            raise ValueError(f"all_gather: shapes[{i}]={shapes[i]} but this rank's tensor is {tuple(t.shape)}")
+        out = self._all_gather(t.contiguous(), group, shapes)
+        self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
+        return out
+
+    def reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str = "sum") -> torch.Tensor:
+        """chunks[j] is this rank's contribution to member j; returns the reduced own chunk."""
+        i = self._index(group, "reduce_scatter")
+        if len(chunks) != len(group):
+            raise ValueError(f"reduce_scatter: {len(chunks)} chunks for a group of {len(group)}")
+        if len(group) == 1:
+            return chunks[0]
+        out = self._reduce_scatter([c.contiguous() for c in chunks], group, op)
+        self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
+        return out
+
+    def all_reduce(self, t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+        i = self._index(group, "all_reduce")
+        if len(group) == 1:
+            return t
+        out = self._all_reduce(t.contiguous(), group, op)
+        self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
+        return out
+
+    def all_to_all(self, sends: Sequence[torch.Tensor], group: Group,
+                   recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """sends[j] goes to member j; returns what each member sent here (shapes given, uneven allowed)."""
+        i = self._index(group, "all_to_all")
+        if len(sends) != len(group) or len(recv_shapes) != len(group):
+            raise ValueError(f"all_to_all: need one send and one recv shape per member of {group}")
+        if len(group) == 1:
+            return [sends[0]]
+        dtype = sends[i].dtype
+        out = self._all_to_all([s.contiguous() for s in sends], group, [tuple(s) for s in recv_shapes])
+        self._record("all_to_all", group,
+                     sum(nbytes(s, dtype) for j, s in enumerate(recv_shapes) if j != i))
+        return out
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]]
+                 ) -> dict[int, torch.Tensor]:
+        """Point-to-point: send sends[r] to rank r, receive recvs[r] = (shape, dtype) from rank r."""
+        if self.rank in sends or self.rank in recvs:
+            raise ValueError(f"exchange: rank {self.rank} cannot send to or receive from itself")
+        if not sends and not recvs:
+            return {}
+        out = self._exchange({r: t.contiguous() for r, t in sends.items()},
+                             {r: (tuple(s), d) for r, (s, d) in recvs.items()})
+        peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
+        self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
+        return out
+
+    def broadcast(self, t: torch.Tensor | None, group: Group, src: int,
+                  shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Member `src` (a global rank) sends its tensor; every member returns it."""
+        self._index(group, "broadcast")
+        if src not in group:
+            raise ValueError(f"broadcast: src rank {src} is not in group {group}")
+        if len(group) == 1:
+            return t
+        out = self._broadcast(t.contiguous() if self.rank == src else None, group, src, tuple(shape), dtype)
+        self._record("broadcast", group, 0 if self.rank == src else nbytes(shape, dtype))
+        return out
+
+    def all_gather_object(self, obj: Any, group: Group) -> list[Any]:
+        """Small metadata (shapes, checks); counted as an event with no tensor bytes."""
+        self._index(group, "all_gather_object")
+        if len(group) == 1:
+            return [obj]
+        out = self._all_gather_object(obj, group)
+        self._record("all_gather_object", group, 0)
+        return out
+
+    def barrier(self, group: Group | None = None) -> None:
+        self.all_gather_object(None, tuple(range(self.world_size)) if group is None else group)
+
+    # -- backend hooks ----------------------------------------------------
+    def _all_gather(self, t, group, shapes):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _reduce_scatter(self, chunks, group, op):  # pragma: no cover
+        raise NotImplementedError
+
+    def _all_reduce(self, t, group, op):  # pragma: no cover
+        raise NotImplementedError
+
+    def _all_to_all(self, sends, group, recv_shapes):  # pragma: no cover
+        raise NotImplementedError
+
+    def _exchange(self, sends, recvs):  # pragma: no cover
+        raise NotImplementedError
+
+    def _broadcast(self, t, group, src, shape, dtype):  # pragma: no cover
+        raise NotImplementedError
+
+    def _all_gather_object(self, obj, group):  # pragma: no cover
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Record this rank's collectives: `with gt.comm_log() as log: ...; log.recv_bytes`."""
+    from .context import current
+    comm = current()
+    log = CommLog()
+    comm._logs.append(log)
+    try:
+        yield log
+    finally:
+        comm._logs.remove(log)

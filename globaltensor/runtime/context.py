@@ -1,0 +1,53 @@
+"""Which Communicator the calling rank uses.
+
+Simulated ranks are threads, so the communicator is thread-local first; a
+`torchrun` process has one for the whole process, created on first use from
+the usual environment variables; a plain script is a world of one.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+from .comm import Communicator
+
+_local = threading.local()
+_process: Communicator | None = None
+
+
+def current_or_none() -> Communicator | None:
+    return getattr(_local, "comm", None) or _process
+
+
+def current() -> Communicator:
+    comm = getattr(_local, "comm", None) or _process
+    return comm if comm is not None else _init_process()
+
+
+def set_thread(comm: Communicator | None) -> None:
+    _local.comm = comm
+
+
+def set_process(comm: Communicator | None) -> None:
+    global _process
+    _process = comm
+
+
+def _init_process() -> Communicator:
+    import torch.distributed as dist
+    global _process
+    if dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ and "RANK" in os.environ):
+        from .dist import TorchDistCommunicator
+        _process = TorchDistCommunicator.from_environment()
+    else:
+        from .sim import SimWorld
+        _process = SimWorld(1).communicator(0)
+    return _process
+
+
+def rank() -> int:
+    return current().rank
+
+
+def world_size() -> int:
+    return current().world_size

@@ -1,0 +1,131 @@
+"""The torch.distributed backend (gloo on CPU, nccl on GPU), as run by torchrun or gt.launch."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .comm import CollectiveError, Communicator
+
+# torch >= 2.12 renamed all_gather_into_tensor; keep older torch working
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchDistCommunicator(Communicator):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.backend = dist.get_backend()
+        if self.backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
+        else:
+            self.device = torch.device("cpu")
+        self._groups: dict[tuple, object] = {}
+
+    @classmethod
+    def init(cls, backend: str, rank: int, world_size: int, init_method: str, timeout: float
+             ) -> "TorchDistCommunicator":
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        return cls()
+
+    @classmethod
+    def from_environment(cls) -> "TorchDistCommunicator":
+        """Use an initialised default group, or create one from torchrun's environment."""
+        if not dist.is_initialized():
+            from .launch import default_timeout
+            backend = "nccl" if torch.cuda.is_available() and os.environ.get("GT_BACKEND") != "gloo" else "gloo"
+            backend = os.environ.get("GT_BACKEND", backend)
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=default_timeout()))
+        return cls()
+
+    # -- groups: torch orders a group's members by global rank; ours are in mesh order
+    def _pg(self, group: tuple):
+        key = tuple(sorted(group))
+        pg = self._groups.get(key)
+        if pg is None:
+            if len(key) == self.world_size:
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(list(key), use_local_synchronization=True)
+            self._groups[key] = pg
+        return pg
+
+    def _call(self, kind: str, group: tuple, fn):
+        try:
+            return fn()
+        except RuntimeError as e:
+            raise CollectiveError(f"{kind} on group {group} failed on rank {self.rank}: {e}") from e
+
+    def _all_gather(self, t, group, shapes):
+        order = sorted(group)
+        numels = [torch.Size(s).numel() for s in shapes]
+        width = max(numels)
+        if width == 0:
+            return [t.new_empty(s) for s in shapes]
+        flat = t.reshape(-1)
+        if flat.numel() < width:
+            flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
+        buf = t.new_empty(width * len(group))
+        self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group)))
+        pos = {r: k for k, r in enumerate(order)}
+        return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
+
+    def _reduce_scatter(self, chunks, group, op):
+        order = sorted(group)
+        by_rank = dict(zip(group, chunks))
+        out = torch.empty_like(by_rank[self.rank])
+        inputs = [by_rank[r] for r in order]
+        self._call("reduce_scatter", group,
+                   lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=self._pg(group)))
+        return out
+
+    def _all_reduce(self, t, group, op):
+        out = t.clone()
+        self._call("all_reduce", group, lambda: dist.all_reduce(out, op=OPS[op], group=self._pg(group)))
+        return out
+
+    def _all_to_all(self, sends, group, recv_shapes):
+        order = sorted(group)
+        send_by, shape_by = dict(zip(group, sends)), dict(zip(group, recv_shapes))
+        inp = torch.cat([send_by[r].reshape(-1) for r in order])
+        in_splits = [send_by[r].numel() for r in order]
+        out_splits = [torch.Size(shape_by[r]).numel() for r in order]
+        out = inp.new_empty(sum(out_splits))
+        self._call("all_to_all", group, lambda: dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=self._pg(group)))
+        pieces = dict(zip(order, out.split(out_splits)))
+        return [pieces[r].view(shape_by[r]) for r in group]
+
+    def _exchange(self, sends, recvs):
+        out = {src: torch.empty(shape, dtype=dtype, device=self.device) for src, (shape, dtype) in recvs.items()}
+        ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
+        ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(out.items())]
+
+        def run():
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        self._call("send_recv", tuple(sorted(set(sends) | set(recvs) | {self.rank})), run)
+        return out
+
+    def _broadcast(self, t, group, src, shape, dtype):
+        buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
+        self._call("broadcast", group, lambda: dist.broadcast(buf, src=src, group=self._pg(group)))
+        return buf
+
+    def _all_gather_object(self, obj, group):
+        order = sorted(group)
+        out = [None] * len(group)
+        self._call("all_gather_object", group,
+                   lambda: dist.all_gather_object(out, obj, group=self._pg(group)))
+        by_rank = dict(zip(order, out))
+        return [by_rank[r] for r in group]

@@ -1,0 +1,146 @@
+"""`gt.launch`: run one function on every rank and return the per-rank results.
+
+`backend="sim"` runs ranks as threads of this process; `"gloo"`/`"nccl"`
+spawn one process per rank, as `torchrun` would. Either way an exception on a
+rank is re-raised in the caller with its rank and traceback, and the other
+ranks are released rather than left hanging.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+BACKENDS = ("sim", "gloo", "nccl")
+
+
+def default_timeout() -> float:
+    """Seconds a collective may wait for its peers (`GT_TIMEOUT`, default 300)."""
+    return float(os.environ.get("GT_TIMEOUT", "300"))
+
+
+class RankError(RuntimeError):
+    """A rank failed and its exception could not be carried back as itself."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def raise_rank_failure(errors: dict[int, tuple[BaseException, str]]) -> None:
+    """Re-raise the root failure: the lowest rank whose error was not a consequence of another's."""
+    from .comm import CollectiveError
+    primary = [r for r, (e, _) in errors.items() if not isinstance(e, CollectiveError)]
+    rank = min(primary) if primary else min(errors)
+    exc, tb = errors[rank]
+    note = f"raised on rank {rank}; its traceback:\n{tb}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10
+        exc = RankError(rank, f"rank {rank} failed: {exc!r}\n{note}")
+    exc.rank = rank
+    raise exc
+
+
+def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence = (),
+           timeout: float | None = None) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; returns [result of rank 0, rank 1, ...]."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"launch(world_size): must be a positive int, got {world_size!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"launch(backend): must be one of {BACKENDS}, got {backend!r}")
+    if not callable(fn):
+        raise TypeError(f"launch(fn): must be callable, got {type(fn).__name__}")
+    from .context import current_or_none
+    from .sim import SimCommunicator
+    outer = current_or_none()
+    if outer is not None and (not isinstance(outer, SimCommunicator) or outer.world_size > 1):
+        raise RuntimeError("launch: already inside a launched rank; call fn directly instead of nesting launch")
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if backend == "sim":
+        from .sim import SimWorld
+        return SimWorld(world_size, timeout).run(fn, tuple(args))
+    if backend == "nccl":
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+            raise ValueError(f"launch(backend='nccl'): needs {world_size} CUDA devices, "
+                             f"found {torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
+                             "use backend='gloo' on CPU")
+    return _launch_processes(fn, world_size, backend, tuple(args), timeout)
+
+
+def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callable, args: tuple,
+            timeout: float, results: Any) -> None:
+    from .context import set_process
+    from .dist import TorchDistCommunicator
+    try:
+        comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
+        set_process(comm)
+        out = pickle.dumps(fn(*args))  # plain bytes: shared-memory tensors would die with this process
+        results.put((rank, True, out, ""))
+    except BaseException as e:  # noqa: BLE001 - carried to the caller
+        tb = traceback.format_exc()
+        try:
+            payload = pickle.dumps(e)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(RankError(rank, f"rank {rank} failed: {e!r}"))
+        results.put((rank, False, payload, tb))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, timeout: float) -> list:
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="gt-launch-")
+    os.close(fd)
+    os.unlink(init_file)  # FileStore creates it; a stale file would confuse rendezvous
+    procs = [ctx.Process(target=_worker, args=(r, world_size, backend, init_file, fn, args, timeout, results),
+                         name=f"gt-rank{r}", daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: dict[int, tuple[BaseException, str]] = {}
+    grace_until: float | None = None
+    try:
+        while len(out) + len(errors) < world_size:
+            if grace_until is not None and time.monotonic() > grace_until:
+                break  # the others are stuck in collectives with the failed rank: stop waiting
+            try:
+                rank, ok, value, tb = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if not p.is_alive() and r not in out and r not in errors and p.exitcode not in (0, None):
+                        errors[r] = (RankError(r, f"rank {r} died with exit code {p.exitcode}"), "")
+                        grace_until = grace_until or time.monotonic() + 2.0
+                continue
+            if ok:
+                out[rank] = pickle.loads(value)
+            else:
+                errors[rank] = (pickle.loads(value), tb)
+                grace_until = grace_until or time.monotonic() + 2.0
+    finally:
+        for p in procs:
+            if p.is_alive() and errors:
+                p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        results.close()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if errors:
+        raise_rank_failure(errors)
+    return [out[r] for r in range(world_size)]

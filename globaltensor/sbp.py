@@ -1,0 +1,62 @@
+"""SBP values: how one mesh axis lays a tensor out over its ranks.
+
+`Split(dim)` cuts `dim` like `numpy.array_split`, `Broadcast` replicates, and
+`Partial(op)` means the global value is the `op`-reduction of the local values.
+They are frozen and hashable because layouts (tuples of them) key every cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"split(dim): dim must be an int, got {self.dim!r}")
+        if self.dim < 0:
+            raise ValueError(
+                f"split(dim): dim must be >= 0, got {self.dim}; "
+                "normalise a negative dim with dim % tensor.ndim first")
+
+    def __repr__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    def __repr__(self) -> str:
+        return "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in REDUCE_OPS:
+            raise ValueError(f"partial(op): op must be one of {REDUCE_OPS}, got {self.op!r}")
+
+    def __repr__(self) -> str:
+        return "P" if self.op == "sum" else f"P({self.op})"
+
+
+SBP = Union[Split, Broadcast, Partial]
+SBP_TYPES = (Split, Broadcast, Partial)
+
+
+def split(dim: int) -> Split:
+    return Split(dim)
+
+
+def partial(op: str = "sum") -> Partial:
+    return Partial(op)
+
+
+broadcast = Broadcast()
+partial_sum = Partial("sum")

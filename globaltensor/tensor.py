@@ -1,0 +1,188 @@
+"""GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .layout import Layout, normalize_sbp, slice_box
+from .placement import Placement
+from .runtime import context
+from .sbp import Broadcast, Partial, Split
+
+REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class GlobalTensor(torch.Tensor):
+    """Holds `_local` (this rank's shard) and `_layout`; ranks outside the placement hold an empty tensor."""
+
+    _local: torch.Tensor
+    _layout: Layout
+    __slots__ = ["_local", "_layout"]
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
+                requires_grad: bool = False) -> "GlobalTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), strides=_contiguous_strides(shape), dtype=local.dtype,
+            device=local.device, requires_grad=requires_grad)
+        r._local = local
+        r._layout = layout
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            x = args[0]
+            return GlobalTensor(func(x._local), x._layout, x.shape)
+        raise NotImplementedError(
+            f"{func}: operators on GlobalTensors are not supported yet (they arrive with the operator "
+            "rules); use x.to_local() or x.full_tensor() to compute on plain tensors")
+
+    # -- the layout ----------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def placement(self) -> Placement:
+        return self._layout.placement
+
+    @property
+    def sbp(self) -> tuple:
+        return self._layout.sbp
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
+                f"sbp={self.sbp}, local={self._local})")
+
+    # -- conversions ---------------------------------------------------------
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard (differentiable); empty on ranks outside the placement."""
+        return _ToLocal.apply(self)
+
+    def to_global(self, placement: Placement | None = None, sbp: Any = None) -> "GlobalTensor":
+        """Box into another layout (same or other placement); placement/sbp default to the current ones."""
+        placement = self.placement if placement is None else placement
+        if not isinstance(placement, Placement):
+            raise TypeError(f"to_global(placement): expected a gt.placement, got {type(placement).__name__}")
+        if sbp is None:
+            if placement.ndim != self.placement.ndim:
+                raise ValueError("to_global(sbp): required when the placement's mesh has another number of axes")
+            sbp = self.sbp
+        dst = Layout(placement, normalize_sbp(sbp, placement.ndim))
+        dst.check_shape(self.shape)
+        if dst == self._layout:
+            return self
+        return convert(self, dst)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole global value on every rank of the placement (Partial reduced); empty outside it."""
+        return _FullTensor.apply(self)
+
+
+def convert(x: GlobalTensor, dst: Layout) -> GlobalTensor:
+    """Boxing between layouts; provided by globaltensor.boxing."""
+    raise NotImplementedError(
+        f"to_global: converting {x.layout} to {dst} needs the boxing engine, which is not built yet")
+
+
+def device_for(placement: Placement) -> torch.device:
+    comm = context.current()
+    if placement.device_type == comm.device.type:
+        return comm.device
+    if placement.device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("placement(device_type): 'cuda' but this process has no CUDA device; use 'cpu'")
+    return torch.device(placement.device_type)
+
+
+def make_global(local: torch.Tensor, layout: Layout, shape: Sequence[int],
+                requires_grad: bool = False) -> GlobalTensor:
+    return GlobalTensor(local, layout, shape, requires_grad)
+
+
+def gather_full(local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
+    """Every shard to every rank of the placement, assembled; partial axes reduced, last axis first."""
+    comm = context.current()
+    p = layout.placement
+    if p.coord(comm.rank) is None:
+        return local.new_empty((0,))
+    group = p.flat_ranks
+    shapes = [layout.local_shape(shape, r) for r in group]
+    pieces = comm.all_gather(local, group, shapes)
+    partial = [(a, s.op) for a, s in enumerate(layout.sbp) if isinstance(s, Partial)]
+
+    def value(fixed: dict[int, int]) -> torch.Tensor:
+        # reduce the remaining partial axes innermost-first; then assemble the split blocks
+        for a, op in reversed(partial):
+            if a not in fixed:
+                parts = [value({**fixed, a: i}) for i in range(p.shape[a])]
+                out = parts[0]
+                for q in parts[1:]:
+                    out = REDUCE[op](out, q)
+                return out
+        out = local.new_empty(shape)
+        for r, piece in zip(group, pieces):
+            c = p.coord(r)
+            if all(c[a] == i for a, i in fixed.items()) and all(
+                    c[a] == 0 for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast)):
+                slice_box(out, layout.shard(shape, r)).copy_(piece)
+        return out
+    return value({})
+
+
+def grad_layout(layout: Layout) -> Layout:
+    """The layout a gradient takes when flowing back through `layout`: the dual of Partial is Broadcast."""
+    if not layout.has_partial:
+        return layout
+    return Layout(layout.placement, tuple(Broadcast() if isinstance(s, Partial) else s for s in layout.sbp))
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout, ctx.shape = x._layout, tuple(x.shape)
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return GlobalTensor(grad, grad_layout(ctx.layout), ctx.shape)
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:  # type: ignore[override]
+        ctx.layout = grad_layout(layout)
+        return GlobalTensor(local.view_as(local), layout, shape)
+
+    @staticmethod
+    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        if grad._layout != ctx.layout:
+            grad = grad.to_global(ctx.layout.placement, ctx.layout.sbp)
+        return grad._local, None, None
+
+
+class _FullTensor(torch.autograd.Function):
+    """The result is a plain tensor, i.e. the same on every rank; its gradient is sliced, never summed."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout, ctx.shape = x._layout, tuple(x.shape)
+        return gather_full(x._local, x._layout, tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        layout = grad_layout(ctx.layout)
+        box = layout.shard(ctx.shape, context.current().rank)
+        local = grad.new_zeros((0,)) if box is None else slice_box(grad, box).clone()
+        return GlobalTensor(local, layout, ctx.shape)
