@@ -123,8 +123,8 @@ def gather_full(local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> 
     partial = [(a, s.op) for a, s in enumerate(layout.sbp) if isinstance(s, Partial)]
 
     def value(fixed: dict[int, int]) -> torch.Tensor:
-        # reduce the remaining partial axes innermost-first; then assemble the split blocks
-        for a, op in reversed(partial):
+        # the outermost call reduces axis 0 over values already reduced along the later axes
+        for a, op in partial:
             if a not in fixed:
                 parts = [value({**fixed, a: i}) for i in range(p.shape[a])]
                 out = parts[0]

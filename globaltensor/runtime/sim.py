@@ -143,7 +143,6 @@ class SimWorld:
         self._wait_turn(rank, what)
         self.waiting[rank] = None
         _restore_rng(self.rng[rank])
-        self._check_abort()
 
     # -- collectives ----------------------------------------------------------
     def collective(self, rank: int, kind: str, group: tuple, meta: Any, payload: Any) -> Any:
@@ -168,6 +167,8 @@ class SimWorld:
                         self.status[r] = "runnable"
             else:
                 self._block(rank, rv.describe())
+                if rank not in rv.results:  # woken by an abort, not by the last member arriving
+                    self._check_abort()
             return rv.results.pop(rank)
 
     def send(self, src: int, dst: int, t: torch.Tensor) -> None:
@@ -182,6 +183,7 @@ class SimWorld:
             self._check_abort()
             box = self.mail.setdefault((src, dst), deque())
             while not box:
+                self._check_abort()
                 self._block(dst, f"send_recv from rank {src}")
             t = box.popleft()
             if tuple(t.shape) != shape or t.dtype != dtype:
