@@ -37,7 +37,8 @@ def raise_rank_failure(errors: dict[int, tuple[BaseException, str]]) -> None:
     primary = [r for r, (e, _) in errors.items() if not isinstance(e, CollectiveError)]
     rank = min(primary) if primary else min(errors)
     exc, tb = errors[rank]
-    note = f"raised on rank {rank}; its traceback:\n{tb}"
+    # an exception from another process lost its frames in pickling: carry them in the note
+    note = f"raised on rank {rank}" + ("" if exc.__traceback__ else f"; its traceback:\n{tb}")
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10
