@@ -7,10 +7,9 @@ import torch
 
 from .layout import Layout, normalize_sbp, slice_box
 from .placement import Placement
+from . import boxing
 from .runtime import context
 from .sbp import Broadcast, Partial, Split
-
-REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -92,9 +91,8 @@ class GlobalTensor(torch.Tensor):
 
 
 def convert(x: GlobalTensor, dst: Layout) -> GlobalTensor:
-    """Boxing between layouts; provided by globaltensor.boxing."""
-    raise NotImplementedError(
-        f"to_global: converting {x.layout} to {dst} needs the boxing engine, which is not built yet")
+    """Boxing between layouts (differentiable; see `_Convert`)."""
+    return _Convert.apply(x, dst)
 
 
 def device_for(placement: Placement) -> torch.device:
@@ -109,36 +107,6 @@ def device_for(placement: Placement) -> torch.device:
 def make_global(local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> GlobalTensor:
     return GlobalTensor(local, layout, shape, requires_grad)
-
-
-def gather_full(local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-    """Every shard to every rank of the placement, assembled; partial axes reduced, last axis first."""
-    comm = context.current()
-    p = layout.placement
-    if p.coord(comm.rank) is None:
-        return local.new_empty((0,))
-    group = p.flat_ranks
-    shapes = [layout.local_shape(shape, r) for r in group]
-    pieces = comm.all_gather(local, group, shapes)
-    partial = [(a, s.op) for a, s in enumerate(layout.sbp) if isinstance(s, Partial)]
-
-    def value(fixed: dict[int, int]) -> torch.Tensor:
-        # the outermost call reduces axis 0 over values already reduced along the later axes
-        for a, op in partial:
-            if a not in fixed:
-                parts = [value({**fixed, a: i}) for i in range(p.shape[a])]
-                out = parts[0]
-                for q in parts[1:]:
-                    out = REDUCE[op](out, q)
-                return out
-        out = local.new_empty(shape)
-        for r, piece in zip(group, pieces):
-            c = p.coord(r)
-            if all(c[a] == i for a, i in fixed.items()) and all(
-                    c[a] == 0 for a, s in enumerate(layout.sbp) if isinstance(s, Broadcast)):
-                slice_box(out, layout.shard(shape, r)).copy_(piece)
-        return out
-    return value({})
 
 
 def grad_layout(layout: Layout) -> Layout:
@@ -178,7 +146,8 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.layout, ctx.shape = x._layout, tuple(x.shape)
-        return gather_full(x._local, x._layout, tuple(x.shape))
+        full = Layout(x.placement, (Broadcast(),) * x.placement.ndim)
+        return boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -186,3 +155,25 @@ class _FullTensor(torch.autograd.Function):
         box = layout.shard(ctx.shape, context.current().rank)
         local = grad.new_zeros((0,)) if box is None else slice_box(grad, box).clone()
         return GlobalTensor(local, layout, ctx.shape)
+
+
+class _Convert(torch.autograd.Function):
+    """Forward runs the boxing plan on the local shard; backward boxes the gradient the dual way.
+
+    The gradient of a layout is laid out as `grad_layout` (Partial's dual is
+    Broadcast), so S->B all-gather comes back as a B->S slice, P->S
+    reduce-scatter as an S->B all-gather, B->P as nothing at all, and so on.
+    """
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, dst: Layout) -> GlobalTensor:  # type: ignore[override]
+        ctx.src, ctx.shape = x._layout, tuple(x.shape)
+        local = boxing.convert_local(x._local, x._layout, dst, ctx.shape, context.current())
+        return GlobalTensor(local, dst, ctx.shape)
+
+    @staticmethod
+    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        want = grad_layout(ctx.src)
+        if grad._layout != want:
+            grad = grad.to_global(want.placement, want.sbp)
+        return grad, None

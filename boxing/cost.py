@@ -1,0 +1,57 @@
+"""Cost: bytes received per rank (DESIGN.md's convention), and the lower bound they cannot beat.
+
+The planner minimises, lexicographically, (total bytes received over all
+ranks, collective launches, point-to-point steps, steps). The total is
+additive along a path, so a shortest-path search is exact; and because every
+rank receives at least its own lower bound in any plan, a plan whose total
+equals the summed bound meets the bound on every rank.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..layout import Layout
+from .boxes import intersect, numel
+
+Cost = tuple[int, int, int, int]
+ZERO: Cost = (0, 0, 0, 0)
+
+
+def step_cost(step) -> Cost:
+    return (step.bytes, step.latency, int(step.axis is None and step.latency > 0), 1)
+
+
+def add(a: Cost, b: Cost) -> Cost:
+    return tuple(x + y for x, y in zip(a, b))  # type: ignore[return-value]
+
+
+def lower_bound(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype
+                ) -> Optional[tuple[int, ...]]:
+    """Per global rank: the bytes of its target shard that it does not already hold.
+
+    None for a Partial source (no data-independent bound). For a Partial
+    target, a partial group (ranks sharing a shard, differing only in partial
+    coordinates) needs only the pieces none of its members holds; they are
+    charged to the group's rank at partial coordinate 0.
+    """
+    if src.has_partial:
+        return None
+    A, B = src.placement, dst.placement
+    world = max(A.flat_ranks + B.flat_ranks) + 1
+    out = [0] * world
+    pa = dst.partial_axes
+    for r in B.flat_ranks:
+        c = B.coord(r)
+        if any(c[a] != 0 for a in pa):
+            continue
+        box = dst.shard(shape, r)
+        members = [r]
+        if pa:
+            members = [q for q in B.flat_ranks
+                       if all(B.coord(q)[a] == x for a, x in enumerate(c) if a not in pa)]
+        held = {src.shard(shape, q) for q in members if q in A}
+        have = sum(numel(intersect(t, box)) for t in held)
+        out[r] = (numel(box) - have) * dtype.itemsize
+    return tuple(out)

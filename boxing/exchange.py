@@ -1,0 +1,85 @@
+"""Direct exchange: every destination rank receives exactly the part of its shard it lacks.
+
+Works between any two Partial-free-source layouts, on the same placement or
+across placements (disjoint, overlapping, other mesh shapes). The source tiles
+the tensor into distinct boxes, each held by one or more ranks (replicas); a
+destination rank copies what it holds and receives each missing piece from
+one holder, chosen to spread the sending load. For a Partial destination, the
+ranks of a partial group (same shard, different partial coordinates) split the
+contributions: whoever holds a piece contributes it, the others hold the op's
+identity there, and only pieces nobody in the group holds are received.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import Layout
+from ..sbp import Partial
+from .boxes import Box, intersect, numel, relative, sizes
+from .plan import RankRoute, Step
+
+
+def _fill_op(dst: Layout, m: tuple[int, ...], c: tuple[int, ...]) -> str:
+    """Identity op for member m where member c contributes: the last partial axis where they differ.
+
+    Reductions run innermost (last axis) first, so along that axis m's identity
+    is absorbed by c's value, and along earlier axes m's group already reduced to
+    an identity of the earlier op.
+    """
+    axes = [a for a, s in enumerate(dst.sbp) if isinstance(s, Partial) and m[a] != c[a]]
+    return dst.sbp[axes[-1]].op
+
+
+def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Step:
+    A, B = src.placement, dst.placement
+    tiles: dict[Box, list[int]] = {}
+    for r in A.flat_ranks:
+        tiles.setdefault(src.shard(shape, r), []).append(r)
+    own = {r: src.shard(shape, r) for r in A.flat_ranks}
+    partial_axes = dst.partial_axes
+    groups: dict[tuple, list[int]] = {}
+    for r in B.flat_ranks:
+        c = B.coord(r)
+        groups.setdefault(tuple(None if a in partial_axes else x for a, x in enumerate(c)), []).append(r)
+
+    regions: dict[int, list] = {r: [] for r in B.flat_ranks}
+    sends: dict[int, dict[int, list[Box]]] = {}
+    recvs: dict[int, dict[int, list[Box]]] = {}
+    load: dict[int, int] = {}
+    for members in groups.values():
+        box = dst.shard(shape, members[0])
+        zero = next(m for m in members if all(B.coord(m)[a] == 0 for a in partial_axes))
+        for tile, holders in tiles.items():
+            inter = intersect(tile, box)
+            if numel(inter) == 0:
+                continue
+            local = [m for m in members if own.get(m) == tile]
+            c = local[0] if local else zero
+            if local:
+                regions[c].append(("copy", relative(inter, box), relative(inter, tile)))
+            else:
+                k = len(holders)
+                sender = min(range(k), key=lambda i: (load.get(holders[i], 0), (i - c) % k))
+                sender = holders[sender]
+                load[sender] = load.get(sender, 0) + numel(inter)
+                got = recvs.setdefault(c, {}).setdefault(sender, [])
+                regions[c].append(("recv", relative(inter, box), (sender, len(got))))
+                got.append(relative(inter, box))
+                sends.setdefault(sender, {}).setdefault(c, []).append(relative(inter, tile))
+            for m in members:
+                if m != c:
+                    regions[m].append(("fill", relative(inter, box), _fill_op(dst, B.coord(m), B.coord(c))))
+
+    world = max(A.flat_ranks + B.flat_ranks) + 1
+    recv_bytes = [0] * world
+    routes = []
+    latency = 0
+    for r in sorted(set(A.flat_ranks) | set(B.flat_ranks)):
+        rs = tuple((p, tuple(b)) for p, b in sorted(sends.get(r, {}).items()))
+        rr = tuple((p, tuple(b)) for p, b in sorted(recvs.get(r, {}).items()))
+        recv_bytes[r] = sum(numel(b) for _, bs in rr for b in bs) * dtype.itemsize
+        latency = max(latency, len(rs), len(rr))
+        out_shape = sizes(dst.shard(shape, r)) if r in B else (0,)
+        routes.append((r, RankRoute(out_shape, tuple(regions.get(r, ())), rs, rr)))
+    prim = "send_recv" if any(recv_bytes) or latency else "local"
+    return Step(prim, src, dst, None, tuple(recv_bytes), latency, routes=tuple(routes))

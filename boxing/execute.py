@@ -1,0 +1,136 @@
+"""The executor: walk a plan's steps on a Communicator (the same code for every backend).
+
+Each primitive works on this rank's local tensor only; slices stay views and
+a buffer is allocated only where the result is assembled from several pieces.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..layout import Layout, slice_box
+from ..runtime.comm import Communicator
+from .boxes import identity, intersect, relative, sizes
+from .plan import Plan, Step
+from .search import plan as make_plan
+
+
+def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Run `plan` on this rank's shard; returns the shard of the target layout (empty outside it)."""
+    if plan.world > comm.world_size:
+        bad = sorted(r for r in set(plan.src.placement.flat_ranks + plan.dst.placement.flat_ranks)
+                     if r >= comm.world_size)
+        raise ValueError(f"to_global(placement): ranks {bad} are not in the world of size {comm.world_size}; "
+                         f"use ranks 0..{comm.world_size - 1} or launch more processes")
+    for step in plan.steps:
+        local = _RUN[step.primitive](step, plan.shape, local, comm)
+    if comm.rank not in plan.dst.placement:
+        return local.new_empty((0,))
+    return local
+
+
+def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],
+                  comm: Communicator) -> torch.Tensor:
+    """Plan (cached) and execute one conversion of this rank's shard."""
+    return execute(make_plan(src, dst, shape, local.dtype), local, comm)
+
+
+def _axis_step(fn: Callable) -> Callable:
+    """1-D steps run on the source placement's axis groups; other ranks keep their (empty) local."""
+    def run(step: Step, shape, local, comm):
+        if comm.rank not in step.src.placement:
+            return local
+        return fn(step, shape, local, comm, step.src.placement.group(comm.rank, step.axis))
+    return run
+
+
+@_axis_step
+def _all_gather(step, shape, local, comm, group):
+    d = step.src.sbp[step.axis].dim
+    pieces = comm.all_gather(local, group, [step.src.local_shape(shape, r) for r in group])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+
+@_axis_step
+def _all_to_all(step, shape, local, comm, group):
+    d = step.src.sbp[step.axis].dim
+    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
+    sends = [slice_box(local, relative(intersect(old, step.dst.shard(shape, r)), old)) for r in group]
+    recv_shapes = [sizes(intersect(step.src.shard(shape, r), new)) for r in group]
+    pieces = comm.all_to_all(sends, group, recv_shapes)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+
+
+@_axis_step
+def _reduce_scatter(step, shape, local, comm, group):
+    old = step.src.shard(shape, comm.rank)
+    chunks = [slice_box(local, relative(step.dst.shard(shape, r), old)) for r in group]
+    return comm.reduce_scatter(chunks, group, step.op)
+
+
+@_axis_step
+def _all_reduce(step, shape, local, comm, group):
+    return comm.all_reduce(local, group, step.op)
+
+
+@_axis_step
+def _slice(step, shape, local, comm, group):
+    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
+    return slice_box(local, relative(new, old))
+
+
+@_axis_step
+def _fill(step, shape, local, comm, group):
+    if step.op == "sum" and group.index(comm.rank) != 0:
+        return torch.zeros_like(local)
+    return local  # max/min are idempotent: every rank may keep the value
+
+
+@_axis_step
+def _pad(step, shape, local, comm, group):
+    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
+    out = local.new_full(sizes(new), identity(step.op, local.dtype))
+    slice_box(out, relative(old, new)).copy_(local)
+    return out
+
+
+def _exchange(step: Step, shape, local, comm):
+    route = step.route(comm.rank)
+    if route is None:
+        return local
+    sends = {}
+    for peer, boxes in route.sends:
+        parts = [slice_box(local, b).reshape(-1) for b in boxes]
+        sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    recvs = {peer: ((sum(_numel(b) for b in boxes),), local.dtype) for peer, boxes in route.recvs}
+    got = comm.exchange(sends, recvs)
+    if comm.rank not in step.dst.placement:
+        return local.new_empty((0,))
+    regions = route.regions
+    if len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
+        return slice_box(local, regions[0][2])  # a pure local slice: a view, no copy
+    out = local.new_empty(route.out_shape)
+    pieces = {peer: got[peer].split([_numel(b) for b in boxes]) for peer, boxes in route.recvs}
+    for kind, box, arg in regions:
+        target = slice_box(out, box)
+        if kind == "copy":
+            target.copy_(slice_box(local, arg))
+        elif kind == "recv":
+            peer, i = arg
+            target.copy_(pieces[peer][i].view(sizes(box)))
+        else:
+            target.fill_(identity(arg, local.dtype))
+    return out
+
+
+def _numel(box) -> int:
+    n = 1
+    for _, s in box:
+        n *= s
+    return n
+
+
+_RUN = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,
+        "all_reduce": _all_reduce, "slice": _slice, "fill": _fill, "pad": _pad,
+        "send_recv": _exchange, "local": _exchange}

@@ -1,0 +1,105 @@
+"""The planner: an exact shortest path over nd-SBP states, plus direct exchanges.
+
+Nodes are layouts on the source placement (and the target itself when it
+lives elsewhere). Edges are the 1-D transitions of `rules` on one mesh axis,
+and, from every Partial-free node, one direct exchange straight to the
+target (`exchange`). Dijkstra on the lexicographic cost of `cost` returns the
+cheapest plan; ties go to fewer collective launches, so a named collective
+beats a point-to-point exchange of the same bytes.
+"""
+from __future__ import annotations
+
+import heapq
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from ..layout import Layout
+from ..sbp import Broadcast, Partial, Split
+from . import cost as C
+from .exchange import direct
+from .plan import Plan, Step
+from .rules import transition
+
+
+def check(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:
+    """Reject conversions that have no meaning, naming the argument and the fix."""
+    if src.placement.device_type != dst.placement.device_type:
+        raise ValueError(
+            f"to_global(placement): the tensor lives on device type {src.placement.device_type!r} but the "
+            f"target placement has {dst.placement.device_type!r}; use gt.placement("
+            f"{src.placement.device_type!r}, ...) (moving between device types is not boxing)")
+    src.check_shape(shape, "to_global(x)")
+    dst.check_shape(shape, "to_global(sbp)")
+    for a, (s, t) in enumerate(zip(src.sbp, dst.sbp)):
+        if isinstance(s, Partial) and isinstance(t, Partial) and s.op != t.op and src.placement == dst.placement:
+            raise ValueError(
+                f"to_global(sbp): mesh axis {a} goes from {s!r} to {t!r}, but {s.op}-partial values cannot "
+                f"be re-read as {t.op}-partial ones; reduce first (to gt.broadcast or a split) and then "
+                f"convert to {t!r} if that is what you mean")
+
+
+def plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> Plan:
+    """The cheapest plan converting `src` to `dst` for a global `shape` and `dtype` (cached)."""
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise TypeError("boxing.plan(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
+    return _plan(src, dst, tuple(int(s) for s in shape), dtype)
+
+
+@lru_cache(maxsize=4096)
+def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Plan:
+    check(src, dst, shape)
+    world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1
+    steps = search(src, dst, shape, dtype)
+    return Plan(src, dst, shape, dtype, tuple(steps), C.lower_bound(src, dst, shape, dtype), world)
+
+
+def alternatives(src: Layout, dst: Layout, ndim: int) -> list:
+    """The SBPs a mesh axis may take on the way: splits, broadcast, and the target's partial ops."""
+    ops = [s.op for s in dst.sbp if isinstance(s, Partial)]
+    return [Split(d) for d in range(ndim)] + [Broadcast()] + [Partial(op) for op in dict.fromkeys(ops)]
+
+
+def edges(node: Layout, src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> list[Step]:
+    """Every step out of `node` (a layout on the source placement)."""
+    out = []
+    if node.placement == src.placement:
+        for axis in range(node.placement.ndim):
+            for t in alternatives(src, dst, len(shape)):
+                step = transition(node, axis, t, shape, dtype)
+                if step is not None:
+                    out.append(step)
+    if not node.has_partial and node != dst:
+        out.append(direct(node, dst, shape, dtype))
+    return out
+
+
+def search(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> list[Step]:
+    if src == dst:
+        return []
+    best = {src: C.ZERO}
+    back: dict[Layout, tuple[Layout, Step]] = {}
+    heap = [(C.ZERO, 0, src)]
+    seq = 1
+    while heap:
+        cost, _, node = heapq.heappop(heap)
+        if cost != best.get(node):
+            continue
+        if node == dst:
+            path = []
+            while node != src:
+                node, step = back[node]
+                path.append(step)
+            return path[::-1]
+        if node.placement != src.placement:
+            continue
+        for step in edges(node, src, dst, shape, dtype):
+            c = C.add(cost, C.step_cost(step))
+            old = best.get(step.dst)
+            if old is None or c < old:
+                best[step.dst] = c
+                back[step.dst] = (node, step)
+                heapq.heappush(heap, (c, seq, step.dst))
+                seq += 1
+    raise AssertionError(f"boxing: no plan from {src} to {dst}")  # the direct edge always exists
