@@ -13,14 +13,16 @@ from .comm import Communicator
 
 _local = threading.local()
 _process: Communicator | None = None
+_alone: Communicator | None = None  # the implicit world of one of a plain script
 
 
 def current_or_none() -> Communicator | None:
+    """The communicator of a launched rank or a torchrun process; None in a plain script."""
     return getattr(_local, "comm", None) or _process
 
 
 def current() -> Communicator:
-    comm = getattr(_local, "comm", None) or _process
+    comm = getattr(_local, "comm", None) or _process or _alone
     return comm if comm is not None else _init_process()
 
 
@@ -35,14 +37,14 @@ def set_process(comm: Communicator | None) -> None:
 
 def _init_process() -> Communicator:
     import torch.distributed as dist
-    global _process
+    global _process, _alone
     if dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ and "RANK" in os.environ):
         from .dist import TorchDistCommunicator
         _process = TorchDistCommunicator.from_environment()
-    else:
-        from .sim import SimWorld
-        _process = SimWorld(1).communicator(0)
-    return _process
+        return _process
+    from .sim import SimWorld
+    _alone = SimWorld(1).communicator(0)
+    return _alone
 
 
 def rank() -> int:

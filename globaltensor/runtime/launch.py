@@ -57,9 +57,7 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
     if not callable(fn):
         raise TypeError(f"launch(fn): must be callable, got {type(fn).__name__}")
     from .context import current_or_none
-    from .sim import SimCommunicator
-    outer = current_or_none()
-    if outer is not None and (not isinstance(outer, SimCommunicator) or outer.world_size > 1):
+    if current_or_none() is not None:
         raise RuntimeError("launch: already inside a launched rank; call fn directly instead of nesting launch")
     timeout = default_timeout() if timeout is None else float(timeout)
     if backend == "sim":
