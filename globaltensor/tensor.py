@@ -8,6 +8,7 @@ import torch
 from .layout import Layout, normalize_sbp, slice_box
 from .placement import Placement
 from . import boxing
+from .ops import dispatch as _ops_dispatch
 from .runtime import context
 from .sbp import Broadcast, Partial, Split
 
@@ -41,12 +42,8 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            x = args[0]
-            return GlobalTensor(func(x._local), x._layout, x.shape)
-        raise NotImplementedError(
-            f"{func}: operators on GlobalTensors are not supported yet (they arrive with the operator "
-            "rules); use x.to_local() or x.full_tensor() to compute on plain tensors")
+        """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`)."""
+        return _ops_dispatch.run(func, args, kwargs, GlobalTensor)
 
     # -- the layout ----------------------------------------------------------
     @property

@@ -1,0 +1,414 @@
+"""The one dispatcher: rule -> cheapest nd signature -> box inputs -> local kernel -> wrap outputs.
+
+It works on (local tensor, layout, global shape) triples; `globaltensor.tensor`
+unwraps and wraps GlobalTensors around it (the class comes in as `cls`, so
+this module never imports the front door). The decision for an
+(op, input layouts, shapes, dtypes, static args) key is made once and cached;
+a cache hit is one dictionary look-up, the boxing of inputs that need it and
+the kernel.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import boxing
+from ..layout import Layout, slice_box
+from ..runtime import context
+from ..sbp import Broadcast, Partial, Split
+from .registry import RULES, Ctx, Local, Rule
+
+aten = torch.ops.aten
+_MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss)
+
+_CACHE: dict[tuple, "Decision"] = {}
+_STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisions": Counter()}
+_WARNED: set = set()
+_BOXED = WeakIdKeyDictionary()  # local tensor -> {target layout: (version, converted local)}
+_CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Counts per op: `fallback` (ran replicated for lack of a rule), `boxed` (calls whose inputs needed boxing)."""
+    return {k: dict(v) for k, v in _STATS.items()}
+
+
+def reset_stats() -> None:
+    for c in _STATS.values():
+        c.clear()
+
+
+def check_replicated(enabled: bool = True) -> None:
+    """Verify that plain tensors mixed with GlobalTensors are equal on every rank (GT_CHECK_REPLICATED=1)."""
+    _CHECK["replicated"] = enabled
+    _CACHE.clear()
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+# -- arguments ---------------------------------------------------------------
+def _key_of(a: Any, cls: type, tensors: list) -> Any:
+    if isinstance(a, cls):
+        tensors.append(a)
+        return (a._layout, a.shape, a.dtype)
+    if isinstance(a, torch.Tensor):
+        tensors.append(a)
+        return ("plain", a.shape, a.dtype)
+    if isinstance(a, (list, tuple)):
+        return (type(a),) + tuple(_key_of(x, cls, tensors) for x in a)
+    if isinstance(a, float):
+        return float  # values that never decide a layout or a shape (lr, eps, bias corrections)
+    return a
+
+
+def _map(a: Any, fn: Callable, counter: list) -> Any:
+    if isinstance(a, torch.Tensor):
+        i = counter[0]
+        counter[0] += 1
+        return fn(a, i)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_map(x, fn, counter) for x in a)
+    return a
+
+
+def map_tensors(args: tuple, kwargs: dict, fn: Callable) -> tuple[tuple, dict]:
+    """Rebuild args/kwargs with every tensor (also inside lists) replaced by fn(tensor, slot index)."""
+    c = [0]
+    new_args = tuple(_map(a, fn, c) for a in args)
+    new_kwargs = {k: _map(v, fn, c) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def _flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:
+    if isinstance(out, torch.Tensor):
+        return [out], lambda xs: xs[0]
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        kind = type(out)
+        return list(out), lambda xs: kind(xs)
+    return [], lambda xs: out
+
+
+def is_inplace(func: Any) -> bool:
+    s = func._schema
+    return bool(s.arguments) and s.arguments[0].is_out is False and s.arguments[0].alias_info is not None \
+        and s.arguments[0].alias_info.is_write and not s.name.endswith("_foreach") and s.returns \
+        and s.returns[0].alias_info is not None and s.returns[0].alias_info.is_write
+
+
+def _meta(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=t.dtype, device="meta")
+
+
+# -- decisions -----------------------------------------------------------------
+@dataclass
+class Decision:
+    kind: str                         # "kernel", "decompose" or "fallback"
+    rule: Optional[Rule]
+    ctx: Optional[Ctx]
+    placement: Any
+    targets: tuple                    # per tensor slot: the layout it is boxed to
+    out_layouts: tuple                # per flattened output (None for a None output)
+    inplace: bool
+    writeback: bool                   # in-place op computed elsewhere and boxed back to the target
+    boxes: bool                       # some input needs boxing
+
+
+def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
+    """Entry point from GlobalTensor.__torch_dispatch__."""
+    kwargs = kwargs or {}
+    tensors: list = []
+    key = (func, _key_of(args, cls, tensors), _key_of(tuple(kwargs.items()), cls, tensors))
+    dec = _CACHE.get(key)
+    if dec is None:
+        dec = _CACHE[key] = _decide(func, args, kwargs, cls, tensors)
+    if dec.kind == "decompose":
+        return dec.rule.decompose(func, args, kwargs)
+    if dec.kind == "fallback":
+        return _run_fallback(func, args, kwargs, cls, tensors, dec)
+    return _execute(func, args, kwargs, cls, tensors, dec)
+
+
+def _placement_of(func: Any, tensors: list, cls: type) -> Any:
+    places = {t._layout.placement for t in tensors if isinstance(t, cls)}
+    if len(places) > 1:
+        raise ValueError(
+            f"{func}: inputs live on different placements {sorted(map(repr, places))}; move them to one with "
+            "x.to_global(placement, sbp) first (operators never pick a placement for you)")
+    return places.pop()
+
+
+def _src_layouts(tensors: list, cls: type, placement: Any) -> tuple:
+    bcast = Layout(placement, (Broadcast(),) * placement.ndim)
+    return tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
+
+
+def _decide(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> Decision:
+    placement = _placement_of(func, tensors, cls)
+    srcs = _src_layouts(tensors, cls, placement)
+    rule = RULES.get(func)
+    inplace = is_inplace(func)
+    bcast = Layout(placement, (Broadcast(),) * placement.ndim)
+    if rule is not None and rule.decompose is not None:
+        return Decision("decompose", rule, None, placement, srcs, (), inplace, False, False)
+    fallback = Decision("fallback", None, None, placement, (bcast,) * len(tensors), (), inplace, inplace,
+                        any(s != bcast for s in srcs))
+    if rule is None:
+        return fallback
+    try:
+        meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: _meta(t, t.shape))
+        outs, _ = _flatten_out(func(*meta_args, **meta_kwargs))
+    except Exception:
+        return fallback  # no meta kernel (data-dependent output): run it replicated
+    ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
+              tuple(None if o is None else tuple(o.shape) for o in outs), args, kwargs, placement.shape)
+    _STATS["decisions"][str(func)] += 1
+    choice = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
+    if choice is None:
+        return fallback
+    targets, out_layouts, writeback = choice
+    return Decision("kernel", rule, ctx, placement, targets, out_layouts, inplace, writeback,
+                    any(s != t for s, t in zip(srcs, targets)))
+
+
+def _axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:
+    sigs = list(dict.fromkeys((tuple(i), tuple(o)) for i, o in rule.signatures(ctx)))
+    bcast = ((Broadcast(),) * n_in, (Broadcast(),) * n_out)
+    if bcast not in sigs:
+        sigs.append(bcast)
+    for ins, outs in sigs:
+        if len(ins) != n_in or len(outs) != n_out:
+            raise AssertionError(f"{ctx.func}: rule gave signature {ins}->{outs} for {n_in} inputs/{n_out} outputs")
+    return sigs
+
+
+def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, inplace: bool,
+            outs: list) -> Optional[tuple]:
+    """The nd signature (one 1-D signature per mesh axis) whose input boxing costs least.
+
+    Cost is the most bytes any rank receives, then the number of boxing steps;
+    a signature is only taken if the local kernel, run on meta shards of every
+    rank, yields exactly the shards its output layouts describe.
+    """
+    n_in, n_out = len(tensors), len(outs)
+    cands = _axis_candidates(ctx, rule, n_in, n_out)
+    axes = [cands] * placement.ndim
+    writeback = False
+    if inplace:
+        tgt = srcs[0].sbp
+        keep = [[c for c in cands if c[0][0] == tgt[a] and c[1][0] == tgt[a]] for a in range(placement.ndim)]
+        if all(keep):
+            axes = keep
+        else:
+            writeback = True
+    slot_cost: dict = {}
+
+    def cost_of(i: int, sbp: tuple) -> tuple:
+        k = (i, sbp)
+        if k not in slot_cost:
+            dst = Layout(placement, sbp)
+            if dst == srcs[i]:
+                slot_cost[k] = (None, 0)
+            else:
+                p = boxing.plan(srcs[i], dst, tensors[i].shape, tensors[i].dtype)
+                slot_cost[k] = (p.recv_bytes, len(p.steps))
+        return slot_cost[k]
+
+    def score(combo: tuple) -> tuple:
+        per_rank: list = []
+        steps = 0
+        for i in range(n_in):
+            vec, n = cost_of(i, tuple(sig[0][i] for sig in combo))
+            steps += n
+            if vec is not None:
+                if len(per_rank) < len(vec):
+                    per_rank += [0] * (len(vec) - len(per_rank))
+                for r, b in enumerate(vec):
+                    per_rank[r] += b
+        return (max(per_rank, default=0), steps)
+
+    combos = list(itertools.islice(itertools.product(*axes), _MAX_COMBOS))  # bounded: 3-axis meshes stay cheap
+    scored = sorted(((score(c), k) for k, c in enumerate(combos)))
+    for _, k in scored:
+        combo = combos[k]
+        targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
+        out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
+                            for j in range(n_out))
+        if _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
+            return targets, out_layouts, writeback or (inplace and out_layouts[0] != srcs[0])
+    return None
+
+
+def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, tensors: list, placement: Any,
+           outs: list) -> bool:
+    for lay, shape in zip(out_layouts, ctx.out_shapes):
+        if lay is not None:
+            try:
+                lay.check_shape(shape)
+            except ValueError:
+                return False
+    seen = set()
+    for r in placement.flat_ranks:
+        shapes = tuple(t.local_shape(s, r) for t, s in zip(targets, ctx.shapes))
+        if shapes in seen:
+            continue
+        seen.add(shapes)
+        try:
+            largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: _meta(t, shapes[i]))
+            got, _ = _flatten_out(_kernel(ctx.func, rule, largs, lkwargs, Local(ctx, targets, out_layouts, r)))
+        except Exception:
+            return False
+        for g, lay, shape in zip(got, out_layouts, ctx.out_shapes):
+            if lay is not None and (g is None or tuple(g.shape) != lay.local_shape(shape, r)):
+                return False
+    return True
+
+
+def _kernel(func: Any, rule: Rule, args: tuple, kwargs: dict, where: Local) -> Any:
+    if rule.local is not None:
+        return rule.local(func, args, kwargs, where)
+    return func(*args, **kwargs)
+
+
+# -- execution -----------------------------------------------------------------
+def box(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]) -> torch.Tensor:
+    """Convert one local shard, remembering the result while the source is unchanged.
+
+    The memory is what lets several ops of one optimizer step read the same
+    Partial gradient while it is reduced once.
+    """
+    if src == dst:
+        return local
+    memo = _BOXED.get(local)
+    if memo is None:
+        memo = _BOXED[local] = {}
+    hit = memo.get(dst)
+    if hit is not None and hit[0] == local._version:
+        return hit[1]
+    out = boxing.convert_local(local, src, dst, tuple(shape), context.current())
+    memo[dst] = (local._version, out)
+    return out
+
+
+def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:
+    got = comm.all_gather_object(t.detach().cpu(), tuple(placement.flat_ranks))
+    for r, other in zip(placement.flat_ranks, got):
+        if other.shape != t.shape or not torch.equal(other, t.detach().cpu()):
+            raise ValueError(
+                f"{func}: a plain tensor argument (shape {tuple(t.shape)}) differs between rank "
+                f"{placement.flat_ranks[0]} and rank {r}; plain tensors mixed with GlobalTensors are taken as "
+                "Broadcast and must be equal on every rank (make it with gt.to_global/gt.from_local instead)")
+
+
+def _locals(func: Any, tensors: list, dec: Decision, cls: type, comm: Any) -> list:
+    out = []
+    for t, dst in zip(tensors, dec.targets):
+        if isinstance(t, cls):
+            out.append(box(t._local, t._layout, dst, t.shape))
+        else:
+            if _CHECK["replicated"]:
+                _check_plain(func, t, dec.placement, comm)
+            src = Layout(dec.placement, (Broadcast(),) * dec.placement.ndim)
+            out.append(t if dst == src else box(t, src, dst, t.shape))
+    return out
+
+
+def _execute(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec: Decision) -> Any:
+    comm = context.current()
+    ctx = dec.ctx
+    if dec.boxes:
+        _STATS["boxed"][str(func)] += 1
+    inside = comm.rank in dec.placement
+    if inside:
+        locs = _locals(func, tensors, dec, cls, comm)
+        if dec.writeback:
+            locs[0] = locs[0].clone()
+        largs, lkwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
+        result = _kernel(func, dec.rule, largs, lkwargs, Local(ctx, dec.targets, dec.out_layouts, comm.rank))
+        flat, rebuild = _flatten_out(result)
+    else:
+        flat = [None if s is None else tensors[0].new_empty((0,)) for s in ctx.out_shapes]
+        rebuild = _flatten_out(tuple(flat) if len(flat) != 1 else flat[0])[1]
+    if dec.inplace:
+        target = tensors[0]
+        if dec.writeback and inside:
+            new = box(flat[0], dec.out_layouts[0], target._layout, target.shape)
+            target._local.copy_(new)
+        return target
+    wrapped = [None if f is None or lay is None else cls(f, lay, shape)
+               for f, lay, shape in zip(flat, dec.out_layouts, ctx.out_shapes)]
+    return rebuild(wrapped)
+
+
+def _run_fallback(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec: Decision) -> Any:
+    """No rule (or no meta kernel): Broadcast every input, run replicated, outputs Broadcast."""
+    name = str(func)
+    _STATS["fallback"][name] += 1
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"globaltensor: no SBP rule for {name}; its inputs are gathered to Broadcast and it runs "
+                      "replicated (counted in gt.stats()['fallback'])", stacklevel=3)
+    comm = context.current()
+    bcast = dec.targets[0] if dec.targets else None
+    if comm.rank not in dec.placement:
+        return None if dec.inplace else _fallback_outside(func, args, kwargs, cls, tensors, bcast)
+    locs = _locals(func, tensors, dec, cls, comm)
+    if dec.inplace:
+        locs[0] = locs[0].clone()
+    largs, lkwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
+    result = func(*largs, **lkwargs)
+    if dec.inplace:
+        target = tensors[0]
+        target._local.copy_(box(locs[0], bcast, target._layout, target.shape))
+        return target
+    flat, rebuild = _flatten_out(result)
+    return rebuild([None if f is None else cls(f, bcast, tuple(f.shape)) for f in flat])
+
+
+def _fallback_outside(func, args, kwargs, cls, tensors, bcast):
+    largs, lkwargs = map_tensors(args, kwargs, lambda t, i: _meta(t, t.shape))
+    flat, rebuild = _flatten_out(func(*largs, **lkwargs))
+    return rebuild([None if f is None else cls(tensors[0].new_empty((0,), dtype=f.dtype), bcast, tuple(f.shape))
+                    for f in flat])
+
+
+def candidates_cost(func: Any, args: tuple, kwargs: dict, cls: type) -> list[tuple[tuple, tuple]]:
+    """For tests: every valid nd signature's (cost, input layouts), cheapest first, and the chosen one."""
+    tensors: list = []
+    _key_of(args, cls, tensors), _key_of(tuple((kwargs or {}).items()), cls, tensors)
+    placement = _placement_of(func, tensors, cls)
+    srcs = _src_layouts(tensors, cls, placement)
+    rule = RULES[func]
+    meta_args, meta_kwargs = map_tensors(args, kwargs or {}, lambda t, i: _meta(t, t.shape))
+    outs, _ = _flatten_out(func(*meta_args, **meta_kwargs))
+    ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
+              tuple(None if o is None else tuple(o.shape) for o in outs), args, kwargs or {}, placement.shape)
+    cands = _axis_candidates(ctx, rule, len(tensors), len(outs))
+    result = []
+    for combo in itertools.product(*[cands] * placement.ndim):
+        targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(len(tensors)))
+        out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
+                            for j in range(len(outs)))
+        if not _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
+            continue
+        per_rank = [0]
+        for s, t, x in zip(srcs, targets, tensors):
+            if s != t:
+                vec = boxing.plan(s, t, x.shape, x.dtype).recv_bytes
+                per_rank = [a + b for a, b in itertools.zip_longest(per_rank, vec, fillvalue=0)]
+        result.append((max(per_rank), targets))
+    return sorted(result, key=lambda r: r[0])
+
+
+def decision_for(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Optional[Decision]:
+    tensors: list = []
+    key = (func, _key_of(args, cls, tensors), _key_of(tuple((kwargs or {}).items()), cls, tensors))
+    return _CACHE.get(key)

@@ -1,0 +1,52 @@
+"""Reductions: a split reduced dim leaves each rank a partial result (P for sum/mean, P(max)/P(min))."""
+from __future__ import annotations
+
+import math
+
+from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
+
+
+def reduced_dims(ctx: Ctx) -> tuple[list[int], bool]:
+    nd = len(ctx.shapes[0])
+    if all(a.name != "dim" for a in ctx.func._schema.arguments):
+        return list(range(nd)), False
+    dims = ctx.arg(1, "dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = range(nd)
+    elif isinstance(dims, int):
+        dims = [dims]
+    return sorted({d % max(nd, 1) for d in dims}), bool(ctx.arg(2, "keepdim", False))
+
+
+def reduction(partial, n_out: int = 1) -> Rule:
+    """Split non-reduced dims pass through; a split reduced dim gives `partial` (None: not allowed)."""
+    def signatures(ctx: Ctx) -> list:
+        dims, keep = reduced_dims(ctx)
+        sigs = []
+        for d in range(len(ctx.shapes[0])):
+            if d in dims:
+                if partial is not None:
+                    sigs.append(((S(d),), (partial,) * n_out))
+            else:
+                sigs.append(((S(d),), (S(d if keep else d - sum(r < d for r in dims)),) * n_out))
+        if partial is not None:
+            sigs.append(((partial,), (partial,) * n_out))
+        return sigs
+    return Rule(signatures)
+
+
+def mean_local(func, args, kwargs, where: Local):
+    """Sum the shard, divide by the global count: the shards' results add up to the mean."""
+    dims, keep = reduced_dims(where.ctx)
+    count = math.prod(where.ctx.shapes[0][d] for d in dims)
+    dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
+    return aten.sum.dim_IntList(args[0], dims, keep, dtype=dtype) / count
+
+
+SUM = reduction(P)
+register([aten.sum.default, aten.sum.dim_IntList], SUM)
+register([aten.mean.default, aten.mean.dim], Rule(SUM.signatures, local=mean_local))
+register([aten.amax.default, aten.max.default], reduction(PMAX))
+register([aten.amin.default, aten.min.default], reduction(PMIN))
+register([aten.max.dim, aten.min.dim], reduction(None, n_out=2))
+register([aten.argmax.default, aten.argmin.default], reduction(None))

@@ -1,0 +1,101 @@
+"""Rules as data: an op's 1-D signatures (input SBPs -> output SBPs on one mesh axis).
+
+A rule's `signatures(ctx)` lists what one mesh axis may do; all-Broadcast is
+implied for every op. `local` is the kernel run on local shards (default: the
+op itself); it only needs writing where a shard must know where it sits
+(view sizes, vocab offsets). `decompose` marks ops that are run as several
+other dispatched ops (the `_foreach_*` family) rather than as one kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..sbp import SBP, Broadcast, Partial, Split
+
+aten = torch.ops.aten
+B = Broadcast()
+P = Partial("sum")
+PMAX = Partial("max")
+PMIN = Partial("min")
+S = Split
+
+Signature = tuple[tuple[SBP, ...], tuple[SBP, ...]]  # (one SBP per tensor input, one per tensor output)
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a rule may look at: global shapes of the tensor inputs (in argument order), the outputs', and args."""
+    func: Any
+    shapes: tuple[tuple[int, ...], ...]
+    out_shapes: tuple[Optional[tuple[int, ...]], ...]
+    args: tuple
+    kwargs: dict
+    mesh: tuple[int, ...]
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        """Positional or keyword argument of the op's schema."""
+        if i < len(self.args):
+            return self.args[i]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True)
+class Local:
+    """What a local kernel gets besides the local args: where this rank's shards sit."""
+    ctx: Ctx
+    in_layouts: tuple
+    out_layouts: tuple
+    rank: int
+
+    def out_shape(self, i: int = 0) -> tuple[int, ...]:
+        return self.out_layouts[i].local_shape(self.ctx.out_shapes[i], self.rank)
+
+    def in_box(self, i: int) -> tuple[tuple[int, int], ...]:
+        return self.in_layouts[i].shard(self.ctx.shapes[i], self.rank)
+
+    def out_box(self, i: int = 0) -> tuple[tuple[int, int], ...]:
+        return self.out_layouts[i].shard(self.ctx.out_shapes[i], self.rank)
+
+
+@dataclass(frozen=True)
+class Rule:
+    signatures: Callable[[Ctx], Sequence[Signature]]
+    local: Optional[Callable[..., Any]] = None  # local(func, args, kwargs, where: Local) -> outputs
+    decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
+    random: bool = False  # values drawn from the RNG: generated at global size, then sliced
+
+
+RULES: dict[Any, Rule] = {}
+
+
+def register(ops: Sequence[Any], rule: Rule) -> None:
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for name in op.overloads():
+                RULES[getattr(op, name)] = rule
+        else:
+            RULES[op] = rule
+
+
+def overloads(*names: str) -> list:
+    """aten packets by name, skipping the ones this torch build does not have."""
+    return [getattr(aten, n) for n in names if hasattr(aten, n)]
+
+
+def pointwise_dims(shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> Optional[SBP]:
+    """The SBP an input broadcast to `out_shape` needs when the output is split on `out_dim`."""
+    d = out_dim - (len(out_shape) - len(shape))
+    if d < 0 or shape[d] != out_shape[out_dim]:
+        return B  # absent or size-1 broadcast dim: every rank needs the whole
+    return S(d)
+
+
+def no_signatures(ctx: Ctx) -> list:
+    return []
+
+
+__all__ = ["Ctx", "Local", "Rule", "RULES", "register", "overloads", "pointwise_dims", "Signature",
+           "B", "P", "PMAX", "PMIN", "S", "aten", "field", "no_signatures"]

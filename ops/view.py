@@ -1,0 +1,146 @@
+"""View and shape ops: each is a map from input dims to output dims; a split travels along it.
+
+A dim that has no image (the sliced/selected/concatenated dim, or a reshape
+group whose split pieces would not line up) can only be taken Broadcast,
+which the dispatcher boxes to and counts. Views are linear, so P passes.
+Sizes in the arguments are global; kernels that take sizes get this rank's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from ..layout import split_sizes
+from .registry import B, Ctx, Local, P, Rule, S, aten, register
+
+
+def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:
+    def signatures(ctx: Ctx) -> list:
+        n_in, n_out = len(ctx.shapes), len(ctx.out_shapes)
+        sigs = [((S(d),) * n_in, (S(o),) * n_out) for d, o in dim_map(ctx).items()]
+        sigs.append(((P,) * n_in, (P,) * n_out))
+        return sigs
+    return Rule(signatures, local=local)
+
+
+def _d(d: int, n: int) -> int:
+    return d % max(n, 1)
+
+
+# -- reshape -----------------------------------------------------------------
+def reshape_groups(ins: Sequence[int], outs: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Runs of input dims and output dims with equal products (the only places a reshape moves data)."""
+    groups, i, j = [], 0, 0
+    while i < len(ins) and j < len(outs):
+        gi, gj, pi, pj = [i], [j], ins[i], outs[j]
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(ins):
+                gi.append(i); pi *= ins[i]; i += 1
+            elif j < len(outs):
+                gj.append(j); pj *= outs[j]; j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def reshape_map(ins: Sequence[int], outs: Sequence[int], mesh: Sequence[int]) -> dict:
+    """A split of a group's outer input dim carries to its outer output dim when the pieces line up
+    for every mesh axis size (pieces times the inner size agree, e.g. [b,s,h] S(2) -> [b,s,nh,hd] S(2))."""
+    if 0 in ins or math.prod(ins) != math.prod(outs):
+        return {}
+    m = {}
+    for gi, gj in reshape_groups(ins, outs):
+        inner_in, inner_out = math.prod(ins[k] for k in gi[1:]), math.prod(outs[k] for k in gj[1:])
+        if all([s * inner_in for s in split_sizes(ins[gi[0]], n)] ==
+               [s * inner_out for s in split_sizes(outs[gj[0]], n)] for n in set(mesh)):
+            m[gi[0]] = gj[0]
+    return m
+
+
+def reshape_local(func, args, kwargs, where: Local):
+    """Local data keeps its order, so reshaping to this rank's output shard shape is the view."""
+    return args[0].reshape(where.out_shape(0))
+
+
+RESHAPE = dim_map_rule(lambda c: reshape_map(c.shapes[0], c.out_shapes[0], c.mesh), reshape_local)
+register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
+          aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
+          aten.flatten.using_ints, aten.view_as.default], RESHAPE)
+
+
+# -- pure permutations of dims -------------------------------------------------
+def transpose_map(c: Ctx) -> dict:
+    n = len(c.shapes[0])
+    if c.func == aten.t.default:
+        perm = list(range(n))[::-1]
+    elif c.func == aten.permute.default:
+        perm = [_d(d, n) for d in c.arg(1, "dims")]
+    else:
+        perm = list(range(n))
+        a, b = _d(c.arg(1, "dim0"), n), _d(c.arg(2, "dim1"), n)
+        perm[a], perm[b] = perm[b], perm[a]
+    return {src: dst for dst, src in enumerate(perm)}
+
+
+register([aten.t.default, aten.transpose.int, aten.permute.default], dim_map_rule(transpose_map))
+
+
+def expand_map(c: Ctx) -> dict:
+    ins, outs = c.shapes[0], c.out_shapes[0]
+    off = len(outs) - len(ins)
+    return {d: d + off for d in range(len(ins)) if ins[d] == outs[d + off]}
+
+
+register([aten.expand.default], dim_map_rule(expand_map, lambda f, a, k, w: a[0].expand(w.out_shape(0))))
+
+
+# -- ops that cut or join along one dim -----------------------------------------
+def all_but(dim_arg: int, name: str, drop: bool = False, insert: bool = False) -> Callable[[Ctx], dict]:
+    """Every dim except `dim` keeps its split; `drop` removes dim (select), `insert` adds one (stack)."""
+    def m(c: Ctx) -> dict:
+        n = len(c.shapes[0])
+        dim = c.arg(dim_arg, name, 0)
+        if insert:
+            dim = _d(dim, n + 1)
+            return {d: d + (d >= dim) for d in range(n)}
+        dim = _d(dim, n)
+        return {d: d - (drop and d > dim) for d in range(n) if d != dim}
+    return m
+
+
+def _dim_of(c: Ctx) -> int:
+    """Position of the op's `dim` argument in its schema."""
+    return next(i for i, a in enumerate(c.func._schema.arguments) if a.name == "dim")
+
+
+def keep_others(drop: bool = False, insert: bool = False) -> Callable[[Ctx], dict]:
+    def m(c: Ctx) -> dict:
+        return all_but(_dim_of(c), "dim", drop, insert)(c)
+    return m
+
+
+register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default,
+          aten.cat.default], dim_map_rule(keep_others()))
+register([aten.select.int, aten.unbind.int], dim_map_rule(keep_others(drop=True)))
+register([aten.stack.default], dim_map_rule(keep_others(insert=True)))
+
+
+def backward_map(insert: bool) -> Callable[[Ctx], dict]:
+    """slice_backward/select_backward: the grad's dims land in the input's shape (select adds `dim` back)."""
+    def m(c: Ctx) -> dict:
+        n_out = len(c.out_shapes[0])
+        dim = _d(c.arg(2, "dim"), n_out)
+        if insert:
+            return {d: d + (d >= dim) for d in range(n_out - 1)}
+        return {d: d for d in range(n_out) if d != dim}
+    return m
+
+
+def sized_backward(func, args, kwargs, where: Local):
+    return func(args[0], list(where.out_shape(0)), *args[2:], **kwargs)
+
+
+register([aten.slice_backward.default], dim_map_rule(backward_map(False), sized_backward))
+register([aten.select_backward.default], dim_map_rule(backward_map(True), sized_backward))
