@@ -43,9 +43,7 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
         groups.setdefault(tuple(None if a in partial_axes else x for a, x in enumerate(c)), []).append(r)
 
     regions: dict[int, list] = {r: [] for r in B.flat_ranks}
-    sends: dict[int, dict[int, list[Box]]] = {}
-    recvs: dict[int, dict[int, list[Box]]] = {}
-    load: dict[int, int] = {}
+    wants = []  # (receiver, piece in its output, piece in the tile, holders)
     for members in groups.values():
         box = dst.shard(shape, members[0])
         zero = next(m for m in members if all(B.coord(m)[a] == 0 for a in partial_axes))
@@ -58,17 +56,27 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
             if local:
                 regions[c].append(("copy", relative(inter, box), relative(inter, tile)))
             else:
-                k = len(holders)
-                sender = min(range(k), key=lambda i: (load.get(holders[i], 0), (i - c) % k))
-                sender = holders[sender]
-                load[sender] = load.get(sender, 0) + numel(inter)
-                got = recvs.setdefault(c, {}).setdefault(sender, [])
-                regions[c].append(("recv", relative(inter, box), (sender, len(got))))
-                got.append(relative(inter, box))
-                sends.setdefault(sender, {}).setdefault(c, []).append(relative(inter, tile))
+                regions[c].append(None)  # placeholder, filled in below once the sender is chosen
+                wants.append((c, len(regions[c]) - 1, relative(inter, box), relative(inter, tile), holders))
             for m in members:
                 if m != c:
                     regions[m].append(("fill", relative(inter, box), _fill_op(dst, B.coord(m), B.coord(c))))
+
+    # Spread the sending over replicas: least bytes sent so far first, then a rank that receives
+    # in this step anyway (pairs become swaps and fewer ranks take part), then round-robin.
+    receivers = {c for c, *_ in wants}
+    sends: dict[int, dict[int, list[Box]]] = {}
+    recvs: dict[int, dict[int, list[Box]]] = {}
+    load: dict[int, int] = {}
+    for c, slot, out_box, tile_box, holders in wants:
+        k = len(holders)
+        i = min(range(k), key=lambda i: (load.get(holders[i], 0), holders[i] not in receivers, (i - c) % k))
+        sender = holders[i]
+        load[sender] = load.get(sender, 0) + numel(out_box)
+        got = recvs.setdefault(c, {}).setdefault(sender, [])
+        regions[c][slot] = ("recv", out_box, (sender, len(got)))
+        got.append(out_box)
+        sends.setdefault(sender, {}).setdefault(c, []).append(tile_box)
 
     world = max(A.flat_ranks + B.flat_ranks) + 1
     recv_bytes = [0] * world
