@@ -1,0 +1,233 @@
+"""Boxing side by side: `x.to_global(...)` vs the raw torch.distributed call(s) vs DTensor's redistribute.
+
+    python bench/boxing.py                 # 4 gloo processes, 4 MiB fp32 tensors
+    python bench/boxing.py --ranks 8 --mib 16
+    python bench/boxing.py --quick         # a smoke run: small tensors, few repetitions
+
+The three implementations are interleaved (A B C A B C ...) in one run, each
+repetition between barriers; a repetition's time is the slowest rank's. Prints
+a Markdown table and writes it with a JSON file under bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+
+S, B, P = gt.split, gt.broadcast, gt.partial_sum
+
+
+@dataclass
+class Case:
+    name: str
+    src_ranks: list
+    src: tuple
+    dst_ranks: list
+    dst: tuple
+    dtensor: bool = True  # DTensor can express it (same mesh)
+
+
+def cases(n: int) -> list[Case]:
+    line = list(range(n))
+    out = [Case("S0->B", line, (S(0),), line, (B,)),
+           Case("P->B", line, (P,), line, (B,)),
+           Case("P->S0", line, (P,), line, (S(0),)),
+           Case("S0->S1", line, (S(0),), line, (S(1),)),
+           Case("B->S0", line, (B,), line, (S(0),)),
+           Case("B->P", line, (B,), line, (P,))]
+    if n == 4:
+        mesh = [[0, 1], [2, 3]]
+        out += [Case("(S0,S1)->(S1,S0)", mesh, (S(0), S(1)), mesh, (S(1), S(0))),
+                Case("(S0,S0)->(B,S0)", mesh, (S(0), S(0)), mesh, (B, S(0))),
+                Case("(P,S1)->(B,S1)", mesh, (P, S(1)), mesh, (B, S(1))),
+                Case("[0,1] S0 -> [2,3] S0", [0, 1], (S(0),), [2, 3], (S(0),), dtensor=False)]
+    return out
+
+
+def _groups(p: gt.Placement, axis: int):
+    return [dist.new_group(list(g), use_local_synchronization=True) if gt.rank() in g else None
+            for g in p.axis_groups(axis)]
+
+
+def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
+    """The torch.distributed call(s) that move what the conversion must move: the practical floor."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    src = gt.Layout(gt.placement("cpu", case.src_ranks), case.src)
+    dst = gt.Layout(gt.placement("cpu", case.dst_ranks), case.dst)
+    local = torch.randn(src.local_shape(shape, rank), dtype=dtype)
+    full = torch.randn(shape, dtype=dtype)
+    name = case.name
+    if name == "S0->B":
+        out = torch.empty(shape, dtype=dtype)
+        return lambda: dist.all_gather_into_tensor(out, local)
+    if name == "P->B":
+        return lambda: dist.all_reduce(local)
+    if name == "P->S0":
+        out = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
+        return lambda: dist.reduce_scatter_tensor(out, local)
+    if name == "S0->S1":
+        inp = torch.randn(local.numel(), dtype=dtype)
+        out = torch.empty(local.numel(), dtype=dtype)
+        return lambda: dist.all_to_all_single(out, inp)
+    if name == "B->S0":
+        return lambda: full.narrow(0, *dst.shard(shape, rank)[0]).contiguous()
+    if name == "B->P":
+        return lambda: full.clone() if rank == 0 else torch.zeros_like(full)
+    if name == "(S0,S1)->(S1,S0)":  # the off-diagonal ranks swap their blocks
+        peer = {1: 2, 2: 1}.get(rank)
+        buf = torch.empty_like(local)
+        ops = [] if peer is None else [dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, buf, peer)]
+        return lambda: [w.wait() for w in dist.batch_isend_irecv(ops)] if ops else None
+    if name == "(S0,S0)->(B,S0)":  # one all-to-all moving exactly the missing quarters
+        quarter = shape[0] // 4
+        cols = shape[1]
+        have = rank  # rank (i, j) holds quarter 2i + j = rank
+        need = {2 * (rank % 2), 2 * (rank % 2) + 1}
+        send = [quarter * cols if have in {2 * (q % 2), 2 * (q % 2) + 1} and q != rank else 0 for q in range(n)]
+        recv = [quarter * cols if q in need and q != rank else 0 for q in range(n)]
+        inp = torch.randn(sum(send), dtype=dtype)
+        out = torch.empty(sum(recv), dtype=dtype)
+        return lambda: dist.all_to_all_single(out, inp, recv, send)
+    if name == "(P,S1)->(B,S1)":
+        groups = _groups(src.placement, 0)
+        g = next(x for x in groups if x is not None)
+        return lambda: dist.all_reduce(local, group=g)
+    if name == "[0,1] S0 -> [2,3] S0":
+        peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
+        if rank < 2:
+            return lambda: dist.send(local, peer)
+        buf = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
+        return lambda: dist.recv(buf, peer)
+    raise KeyError(name)
+
+
+def gt_op(case: Case, shape: tuple, dtype) -> tuple[Callable[[], object], gt.boxing.Plan]:
+    p_src, p_dst = gt.placement("cpu", case.src_ranks), gt.placement("cpu", case.dst_ranks)
+    lay = gt.Layout(p_src, case.src)
+    local = torch.randn(lay.local_shape(shape, gt.rank()), dtype=dtype)
+    x = gt.from_local(local, p_src, case.src, shape=shape)
+    plan = gt.boxing.plan(lay, gt.Layout(p_dst, case.dst), shape, dtype)
+    return (lambda: x.to_global(p_dst, case.dst)), plan
+
+
+def dtensor_op(case: Case, shape: tuple, dtype) -> Callable[[], object] | None:
+    if not case.dtensor:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    def conv(s):
+        return Shard(s.dim) if isinstance(s, gt.Split) else Partial() if isinstance(s, gt.Partial) else Replicate()
+    mesh = DeviceMesh("cpu", case.src_ranks)
+    lay = gt.Layout(gt.placement("cpu", case.src_ranks), case.src)
+    local = torch.randn(lay.local_shape(shape, gt.rank()), dtype=dtype)
+    x = DTensor.from_local(local, mesh, [conv(s) for s in case.src], run_check=False, shape=shape,
+                           stride=torch.empty(shape).stride())
+    dst = [conv(s) for s in case.dst]
+    x.redistribute(mesh, dst)  # fails here, not in the timed loop, if DTensor cannot do it
+    return lambda: x.redistribute(mesh, dst)
+
+
+def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32
+    rows = max(4 * n, int((mib * 2 ** 20 / 4) ** 0.5) // (4 * n) * (4 * n))
+    shape = (rows, int(mib * 2 ** 20 / 4) // rows // (4 * n) * (4 * n))
+    results = []
+    for case in cases(n):
+        impls: dict[str, Callable] = {}
+        g, plan = gt_op(case, shape, dtype)
+        impls["globaltensor"] = g
+        impls["raw"] = raw_op(case, shape, dtype)
+        try:
+            d = dtensor_op(case, shape, dtype)
+        except Exception as e:  # noqa: BLE001 - reported as "n/a" with the reason
+            d, why = None, f"{type(e).__name__}: {str(e)[:80]}"
+        else:
+            why = "" if d is not None else "no cross-mesh redistribute"
+        if d is not None:
+            impls["dtensor"] = d
+        with gt.comm_log() as log:
+            g()
+        times: dict[str, list[float]] = {k: [] for k in impls}
+        for rep in range(warmup + n_reps):
+            for k, fn in impls.items():  # interleaved: A B C A B C ...
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - t0
+                if rep >= warmup:
+                    times[k].append(dt)
+        # a repetition takes as long as its slowest rank
+        gathered = [None] * n
+        dist.all_gather_object(gathered, times)
+        med = {k: statistics.median(max(g_[k][i] for g_ in gathered) for i in range(n_reps)) for k in impls}
+        recv = [0] * n
+        dist.all_gather_object(recv, log.recv_bytes)
+        lb = plan.lower_bound
+        results.append({
+            "case": case.name, "shape": list(shape), "median_s": med, "dtensor_note": why,
+            "recv_bytes_counted": recv, "recv_bytes_plan": plan.recv_bytes[:n],
+            "lower_bound": list(lb)[:n] if lb is not None else None,
+            "plan": plan.explain(),
+        })
+    return results
+
+
+def table(results: list[dict], n: int, mib: float) -> str:
+    lines = [f"Boxing on {n} gloo processes, fp32 {mib:g} MiB tensors, medians ({platform.node()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__})", "",
+             "| conversion | gt ms | raw ms | DTensor ms | gt/raw | gt/DTensor | max recv B/rank | lower bound |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m = r["median_s"]
+        g, raw, d = m["globaltensor"], m["raw"], m.get("dtensor")
+        lb = "n/a (Partial source)" if r["lower_bound"] is None else (
+            f"{max(r['lower_bound'])} ({'met' if r['recv_bytes_counted'] == r['lower_bound'] else 'NOT met'})")
+        lines.append(f"| {r['case']} | {g * 1e3:.3f} | {raw * 1e3:.3f} | "
+                     f"{'n/a' if d is None else f'{d * 1e3:.3f}'} | {g / raw:.2f} | "
+                     f"{'n/a' if d is None else f'{g / d:.2f}'} | {max(r['recv_bytes_counted'])} | {lb} |")
+    ratios = [r["median_s"]["globaltensor"] / r["median_s"]["dtensor"] for r in results if "dtensor" in r["median_s"]]
+    if ratios:
+        geo = statistics.geometric_mean(ratios)
+        lines += ["", f"gt/DTensor geometric mean: {geo:.2f}"]
+    notes = [f"- {r['case']}: DTensor n/a: {r['dtensor_note']}" for r in results if r["dtensor_note"]]
+    if notes:
+        lines += [""] + notes
+    return "\n".join(lines)
+
+
+def main_rank(n_reps: int, mib: float, warmup: int) -> list[dict] | None:
+    res = run(n_reps, mib, warmup)
+    return res if gt.rank() == 0 else None
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=4, choices=[2, 4, 8])
+    ap.add_argument("--mib", type=float, default=4.0)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB, 3 repetitions")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.mib, args.reps = 1 / 16, 3
+    res = gt.launch(main_rank, args.ranks, backend="gloo", args=(args.reps, args.mib, 2 if args.quick else 5))[0]
+    text = table(res, args.ranks, args.mib)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"boxing-{args.ranks}ranks-{args.mib:g}MiB")
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
