@@ -11,7 +11,6 @@ a Markdown table and writes it with a JSON file under bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from common import interleaved_medians, write_results
 
 S, B, P = gt.split, gt.broadcast, gt.partial_sum
 
@@ -159,19 +159,7 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
             impls["dtensor"] = d
         with gt.comm_log() as log:
             g()
-        times: dict[str, list[float]] = {k: [] for k in impls}
-        for rep in range(warmup + n_reps):
-            for k, fn in impls.items():  # interleaved: A B C A B C ...
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - t0
-                if rep >= warmup:
-                    times[k].append(dt)
-        # a repetition takes as long as its slowest rank
-        gathered = [None] * n
-        dist.all_gather_object(gathered, times)
-        med = {k: statistics.median(max(g_[k][i] for g_ in gathered) for i in range(n_reps)) for k in impls}
+        med = interleaved_medians(impls, n_reps, warmup)
         recv = [0] * n
         dist.all_gather_object(recv, log.recv_bytes)
         lb = plan.lower_bound
@@ -225,9 +213,4 @@ if __name__ == "__main__":
     res = gt.launch(main_rank, args.ranks, backend="gloo", args=(args.reps, args.mib, 2 if args.quick else 5))[0]
     text = table(res, args.ranks, args.mib)
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"boxing-{args.ranks}ranks-{args.mib:g}MiB")
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
+    write_results(args.out, f"boxing-{args.ranks}ranks-{args.mib:g}MiB", text, res)
