@@ -105,6 +105,6 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
                              f"{layout.sbp}, but local has shape {tuple(local.shape)}")
     layout.check_shape(shape, "from_local(sbp)")
     if not inside:
-        local = local.new_empty((0,))
+        local = local.reshape(-1)[:0]  # keeps requires_grad: this rank still joins the backward boxing
     local = local.to(device_for(placement))
     return _FromLocal.apply(local, layout, tuple(shape))
