@@ -19,7 +19,7 @@ def _check_placement(placement: Any, fn: str) -> Placement:
     return placement
 
 
-def to_global(obj: Any, placement: Placement, sbp: Any) -> Any:
+def to_global(obj: Any, placement: Placement, sbp: Any = None) -> Any:
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
 
     Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`.
@@ -29,7 +29,11 @@ def to_global(obj: Any, placement: Placement, sbp: Any) -> Any:
     if isinstance(obj, GlobalTensor):
         return obj.to_global(placement, sbp)
     if isinstance(obj, torch.nn.Module):
-        raise NotImplementedError("to_global(module): converting modules arrives with the operator rules")
+        from .module import module_to_global
+        return module_to_global(obj, _check_placement(placement, "to_global"), sbp)
+    if sbp is None:
+        raise TypeError("to_global(sbp): required for a tensor (gt.split(d), gt.broadcast, gt.partial_sum "
+                        "or a tuple of them, one per mesh axis)")
     if not isinstance(obj, torch.Tensor):
         raise TypeError(f"to_global(tensor): expected a torch.Tensor or GlobalTensor, got {type(obj).__name__}")
     placement = _check_placement(placement, "to_global")

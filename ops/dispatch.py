@@ -28,6 +28,7 @@ from .registry import RULES, Ctx, Local, Rule
 aten = torch.ops.aten
 _MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss)
 
+_IMPOSSIBLE = (1 << 62,)
 _CACHE: dict[tuple, "Decision"] = {}
 _STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisions": Counter()}
 _WARNED: set = set()
@@ -66,7 +67,7 @@ def _key_of(a: Any, cls: type, tensors: list) -> Any:
     if isinstance(a, (list, tuple)):
         return (type(a),) + tuple(_key_of(x, cls, tensors) for x in a)
     if isinstance(a, float):
-        return float  # values that never decide a layout or a shape (lr, eps, bias corrections)
+        return (float, a == 0.0)  # only zero-or-not decides a rule (masked_fill's P); lr, eps, betas do not
     return a
 
 
@@ -218,8 +219,11 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
             if dst == srcs[i]:
                 slot_cost[k] = (None, 0)
             else:
-                p = boxing.plan(srcs[i], dst, tensors[i].shape, tensors[i].dtype)
-                slot_cost[k] = (p.recv_bytes, len(p.steps))
+                try:
+                    p = boxing.plan(srcs[i], dst, tensors[i].shape, tensors[i].dtype)
+                    slot_cost[k] = (p.recv_bytes, len(p.steps))
+                except ValueError:  # no such conversion (P(sum) cannot become P(max))
+                    slot_cost[k] = (_IMPOSSIBLE, 0)
         return slot_cost[k]
 
     def score(combo: tuple) -> tuple:
@@ -227,6 +231,8 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
         steps = 0
         for i in range(n_in):
             vec, n = cost_of(i, tuple(sig[0][i] for sig in combo))
+            if vec is _IMPOSSIBLE:
+                return (float("inf"), 0)
             steps += n
             if vec is not None:
                 if len(per_rank) < len(vec):
@@ -237,7 +243,9 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
 
     combos = list(itertools.islice(itertools.product(*axes), _MAX_COMBOS))  # bounded: 3-axis meshes stay cheap
     scored = sorted(((score(c), k) for k, c in enumerate(combos)))
-    for _, k in scored:
+    for (cost, _), k in scored:
+        if cost == float("inf"):
+            break
         combo = combos[k]
         targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
         out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))

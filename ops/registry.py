@@ -41,6 +41,13 @@ class Ctx:
             return self.args[i]
         return self.kwargs.get(name, default)
 
+    def named(self, name: str, default: Any = None) -> Any:
+        """The argument called `name` in the op's schema, wherever it sits."""
+        for i, a in enumerate(self.func._schema.arguments):
+            if a.name == name:
+                return self.arg(i, name, default if a.default_value is None else a.default_value)
+        return default
+
 
 @dataclass(frozen=True)
 class Local:

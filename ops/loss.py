@@ -1,0 +1,87 @@
+"""nll_loss (cross_entropy is log_softmax + nll_loss): split batch, or split classes (vocab-parallel).
+
+With reduction 'mean' the normaliser is the global total weight, so the
+batch-split form reads the whole (small, integer) target and each rank
+divides its partial sum by the global count: the shards' results add up (P).
+With split classes each rank scores only targets in its class range.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import B, Ctx, Local, P, Rule, S, aten, register
+
+NONE, MEAN, SUM = 0, 1, 2
+
+
+def _args(args: tuple, kwargs: dict, names: tuple) -> list:
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+FWD = ("self", "target", "weight", "reduction", "ignore_index")
+BWD = ("grad_output", "self", "target", "weight", "reduction", "ignore_index", "total_weight")
+
+
+def global_total_weight(target: torch.Tensor, weight, ignore_index: int, dtype) -> torch.Tensor:
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum().to(dtype)
+    return torch.where(valid, weight[target.masked_fill(~valid, 0)], 0).sum().to(dtype)
+
+
+def _class_shift(target: torch.Tensor, start: int, size: int, ignore_index: int) -> torch.Tensor:
+    outside = (target < start) | (target >= start + size) | (target == ignore_index)
+    return (target - start).masked_fill(outside, ignore_index)
+
+
+def forward_signatures(ctx: Ctx) -> list:
+    if len(ctx.shapes[0]) != 2:
+        return []
+    reduction = ctx.arg(3, "reduction")
+    w = (B,) * (len(ctx.shapes) - 2)
+    sigs = [((S(0), B if reduction == MEAN else S(0)) + w, (S(0) if reduction == NONE else P, B if reduction != SUM else P))]
+    if not w:
+        sigs.append(((S(1), B), (P, B)))
+    return sigs
+
+
+def forward_local(func, args, kwargs, where: Local):
+    x, target, weight, reduction, ignore = _args(args, kwargs, FWD)
+    (rstart, rsize), (cstart, csize) = where.in_box(0)
+    n, c = where.ctx.shapes[0]
+    if csize != c:
+        target = _class_shift(target, cstart, csize, ignore)
+    elif reduction == MEAN and rsize != n:
+        target_all, target = target, target.narrow(0, rstart, rsize)
+    if reduction != MEAN or (csize == c and rsize == n):
+        out, tw = func(x, target, weight, reduction, ignore)
+        return out, tw
+    full = target_all if csize == c else args[1]
+    tw = global_total_weight(full, weight, ignore, x.dtype)
+    out, _ = func(x, target, weight, SUM, ignore)
+    return out / tw, tw
+
+
+def backward_signatures(ctx: Ctx) -> list:
+    if len(ctx.shapes[1]) != 2:
+        return []
+    reduction = ctx.arg(4, "reduction")
+    w = (B,) * (len(ctx.shapes) - 4)
+    grad = S(0) if reduction == NONE else B
+    sigs = [((grad, S(0), S(0)) + w + (P if reduction == SUM else B,), (S(0),)),
+            ((P, B, B) + w + (B,), (P,))]
+    if not w:
+        sigs.append(((B, S(1), B, B), (S(1),)))
+    return sigs
+
+
+def backward_local(func, args, kwargs, where: Local):
+    grad, x, target, weight, reduction, ignore, tw = _args(args, kwargs, BWD)
+    cstart, csize = where.in_box(1)[1]
+    if csize != where.ctx.shapes[1][1]:
+        target = _class_shift(target, cstart, csize, ignore)
+    return func(grad, x, target, weight, reduction, ignore, tw)
+
+
+register([aten.nll_loss_forward.default], Rule(forward_signatures, local=forward_local))
+register([aten.nll_loss_backward.default], Rule(backward_signatures, local=backward_local))

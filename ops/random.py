@@ -1,0 +1,66 @@
+"""Factory `*_like`/`new_*` ops and random ops, with values that do not depend on the layout.
+
+A random op draws the *global* tensor from this rank's generator (every rank
+of an SPMD program holds the same generator state, as one device would) and
+keeps its own shard, so `S(0)` on 2x2 equals one device with the same seed.
+CPU generators cannot skip ahead, so the draw is made at global size; the
+memory is transient and no communication is needed.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import slice_box
+from ..sbp import Broadcast, Partial
+from .registry import B, Ctx, Local, P, Rule, S, aten, register
+
+
+def any_layout(out_of: callable):
+    """Every input SBP is accepted as is; the output takes `out_of(input sbp)` (no boxing ever)."""
+    def signatures(ctx: Ctx) -> list:
+        n_in, n_out = len(ctx.shapes), len(ctx.out_shapes)
+        options = [S(d) for d in range(len(ctx.shapes[0]))] + [B, P, Partial("max"), Partial("min")]
+        return [((s,) * n_in, (out_of(s),) * n_out) for s in options]
+    return signatures
+
+
+def _no_partial(s):
+    return B if isinstance(s, Partial) else s
+
+
+def _broadcast(s):
+    return B
+
+
+def draw_global(fill, where: Local, like: torch.Tensor, i: int = 0) -> torch.Tensor:
+    """Draw the whole output with `fill` on a fresh global-size tensor and keep this rank's shard."""
+    shape = where.ctx.out_shapes[i]
+    full = fill(torch.empty(shape, dtype=like.dtype, device=like.device))
+    local = slice_box(full, where.out_box(i))
+    lay = where.out_layouts[i]
+    coord = lay.placement.coord(where.rank)
+    if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(lay.sbp)):
+        return torch.zeros_like(local)
+    return local.contiguous()
+
+
+def random_like_local(func, args, kwargs, where: Local):
+    return draw_global(lambda full: func(full, *args[1:], **kwargs), where, args[0])
+
+
+def random_inplace_local(func, args, kwargs, where: Local):
+    if args[0].device.type == "meta":
+        return func(*args, **kwargs)
+    args[0].copy_(draw_global(lambda full: func(full, *args[1:], **kwargs), where, args[0]))
+    return args[0]
+
+
+register([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default],
+         Rule(any_layout(_no_partial)))
+register([aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype],
+         Rule(any_layout(_no_partial), local=random_like_local))
+register([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+          aten.new_empty_strided.default], Rule(any_layout(_broadcast)))
+register([aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
+          aten.random_.default, aten.random_.to],
+         Rule(any_layout(lambda s: s), local=random_inplace_local))
