@@ -78,6 +78,21 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
         got.append(out_box)
         sends.setdefault(sender, {}).setdefault(c, []).append(tile_box)
 
+    # One sender giving the same piece to several ranks that hear from no one else: a broadcast.
+    bcasts: dict[int, list] = {}
+    for sender in sorted(sends):
+        to = sends[sender]
+        pieces = {tuple(b) for b in to.values()}
+        if len(to) >= 2 and len(pieces) == 1 and len(next(iter(pieces))) == 1 and all(
+                list(recvs[c]) == [sender] for c in to):
+            group = tuple(sorted({sender, *to}))
+            box = next(iter(pieces))[0]
+            for r in group:
+                bcasts.setdefault(r, []).append((group, sender, box if r == sender else None, numel(box)))
+            for c in to:
+                del recvs[c][sender]
+            del sends[sender]
+
     world = max(A.flat_ranks + B.flat_ranks) + 1
     recv_bytes = [0] * world
     routes = []
@@ -85,9 +100,11 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
     for r in sorted(set(A.flat_ranks) | set(B.flat_ranks)):
         rs = tuple((p, tuple(b)) for p, b in sorted(sends.get(r, {}).items()))
         rr = tuple((p, tuple(b)) for p, b in sorted(recvs.get(r, {}).items()))
-        recv_bytes[r] = sum(numel(b) for _, bs in rr for b in bs) * dtype.itemsize
-        latency = max(latency, len(rs), len(rr))
+        rb = tuple(bcasts.get(r, ()))
+        recv_bytes[r] = (sum(numel(b) for _, bs in rr for b in bs)
+                         + sum(n for _, src_, box, n in rb if src_ != r)) * dtype.itemsize
+        latency = max(latency, len(rb) + max(len(rs), len(rr)))
         out_shape = sizes(dst.shard(shape, r)) if r in B else (0,)
-        routes.append((r, RankRoute(out_shape, tuple(regions.get(r, ())), rs, rr)))
-    prim = "send_recv" if any(recv_bytes) or latency else "local"
+        routes.append((r, RankRoute(out_shape, tuple(regions.get(r, ())), rs, rr, rb)))
+    prim = ("broadcast" if bcasts and not sends else "send_recv") if latency else "local"
     return Step(prim, src, dst, None, tuple(recv_bytes), latency, routes=tuple(routes))

@@ -11,7 +11,7 @@ import torch
 
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
-from .boxes import identity, intersect, relative, sizes
+from .boxes import identity, intersect, numel, relative, sizes
 from .plan import Plan, Step
 from .search import plan as make_plan
 
@@ -103,7 +103,13 @@ def _exchange(step: Step, shape, local, comm):
     for peer, boxes in route.sends:
         parts = [slice_box(local, b).reshape(-1) for b in boxes]
         sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
-    recvs = {peer: ((sum(_numel(b) for b in boxes),), local.dtype) for peer, boxes in route.recvs}
+    recvs = {peer: ((sum(numel(b) for b in boxes),), local.dtype) for peer, boxes in route.recvs}
+    heard = {}
+    for group, src, box, n in route.bcasts:  # every rank runs them in the same (sender) order
+        t = slice_box(local, box).reshape(-1) if src == comm.rank else None
+        out = comm.broadcast(t, group, src, (n,), local.dtype)
+        if src != comm.rank:
+            heard[src] = out
     got = comm.exchange(sends, recvs)
     if comm.rank not in step.dst.placement:
         return local.new_empty((0,))
@@ -111,7 +117,8 @@ def _exchange(step: Step, shape, local, comm):
     if len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
         return slice_box(local, regions[0][2])  # a pure local slice: a view, no copy
     out = local.new_empty(route.out_shape)
-    pieces = {peer: got[peer].split([_numel(b) for b in boxes]) for peer, boxes in route.recvs}
+    pieces = {peer: got[peer].split([numel(b) for b in boxes]) for peer, boxes in route.recvs}
+    pieces.update({src: (t,) for src, t in heard.items()})
     for kind, box, arg in regions:
         target = slice_box(out, box)
         if kind == "copy":
@@ -124,13 +131,6 @@ def _exchange(step: Step, shape, local, comm):
     return out
 
 
-def _numel(box) -> int:
-    n = 1
-    for _, s in box:
-        n *= s
-    return n
-
-
 _RUN = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,
         "all_reduce": _all_reduce, "slice": _slice, "fill": _fill, "pad": _pad,
-        "send_recv": _exchange, "local": _exchange}
+        "send_recv": _exchange, "broadcast": _exchange, "local": _exchange}

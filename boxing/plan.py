@@ -26,6 +26,8 @@ class RankRoute:
     regions: tuple[Region, ...]                          # partition the output local
     sends: tuple[tuple[int, tuple[Box, ...]], ...]       # (peer, boxes of the input local, packed in order)
     recvs: tuple[tuple[int, tuple[Box, ...]], ...]       # (peer, boxes of the output local, in message order)
+    # (group, src rank, box of the input local on src / None elsewhere, numel), run before the sends
+    bcasts: tuple[tuple[tuple[int, ...], int, Optional[Box], int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,14 +51,16 @@ class Step:
         """The rank groups the step communicates on."""
         if self.axis is not None:
             return self.src.placement.axis_groups(self.axis)
-        return [tuple(sorted({r} | {p for p, _ in rt.sends} | {p for p, _ in rt.recvs}))
-                for r, rt in self.routes if rt.recvs]
+        out = [tuple(sorted({r} | {p for p, _ in rt.sends} | {p for p, _ in rt.recvs}))
+               for r, rt in self.routes if rt.recvs]
+        return out + list(dict.fromkeys(g for _, rt in self.routes for g, *_ in rt.bcasts))
 
     def route(self, rank: int) -> RankRoute | None:
         return dict(self.routes).get(rank)
 
     def describe(self) -> str:
-        where = f"mesh axis {self.axis}" if self.axis is not None else "point-to-point"
+        where = f"mesh axis {self.axis}" if self.axis is not None else "rank groups " + ", ".join(
+            map(str, self.groups)) if self.routes and self.latency else "each rank"
         op = f" {self.op}" if self.op and self.op != "sum" else ""
         return f"{self.primitive}{op} on {where}: {_sbp(self.src)} -> {_sbp(self.dst)}"
 

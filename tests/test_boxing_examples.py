@@ -175,3 +175,14 @@ def test_target_mesh_larger_than_the_world_is_refused():
 def test_split_dim_out_of_range_is_refused():
     with pytest.raises(ValueError, match="sbp"):
         boxing.plan(gt.Layout(SQUARE, (S0, S1)), gt.Layout(SQUARE, (gt.split(2), B)), (4, 4), F32)
+
+
+def test_one_holder_many_receivers_is_a_broadcast():
+    src, dst = gt.placement("cpu", [0]), gt.placement("cpu", [[1, 2], [3, 4]])
+    plan, events = _run(src, (B,), dst, (B, B), (3, 4), 5)
+    assert [s.primitive for s in plan.steps] == ["broadcast"] and plan.recv_bytes == [0, 48, 48, 48, 48]
+    assert all(ev == [("broadcast", (0, 1, 2, 3, 4))] for ev in events)
+    # two replicas share the work: two broadcasts of two receivers each
+    plan, events = _run(gt.placement("cpu", [0, 1]), (B,), gt.placement("cpu", [2, 3, 4, 5]), (B,), (3, 4), 6)
+    assert sorted({g for ev in events for _, g in ev}) == [(0, 2, 4), (1, 3, 5)]
+    assert plan.recv_bytes == [0, 0, 48, 48, 48, 48]

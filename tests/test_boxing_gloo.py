@@ -27,6 +27,7 @@ PAIRS = (
         (SQUARE, (gt.partial("max"), S1), gt.placement("cpu", [2, 3]), (S0,), (3, 5)),
         (gt.placement("cpu", [2, 3]), (B,), SQUARE, (gt.partial("min"), S0), (6, 2)),
         (LINE, (P,), gt.placement("cpu", [[3], [0]]), (S1, B), (4, 5)),
+        (gt.placement("cpu", [1]), (B,), gt.placement("cpu", [[0, 2], [3, 1]]), (B, S0), (3, 4)),  # broadcast
     ]
 )
 
