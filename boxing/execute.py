@@ -49,7 +49,7 @@ def _axis_step(fn: Callable) -> Callable:
 def _all_gather(step, shape, local, comm, group):
     d = step.src.sbp[step.axis].dim
     pieces = comm.all_gather(local, group, [step.src.local_shape(shape, r) for r in group])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+    return _cat(pieces, d)
 
 
 @_axis_step
@@ -59,7 +59,26 @@ def _all_to_all(step, shape, local, comm, group):
     sends = [slice_box(local, relative(intersect(old, step.dst.shard(shape, r)), old)) for r in group]
     recv_shapes = [sizes(intersect(step.src.shard(shape, r), new)) for r in group]
     pieces = comm.all_to_all(sends, group, recv_shapes)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=d)
+    return _cat(pieces, d)
+
+
+def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that pieces already lying back to back in one buffer become a view of it."""
+    if len(pieces) == 1:
+        return pieces[0]
+    first = pieces[0]
+    if all(s == 1 for s in first.shape[:dim]) and all(p.is_contiguous() for p in pieces):
+        storage, size = first.untyped_storage().data_ptr(), first.element_size()
+        end = first.data_ptr()
+        for p in pieces:
+            if p.untyped_storage().data_ptr() != storage or p.data_ptr() != end:
+                break
+            end += p.numel() * size
+        else:
+            shape = list(first.shape)
+            shape[dim] = sum(p.shape[dim] for p in pieces)
+            return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+    return torch.cat(pieces, dim=dim)
 
 
 @_axis_step
