@@ -32,7 +32,8 @@ _IMPOSSIBLE = (1 << 62,)
 _CACHE: dict[tuple, "Decision"] = {}
 _STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisions": Counter()}
 _WARNED: set = set()
-_BOXED = WeakIdKeyDictionary()  # local tensor -> {target layout: (version, converted local)}
+_BOXED = WeakIdKeyDictionary()
+_FRESH = WeakIdKeyDictionary()  # locals of outputs that hold no values yet (rule.fresh)  # local tensor -> {target layout: (version, converted local)}
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
 
 
@@ -131,11 +132,29 @@ def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     dec = _CACHE.get(key)
     if dec is None:
         dec = _CACHE[key] = _decide(func, args, kwargs, cls, tensors)
+    if dec.rule is not None and dec.rule.overwrites and _adopt(args, cls):
+        return args[0]
     if dec.kind == "decompose":
         return dec.rule.decompose(func, args, kwargs)
     if dec.kind == "fallback":
         return _run_fallback(func, args, kwargs, cls, tensors, dec)
     return _execute(func, args, kwargs, cls, tensors, dec)
+
+
+def _adopt(args: tuple, cls: type) -> bool:
+    """`fresh.copy_(src)` where `fresh` was never written (new_empty*, empty_like) takes src's layout.
+
+    Autograd's gradient accumulation is `steal(grad)` or `grad.new_empty_strided(..).copy_(grad)`
+    depending on reference counts, which may differ between ranks; with this both give the same layout.
+    """
+    dst, src = args[0], args[1]
+    if not (isinstance(dst, cls) and isinstance(src, cls) and dst._local in _FRESH) or \
+            dst.shape != src.shape or dst._layout.placement != src._layout.placement:
+        return False
+    del _FRESH[dst._local]
+    dst._local = src._local.to(dst.dtype, copy=True)
+    dst._layout = src._layout
+    return True
 
 
 def _placement_of(func: Any, tensors: list, cls: type) -> Any:
@@ -295,14 +314,16 @@ def box(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]) -> 
     """
     if src == dst:
         return local
+    comm = context.current()
     memo = _BOXED.get(local)
     if memo is None:
         memo = _BOXED[local] = {}
-    hit = memo.get(dst)
+    key = (comm.rank, dst)  # simulated ranks may share one source object (a tensor they all laid out)
+    hit = memo.get(key)
     if hit is not None and hit[0] == local._version:
         return hit[1]
-    out = boxing.convert_local(local, src, dst, tuple(shape), context.current())
-    memo[dst] = (local._version, out)
+    out = boxing.convert_local(local, src, dst, tuple(shape), comm)
+    memo[key] = (local._version, out)
     return out
 
 
@@ -353,6 +374,9 @@ def _execute(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec
         return target
     wrapped = [None if f is None or lay is None else cls(f, lay, shape)
                for f, lay, shape in zip(flat, dec.out_layouts, ctx.out_shapes)]
+    if dec.rule.fresh:
+        for f in flat:
+            _FRESH[f] = True
     return rebuild(wrapped)
 
 

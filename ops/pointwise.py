@@ -28,7 +28,7 @@ def _fills_zero(ctx: Ctx) -> bool:
     return not hasattr(v, "shape") and v == 0
 
 
-def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None) -> Rule:
+def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None, overwrites: bool = False) -> Rule:
     def signatures(ctx: Ctx) -> list:
         sigs = split_signatures(ctx)
         if when is None or when(ctx):
@@ -37,7 +37,7 @@ def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None) -> Rule:
                 if max(g) < n:
                     sigs.append((tuple(P if i in g else B for i in range(n)), (P,) * len(ctx.out_shapes)))
         return sigs
-    return Rule(signatures)
+    return Rule(signatures, overwrites=overwrites)
 
 
 NONLINEAR = Rule(split_signatures)
@@ -57,7 +57,8 @@ LINEAR = {
     ("div",): linear(((0,),)),
     ("neg", "clone", "_to_copy", "alias", "detach", "zero", "positive", "real", "conj_physical",
      "lift_fresh"): linear(((0,),)),
-    ("copy", "lerp"): linear(((0, 1),)),
+    ("copy",): linear(((0, 1),), overwrites=True),
+    ("lerp",): linear(((0, 1),)),
     ("where",): linear(((1, 2),)),
     ("masked_fill",): linear(((0,),), _fills_zero),
     ("addcmul",): linear(((0, 1), (0, 2))),

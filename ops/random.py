@@ -55,12 +55,22 @@ def random_inplace_local(func, args, kwargs, where: Local):
     return args[0]
 
 
-register([aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default],
-         Rule(any_layout(_no_partial)))
+register([aten.zeros_like.default, aten.ones_like.default, aten.full_like.default], Rule(any_layout(_no_partial)))
+register([aten.empty_like.default], Rule(any_layout(_no_partial), fresh=True))
 register([aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype],
          Rule(any_layout(_no_partial), local=random_like_local))
-register([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
-          aten.new_empty_strided.default], Rule(any_layout(_broadcast)))
+def new_like(keep):
+    """`x.new_*(size)`: of x's own size it is laid out like x (autograd's grad buffers are
+    `new_empty_strided(...).copy_(grad)`, which must not gather); any other size is Broadcast."""
+    def signatures(ctx: Ctx) -> list:
+        same = ctx.out_shapes[0] == ctx.shapes[0]
+        return any_layout(keep if same else _broadcast)(ctx)
+    return signatures
+
+
+register([aten.new_zeros.default], Rule(new_like(lambda s: s)))
+register([aten.new_empty.default, aten.new_empty_strided.default], Rule(new_like(lambda s: s), fresh=True))
+register([aten.new_ones.default, aten.new_full.default], Rule(new_like(_no_partial)))
 register([aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
           aten.random_.default, aten.random_.to],
          Rule(any_layout(lambda s: s), local=random_inplace_local))

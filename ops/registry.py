@@ -72,7 +72,8 @@ class Rule:
     signatures: Callable[[Ctx], Sequence[Signature]]
     local: Optional[Callable[..., Any]] = None  # local(func, args, kwargs, where: Local) -> outputs
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
-    random: bool = False  # values drawn from the RNG: generated at global size, then sliced
+    fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
+    overwrites: bool = False  # writes every element of its target (copy_): may relayout a fresh target
 
 
 RULES: dict[Any, Rule] = {}

@@ -149,8 +149,10 @@ def test_to_global_keeps_requires_grad_as_a_leaf():
     assert gt.launch(body, 2) == [(True, True, True)] * 2
 
 
-def test_ops_without_rules_say_so():
+def test_ops_run_through_the_dispatcher():
+    """Ops now have rules (tests/test_ops_*.py); `x + 1` is a real GlobalTensor op."""
     p = gt.placement("cpu", [0])
     x = gt.to_global(torch.ones(2), p, gt.broadcast)
-    with pytest.raises(NotImplementedError, match="to_local"):
-        x + 1
+    y = x + 1
+    assert isinstance(y, gt.GlobalTensor) and y.sbp == (gt.broadcast,)
+    assert torch.equal(y.full_tensor(), torch.full((2,), 2.0))
