@@ -1,0 +1,52 @@
+"""View ops: splits travel through dim maps (reshape groups included); what cannot travel is boxed and counted."""
+from __future__ import annotations
+
+import torch
+from hypothesis import given, strategies as st
+
+import globaltensor as gt
+from ops_support import MESHES, check, mesh_placement, sbps_for
+
+D = torch.float64
+VIEWS = {
+    "heads": lambda x: x.view(x.shape[0], x.shape[1], 2, x.shape[2] // 2).transpose(1, 2).reshape(x.shape[0], 2, -1),
+    "flatten": lambda x: x.flatten(0, 1) * 2,
+    "permute": lambda x: x.permute(2, 0, 1).contiguous(),
+    "unsqueeze_expand": lambda x: x.unsqueeze(1).expand(-1, 3, -1, -1) + 0,
+    "squeeze": lambda x: x[:, :1].squeeze(1),
+    "split_cat": lambda x: torch.cat(list(reversed(x.split(1, dim=1))), dim=1),
+    "chunk_stack": lambda x: torch.stack(x.chunk(2, dim=2), dim=0),
+    "slice_select": lambda x: x[:, 1:, :].select(0, 0) + x[-1],
+    "t": lambda x: x[0].t() @ x[0],
+}
+
+
+@given(st.sampled_from(MESHES), st.integers(1, 4), st.integers(2, 5), st.sampled_from([2, 4, 6]),
+       st.sampled_from(sorted(VIEWS)), st.data())
+def test_views_match_one_device(mesh, b, s, h, name, data):
+    shape = (b, s, h)
+    sbp = data.draw(sbps_for(mesh, shape, partial=True))
+    torch.manual_seed(3)
+    check(VIEWS[name], [torch.randn(shape, dtype=D)], mesh, [sbp])
+
+
+def test_head_split_travels_through_reshape_for_free():
+    def body():
+        p = mesh_placement((2,))
+        x = gt.to_global(torch.randn(2, 3, 8), p, gt.split(2))
+        with gt.comm_log() as log:
+            y = x.view(2, 3, 4, 2).transpose(1, 2)
+        return y.sbp, log.recv_bytes
+    assert gt.launch(body, 2)[0] == ((gt.split(1),), 0)
+
+
+def test_split_a_view_cannot_carry_is_boxed_and_counted():
+    gt.reset_stats()
+
+    def body():
+        p = mesh_placement((2,))
+        x = gt.to_global(torch.arange(15.0).reshape(5, 3), p, gt.split(1))  # 3 cols over 2 ranks: 2 + 1
+        return x.reshape(15).full_tensor()
+    for r in gt.launch(body, 2):
+        assert torch.equal(r, torch.arange(15.0))
+    assert gt.stats()["boxed"].get("aten.view.default", 0) >= 2
