@@ -7,6 +7,8 @@ only without `is_causal` and without dropout (whose draws depend on the shard).
 """
 from __future__ import annotations
 
+import torch
+
 from .registry import B, Ctx, S, Rule, aten, pointwise_dims, register
 
 
@@ -33,5 +35,18 @@ def attention_signatures(backward: bool):
     return signatures
 
 
-register([aten._scaled_dot_product_flash_attention_for_cpu.default], Rule(attention_signatures(False)))
-register([aten._scaled_dot_product_flash_attention_for_cpu_backward.default], Rule(attention_signatures(True)))
+def skip_empty(func, args, kwargs, where):
+    """The CPU flash kernels divide by zero on an empty shard (uneven heads/batch): answer with zeros."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if all(t.numel() for t in tensors) or any(t.device.type == "meta" for t in tensors):
+        return func(*args, **kwargs)
+    meta = [torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a for a in args]
+    mkw = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v
+           for k, v in kwargs.items()}
+    return tuple(tensors[0].new_zeros(o.shape, dtype=o.dtype) for o in func(*meta, **mkw))
+
+
+register([aten._scaled_dot_product_flash_attention_for_cpu.default],
+         Rule(attention_signatures(False), local=skip_empty))
+register([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
+         Rule(attention_signatures(True), local=skip_empty))

@@ -1,0 +1,47 @@
+"""Random ops and factories give the single-device values whatever the mesh and SBP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import globaltensor as gt
+from ops_support import MESHES, mesh_placement, sbps_for
+
+
+@given(st.sampled_from(MESHES), st.data())
+def test_dropout_and_random_like_are_layout_independent(mesh, data):
+    shape = (5, 3)
+    sbp = data.draw(sbps_for(mesh, shape))
+    x = torch.randn(shape)
+    torch.manual_seed(7)
+    want = (F.dropout(x, 0.5), torch.rand_like(x), torch.empty(4, 3).normal_())
+
+    def body():
+        p = mesh_placement(mesh)
+        g = gt.to_global(x, p, sbp)
+        torch.manual_seed(7)
+        d, r = F.dropout(g, 0.5), torch.rand_like(g)
+        n = gt.to_global(torch.empty(4, 3), p, sbp if all(not isinstance(s, gt.Split) or s.dim < 2 for s in sbp)
+                         else gt.broadcast).normal_()
+        return d.full_tensor(), r.full_tensor(), n.full_tensor()
+    for got in gt.launch(body, mesh_placement(mesh).size):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+@given(st.sampled_from(MESHES), st.data())
+def test_factories(mesh, data):
+    sbp = data.draw(sbps_for(mesh, (6, 5), partial=True))
+    torch.manual_seed(8)
+    want = torch.randn(6, 5)
+
+    def body():
+        p = mesh_placement(mesh)
+        torch.manual_seed(8)
+        r = gt.randn(6, 5, placement=p, sbp=sbp)
+        z, o = gt.zeros(6, 5, placement=p, sbp=sbp), gt.ones((6, 5), placement=p, sbp=sbp)
+        return r.full_tensor(), z.full_tensor(), o.full_tensor(), torch.ones_like(r).full_tensor()
+    for r, z, o, ol in gt.launch(body, mesh_placement(mesh).size):
+        assert torch.equal(r, want) and torch.equal(z, torch.zeros(6, 5))
+        assert torch.equal(o, torch.ones(6, 5)) and torch.equal(ol, torch.ones(6, 5))
