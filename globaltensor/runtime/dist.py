@@ -9,8 +9,21 @@ import torch.distributed as dist
 
 from .comm import CollectiveError, Communicator
 
-# torch >= 2.12 renamed all_gather_into_tensor; keep older torch working
+# torch >= 2.12 renamed the single-tensor collectives; keep older torch working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _one_buffer(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat buffer that equal, contiguous `parts` fill back to back, if they do (no copy)."""
+    first = parts[0]
+    size, step = first.numel(), first.numel() * first.element_size()
+    if size == 0 or any(p.numel() != size or not p.is_contiguous() or p.dtype != first.dtype for p in parts):
+        return None
+    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or
+           p.data_ptr() != first.data_ptr() + i * step for i, p in enumerate(parts)):
+        return None
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (size * len(parts),))
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -85,6 +98,11 @@ class TorchDistCommunicator(Communicator):
         by_rank = dict(zip(group, chunks))
         out = torch.empty_like(by_rank[self.rank])
         inputs = [by_rank[r] for r in order]
+        flat = _one_buffer(inputs)
+        if flat is not None:  # the single-tensor form is markedly faster on gloo
+            self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
+                out.view(-1), flat, op=OPS[op], group=self._pg(group)))
+            return out
         self._call("reduce_scatter", group,
                    lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=self._pg(group)))
         return out
