@@ -16,7 +16,7 @@ VIEWS = {
     "squeeze": lambda x: x[:, :1].squeeze(1),
     "split_cat": lambda x: torch.cat(list(reversed(x.split(1, dim=1))), dim=1),
     "chunk_stack": lambda x: torch.stack(x.chunk(2, dim=2), dim=0),
-    "slice_select": lambda x: x[:, 1:, :].select(0, 0) + x[-1],
+    "slice_select": lambda x: x[:, 1:, :].select(0, 0) + x[-1, 1:],
     "t": lambda x: x[0].t() @ x[0],
 }
 
