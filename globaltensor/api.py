@@ -22,7 +22,8 @@ def _check_placement(placement: Any, fn: str) -> Placement:
 def to_global(obj: Any, placement: Placement, sbp: Any = None) -> Any:
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
 
-    Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`.
+    Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`; its
+    shard is a copy, so in-place ops on it never reach `t` (or, simulated, another rank).
     A Partial(sum) axis puts the value on its first rank and zeros on the others;
     Partial(max/min) keeps the value everywhere.
     """
@@ -45,7 +46,8 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None) -> Any:
     if box is None:
         local = t.new_empty((0,))
     else:
-        local = slice_box(t, box).contiguous()
+        # a copy, never the caller's storage: simulated ranks share the objects they are handed
+        local = slice_box(t, box).clone(memory_format=torch.contiguous_format)
         coord = placement.coord(comm.rank)
         if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(layout.sbp)):
             local = torch.zeros_like(local)

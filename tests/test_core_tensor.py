@@ -156,3 +156,17 @@ def test_ops_run_through_the_dispatcher():
     y = x + 1
     assert isinstance(y, gt.GlobalTensor) and y.sbp == (gt.broadcast,)
     assert torch.equal(y.full_tensor(), torch.full((2,), 2.0))
+
+
+def test_shards_never_alias_the_callers_tensor_or_another_rank():
+    shared = torch.zeros(4)  # one object handed to every simulated rank
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        x = gt.to_global(shared, p, gt.broadcast)
+        x.to_local().add_(gt.rank() + 1)  # in place on this rank's shard only
+        gt.runtime.current().barrier()
+        return x.to_local().tolist()
+
+    assert gt.launch(body, 2) == [[1.0] * 4, [2.0] * 4]
+    assert shared.tolist() == [0.0] * 4
