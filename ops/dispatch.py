@@ -32,7 +32,8 @@ _IMPOSSIBLE = (1 << 62,)
 _CACHE: dict[tuple, "Decision"] = {}
 _STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisions": Counter()}
 _WARNED: set = set()
-_FRESH = WeakIdKeyDictionary()  # locals of outputs that hold no values yet (rule.fresh)  # local tensor -> {target layout: (version, converted local)}
+_FRESH = WeakIdKeyDictionary()  # locals of outputs that hold no values yet (rule.fresh)
+_REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor -> {target layout: (versions, reduced local)}
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
 
 
@@ -306,15 +307,46 @@ def _kernel(func: Any, rule: Rule, args: tuple, kwargs: dict, where: Local) -> A
 
 # -- execution -----------------------------------------------------------------
 def box(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]) -> torch.Tensor:
-    """Convert one local shard to `dst` (plans are cached by boxing).
-
-    A memory of converted shards (so that an optimizer step reduces a Partial
-    gradient once for all the ops reading it) was tried and removed: it gave
-    wrong multi-step TP training (tests/test_gpt.py) for a reason not yet found.
-    """
+    """Convert one local shard to `dst` (plans are cached by boxing)."""
     if src == dst:
         return local
     return boxing.convert_local(local, src, dst, tuple(shape), context.current())
+
+
+def _versions(t: Any) -> tuple:
+    return (t._version, id(t._local), t._local._version)
+
+
+def box_global(t: Any, dst: Layout) -> torch.Tensor:
+    """Box a GlobalTensor's shard; a Partial one is reduced once per target while it is unchanged.
+
+    So the several ops of one optimizer step that read a Partial gradient
+    reduce it once. "Unchanged" is the GlobalTensor's own version counter:
+    the local shard's counter is no witness, because kernels run inside
+    `__torch_dispatch__` run below autograd's ADInplaceOrView key, so
+    in-place ops on shards (an optimizer updating a parameter) never bump
+    it; the wrapper's counter is bumped by every in-place op through the
+    dispatcher and shared with its views and detached aliases. The shard's
+    own counter and identity are checked too, for writes that bypass the
+    dispatcher (`to_local()` views, a replaced shard). Only Partial sources
+    are remembered: re-reducing is what costs, and other conversions would
+    only pin memory (a ZeRO-3 all-gathered weight) for no saved bytes.
+    """
+    src = t._layout
+    if src == dst:
+        return t._local
+    if not src.has_partial:
+        return box(t._local, src, dst, t.shape)
+    memo = _REDUCED.get(t)
+    if memo is None:
+        memo = _REDUCED[t] = {}
+    now = _versions(t)
+    hit = memo.get(dst)
+    if hit is not None and hit[0] == now:
+        return hit[1]
+    out = box(t._local, src, dst, t.shape)
+    memo[dst] = (now, out)
+    return out
 
 
 def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:
@@ -331,7 +363,7 @@ def _locals(func: Any, tensors: list, dec: Decision, cls: type, comm: Any) -> li
     out = []
     for t, dst in zip(tensors, dec.targets):
         if isinstance(t, cls):
-            out.append(box(t._local, t._layout, dst, t.shape))
+            out.append(box_global(t, dst))
         else:
             if _CHECK["replicated"]:
                 _check_plain(func, t, dec.placement, comm)

@@ -3,7 +3,7 @@
 So the foreach and the for-loop optimizer paths share the per-tensor rules
 and cache entries: `_foreach_lerp_(exp_avgs, grads, w)` is `lerp_(exp_avg, grad, w)`
 per parameter, keeping each state's layout and boxing each gradient to it
-(once per step: the dispatcher remembers a boxed gradient while it is unchanged).
+(once per step: the dispatcher remembers a reduced Partial gradient while it is unchanged, `dispatch.box_global`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,79 @@
+"""Optimizer steps reduce each Partial gradient exactly once; the memory of reductions is invalidated by writes."""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
+
+CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16)
+LOCAL_STEPS = {"slice", "fill", "pad"}
+
+
+def _expected(params, rank):
+    """Each gradient boxed once to its parameter's (and optimizer state's) layout, as its plan says."""
+    kinds, recv = Counter(), 0
+    for p in params:
+        plan = gt.boxing.plan(p.grad.layout, p.layout, tuple(p.shape), p.dtype)
+        for step in plan.steps:
+            if step.primitive not in LOCAL_STEPS:
+                kinds[step.primitive] += 1
+        recv += plan.recv_bytes[rank]
+    return kinds, recv
+
+
+def _one_step(foreach):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    gt.to_global(model, p, tp_plan(1, 2))
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (gt.to_global(torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=g), p, dp_batch(0, 2))
+                for _ in range(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    model(idx, tgt)[1].backward()
+    params = list(model.parameters())
+    assert any(q.grad.layout.has_partial for q in params)
+    with gt.comm_log() as log:
+        opt.step()
+    got = Counter(e.kind for e in log.events)
+    return got, log.recv_bytes, _expected(params, gt.rank())
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_step_reduces_each_partial_gradient_once(foreach):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = gt.launch(_one_step, 4, args=(foreach,))
+    for got, recv, (want, want_recv) in results:
+        assert got == want and recv == want_recv
+
+
+def _reuse_and_invalidate():
+    p = gt.placement("cpu", [0, 1])
+    r = gt.rank()
+    y = gt.from_local(torch.arange(4.0) * (r + 1), p, gt.partial_sum)  # global value 3 * arange(4)
+    with gt.comm_log() as log:
+        a = y.exp()
+        b = torch.tanh(y)                 # same Partial read again: no second reduction
+    assert len(log.events) == 1
+    with gt.comm_log() as log:
+        y.mul_(2)                         # in-place through the dispatcher: the reduction is stale
+        c = y.exp()
+        y.to_local().add_(1)              # a write that bypasses the dispatcher: stale again
+        d = y.exp()
+    assert len(log.events) == 2
+    v = torch.arange(4.0) * 3
+    torch.testing.assert_close(a.full_tensor(), v.exp())
+    torch.testing.assert_close(b.full_tensor(), v.tanh())
+    torch.testing.assert_close(c.full_tensor(), (2 * v).exp())
+    torch.testing.assert_close(d.full_tensor(), (2 * v + 2).exp())
+    return True
+
+
+def test_reduction_memory_is_invalidated_by_writes():
+    assert all(gt.launch(_reuse_and_invalidate, 2))
