@@ -121,7 +121,7 @@ class Communicator:
         if len(group) == 1:
             return [sends[0]]
         dtype = sends[i].dtype
-        out = self._all_to_all([s.contiguous() for s in sends], group, [tuple(s) for s in recv_shapes])
+        out = self._all_to_all(list(sends), group, [tuple(s) for s in recv_shapes])  # backends pack them
         self._record("all_to_all", group,
                      sum(nbytes(s, dtype) for j, s in enumerate(recv_shapes) if j != i))
         return out

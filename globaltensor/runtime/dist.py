@@ -115,8 +115,12 @@ class TorchDistCommunicator(Communicator):
     def _all_to_all(self, sends, group, recv_shapes):
         order = sorted(group)
         send_by, shape_by = dict(zip(group, sends)), dict(zip(group, recv_shapes))
-        inp = torch.cat([send_by[r].reshape(-1) for r in order])
         in_splits = [send_by[r].numel() for r in order]
+        inp = sends[0].new_empty(sum(in_splits))
+        start = 0
+        for r, n in zip(order, in_splits):  # one copy packs the (often strided) pieces
+            inp[start:start + n].view(send_by[r].shape).copy_(send_by[r])
+            start += n
         out_splits = [torch.Size(shape_by[r]).numel() for r in order]
         out = inp.new_empty(sum(out_splits))
         self._call("all_to_all", group, lambda: dist.all_to_all_single(
