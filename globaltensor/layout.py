@@ -54,6 +54,20 @@ class Layout:
             raise TypeError(f"Layout(placement): expected a gt.placement, got {type(placement).__name__}")
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "sbp", normalize_sbp(sbp, placement.ndim))
+        object.__setattr__(self, "_hash", hash((placement, self.sbp)))
+
+    # layouts key every cache (plans, dispatch decisions): hash once, compare identical objects at once
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # rebuilt on unpickling: hashes of str differ between processes
+        return (Layout, (self.placement, self.sbp))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (isinstance(other, Layout) and self._hash == other._hash and self.sbp == other.sbp
+                and self.placement == other.placement)
 
     def __repr__(self) -> str:
         return f"Layout({self.placement!r}, ({', '.join(map(repr, self.sbp))}))"

@@ -44,8 +44,10 @@ class Placement:
     flat_ranks: tuple[int, ...]
     _coords: dict = field(init=False, repr=False, compare=False, hash=False)
     _groups: tuple = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.device_type, self.shape, self.flat_ranks)))
         coords: dict[int, tuple[int, ...]] = {}
         strides = [1] * len(self.shape)
         for a in range(len(self.shape) - 2, -1, -1):
@@ -61,6 +63,19 @@ class Placement:
             groups.append({r: tuple(sorted(g, key=lambda q: coords[q][a]))
                            for g in by_rest.values() for r in g})
         object.__setattr__(self, "_groups", tuple(groups))
+
+    # placements key every cache: hash once, and let identical objects compare at once
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):  # str hashes differ between processes: rebuild, never pickle _hash
+        return (Placement, (self.device_type, self.shape, self.flat_ranks))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return (isinstance(other, Placement) and self._hash == other._hash and self.device_type == other.device_type
+                and self.shape == other.shape and self.flat_ranks == other.flat_ranks)
 
     @property
     def ndim(self) -> int:

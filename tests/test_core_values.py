@@ -54,3 +54,16 @@ def test_nested_split_of_one_dim_cuts_axis0_first():
     lay = gt.Layout(p, (gt.split(0), gt.split(0)))
     assert [lay.shard((8,), r) for r in range(4)] == [((0, 2),), ((2, 2),), ((4, 2),), ((6, 2),)]
     assert lay.shard((8,), 7) is None and lay.local_shape((8,), 7) == (0,)
+
+
+def test_layouts_survive_pickling_into_another_process():
+    # str hashes differ between processes: a cached hash must be rebuilt, not carried along
+    import pickle
+    import subprocess
+    import sys
+    lay = gt.Layout(gt.placement("cpu", [[0, 1], [2, 3]]), (gt.split(0), gt.partial("max")))
+    code = ("import pickle, sys, globaltensor as gt; x = pickle.loads(sys.stdin.buffer.read()); "
+            "y = gt.Layout(gt.placement('cpu', [[0, 1], [2, 3]]), (gt.split(0), gt.partial('max'))); "
+            "print(x == y, hash(x) == hash(y), len({x, y}))")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(lay), capture_output=True, check=True)
+    assert out.stdout.decode().split() == ["True", "True", "1"]
