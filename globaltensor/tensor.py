@@ -1,6 +1,7 @@
 """GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -13,7 +14,8 @@ from .runtime import context
 from .sbp import Broadcast, Partial, Split
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+@lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
@@ -31,8 +33,9 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> "GlobalTensor":
+        shape = tuple(shape)
         r = torch.Tensor._make_wrapper_subclass(
-            cls, tuple(shape), strides=_contiguous_strides(shape), dtype=local.dtype,
+            cls, shape, strides=_contiguous_strides(shape), dtype=local.dtype,
             device=local.device, requires_grad=requires_grad)
         r._local = local
         r._layout = layout
