@@ -76,6 +76,9 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
             timeout: float, results: Any) -> None:
     from .context import set_process
     from .dist import TorchDistCommunicator
+    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks sharing a machine must not oversubscribe it
+        import torch
+        torch.set_num_threads(1)
     try:
         comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
         set_process(comm)
