@@ -1,6 +1,7 @@
 """globaltensor: global tensors for PyTorch in the SBP style."""
 from .api import from_local, to_global
 from .layout import Layout
+from .module import ModuleLayout
 from .placement import Placement, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
 from .sbp import SBP, Broadcast, Partial, Split, broadcast, partial, partial_sum, split
@@ -8,7 +9,7 @@ from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
 from .ops import check_replicated, reset_stats, stats
 
-__all__ = ["from_local", "to_global", "Layout", "Placement", "placement", "CollectiveError", "RankError",
+__all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated"]

@@ -19,8 +19,11 @@ def _check_placement(placement: Any, fn: str) -> Placement:
     return placement
 
 
-def to_global(obj: Any, placement: Placement, sbp: Any = None) -> Any:
+def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = None) -> Any:
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
+
+    A GlobalTensor is boxed instead (`GlobalTensor.to_global`, where `grad_sbp` is explained);
+    a module is converted by `plan` (`globaltensor.module`).
 
     Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`; its
     shard is a copy, so in-place ops on it never reach `t` (or, simulated, another rank).
@@ -28,7 +31,10 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None) -> Any:
     Partial(max/min) keeps the value everywhere.
     """
     if isinstance(obj, GlobalTensor):
-        return obj.to_global(placement, sbp)
+        return obj.to_global(placement, sbp, grad_sbp)
+    if grad_sbp is not None:
+        raise ValueError("to_global(grad_sbp): only a GlobalTensor's conversion has a gradient to lay out; "
+                         "a full tensor or module becomes a leaf (drop grad_sbp)")
     if isinstance(obj, torch.nn.Module):
         from .module import module_to_global
         return module_to_global(obj, _check_placement(placement, "to_global"), sbp)

@@ -1,27 +1,131 @@
 """Converting a single-device nn.Module: parameters and buffers become GlobalTensors in place.
 
-`plan` maps parameter/buffer name patterns (fnmatch globs, e.g. "*.mlp.fc.weight")
-to nd-SBPs; the first matching pattern wins and anything unmatched is
-Broadcast. A tensor reachable under several names (tied weights) is converted
-once, under its first name, and stays one Parameter.
+`plan` maps name patterns (fnmatch globs, e.g. "*.mlp.fc.weight") to one of two
+things; the first matching pattern of each kind wins:
+
+- an nd-SBP, for the parameters and buffers whose names match (unmatched ones
+  are Broadcast). A tensor reachable under several names (tied weights) is
+  converted once, under its first name, and stays one Parameter.
+- a `ModuleLayout`, for the submodules whose names match (the root is ""):
+  the layouts its first positional input and its output are converted to,
+  and the layouts their gradients take. This is how a user states activation
+  layouts where the per-op choice should not decide them, as DTensor's
+  `ColwiseParallel(input_layouts=, output_layouts=)` and OneFlow's
+  `to_global(grad_sbp=)` do; e.g. Megatron's row-parallel output is
+  `ModuleLayout(output=B)` (all-reduce forward) and its column-parallel input
+  `ModuleLayout(input_grad=B)` (all-reduce of the input gradient backward).
 """
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 
 from .layout import normalize_sbp
 from .placement import Placement
-from .sbp import Broadcast
+from .sbp import SBP_TYPES, Broadcast, Partial
 
 
-def _sbp_for(name: str, plan: Optional[Mapping[str, Any]], placement: Placement) -> tuple:
-    for pattern, sbp in (plan or {}).items():
-        if fnmatch.fnmatchcase(name, pattern):
+@dataclass(frozen=True)
+class ModuleLayout:
+    """Layouts at a module's boundary: each an nd-SBP (one entry per mesh axis) or None (leave alone).
+
+    `input`/`output`: the layout the module's first positional argument is converted to before
+    `forward`, and the layout its output is converted to after. `input_grad`/`output_grad`: the
+    layout the gradient of that tensor is converted to in the backward (default: the dual of its
+    forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
+    axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
+    SBP stands for a 1-D mesh's tuple.
+    """
+    input: Any = None
+    input_grad: Any = None
+    output: Any = None
+    output_grad: Any = None
+
+    def __post_init__(self) -> None:
+        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad")):
+            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad")
+
+
+def _hint(spec: Any, ndim: int, arg: str) -> Optional[tuple]:
+    """An nd-SBP whose entries may be None; checked against the mesh."""
+    if spec is None:
+        return None
+    if isinstance(spec, (tuple, list)) and any(s is None for s in spec):
+        if len(spec) != ndim:
+            raise ValueError(f"{arg}: has {len(spec)} entries but the placement mesh has {ndim} axes")
+        for s in spec:
+            if s is not None and not isinstance(s, SBP_TYPES):
+                raise TypeError(f"{arg}: {s!r} is not an SBP; use gt.split(d), gt.broadcast, gt.partial(op) "
+                                "or None (keep the axis)")
+        return tuple(spec)
+    return normalize_sbp(spec, ndim, arg)
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """One tensor's conversion at a module boundary (checked hints, None entries still open)."""
+    sbp: Optional[tuple]
+    grad: Optional[tuple]
+    where: str
+
+    def apply(self, x: Any) -> Any:
+        from .tensor import GlobalTensor
+        if not isinstance(x, GlobalTensor):
+            raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
+                            "convert the model's inputs with gt.to_global first")
+        sbp = x.sbp if self.sbp is None else tuple(o if h is None else h for h, o in zip(self.sbp, x.sbp))
+        grad = None
+        if self.grad is not None:
+            dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
+            grad = tuple(d if h is None else h for h, d in zip(self.grad, dual))
+        try:
+            return x.to_global(x.placement, sbp, grad)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{self.where}: {e}") from None
+
+
+def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
+    where = f"to_global(plan[{name!r}])"
+    inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
+                    f"{where} on the input")
+    out = _Boundary(_hint(hint.output, ndim, f"{where}.output"),
+                    _hint(hint.output_grad, ndim, f"{where}.output_grad"), f"{where} on the output")
+    for b in (inp, out):
+        if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):
+            raise ValueError(f"{where}: a gradient cannot be laid out as {b.grad} (gradients add up)")
+    pre = None
+    if inp.sbp is not None or inp.grad is not None:
+        def pre(module, args):
+            if not args:
+                raise TypeError(f"{inp.where}: the module was called without a positional input")
+            return (inp.apply(args[0]),) + tuple(args[1:])
+    post = None
+    if out.sbp is not None or out.grad is not None:
+        def post(module, args, output):
+            return out.apply(output)
+    return pre, post
+
+
+def _sbp_for(name: str, plan: Mapping[str, Any], placement: Placement) -> tuple:
+    for pattern, sbp in plan.items():
+        if not isinstance(sbp, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
             return normalize_sbp(sbp, placement.ndim, f"to_global(plan[{pattern!r}])")
     return (Broadcast(),) * placement.ndim
+
+
+def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
+    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
+    modules = {n for n, _ in module.named_modules(remove_duplicate=False)}
+    unused = [p for p, v in plan.items()
+              if not any(fnmatch.fnmatchcase(n, p) for n in (modules if isinstance(v, ModuleLayout) else names))]
+    if unused:
+        raise ValueError(f"to_global(plan): patterns {unused} match no parameter or buffer (an nd-SBP) or "
+                         f"no module (a ModuleLayout); parameter names look like {sorted(names)[:4]}, module "
+                         f"names like {sorted(modules)[1:5]}")
 
 
 def module_to_global(module: torch.nn.Module, placement: Placement,
@@ -29,13 +133,16 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     """Convert `module` in place (and return it); values are unchanged, gradients arrive as GlobalTensors."""
     from .api import to_global
     if plan is not None and not isinstance(plan, Mapping):
-        raise TypeError(f"to_global(plan): expected a dict {{name pattern: sbp}}, got {type(plan).__name__}")
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
-    unused = [p for p in (plan or {}) if not any(fnmatch.fnmatchcase(n, p) for n in names)]
-    if unused:
-        raise ValueError(f"to_global(plan): patterns {unused} match no parameter or buffer; names look like "
-                         f"{sorted(names)[:4]}")
+        raise TypeError(f"to_global(plan): expected a dict {{name pattern: sbp or gt.ModuleLayout}}, "
+                        f"got {type(plan).__name__}")
+    plan = plan or {}
+    _check_plan(module, plan)
+    hooks = {}
+    for prefix, mod in module.named_modules():
+        for pattern, hint in plan.items():
+            if isinstance(hint, ModuleLayout) and fnmatch.fnmatchcase(prefix, pattern):
+                hooks[mod] = _layout_hooks(pattern, hint, placement.ndim)
+                break
     done: dict[int, torch.Tensor] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
@@ -49,4 +156,14 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
                         if isinstance(t, torch.nn.Parameter) else g
                 table[name] = done[id(t)]
+    for mod in module.modules():  # a second conversion replaces the first one's layout hooks
+        for handle in mod.__dict__.pop("_gt_layout_hooks", ()):
+            handle.remove()
+    for mod, (pre, post) in hooks.items():
+        handles = []
+        if pre is not None:
+            handles.append(mod.register_forward_pre_hook(pre))
+        if post is not None:
+            handles.append(mod.register_forward_hook(post))
+        mod.__dict__["_gt_layout_hooks"] = handles
     return module

@@ -70,8 +70,17 @@ class GlobalTensor(torch.Tensor):
         """This rank's shard (differentiable); empty on ranks outside the placement."""
         return _ToLocal.apply(self)
 
-    def to_global(self, placement: Placement | None = None, sbp: Any = None) -> "GlobalTensor":
-        """Box into another layout (same or other placement); placement/sbp default to the current ones."""
+    def to_global(self, placement: Placement | None = None, sbp: Any = None,
+                  grad_sbp: Any = None) -> "GlobalTensor":
+        """Box into another layout (same or other placement); placement/sbp default to the current ones.
+
+        `grad_sbp` (OneFlow's argument of that name) is the layout the gradient of `self` takes in
+        the backward: the incoming gradient is boxed to it, on `self`'s placement, instead of to the
+        dual of `self`'s layout (Partial's dual is Broadcast). Megatron's column-parallel input is
+        `x.to_global(grad_sbp=x.sbp)` with `x` Broadcast: nothing moves forward, and the Partial
+        input gradient is all-reduced backward. With a `grad_sbp` the result is always a new
+        autograd node, even when the layout is unchanged.
+        """
         placement = self.placement if placement is None else placement
         if not isinstance(placement, Placement):
             raise TypeError(f"to_global(placement): expected a gt.placement, got {type(placement).__name__}")
@@ -81,18 +90,37 @@ class GlobalTensor(torch.Tensor):
             sbp = self.sbp
         dst = Layout(placement, normalize_sbp(sbp, placement.ndim))
         dst.check_shape(self.shape)
-        if dst == self._layout:
+        grad_dst = None if grad_sbp is None else gradient_layout(self, grad_sbp)
+        if dst == self._layout and grad_dst is None:
             return self
-        return convert(self, dst)
+        return convert(self, dst, grad_dst)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global value on every rank of the placement (Partial reduced); empty outside it."""
         return _FullTensor.apply(self)
 
 
-def convert(x: GlobalTensor, dst: Layout) -> GlobalTensor:
-    """Boxing between layouts (differentiable; see `_Convert`)."""
-    return _Convert.apply(x, dst)
+def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> GlobalTensor:
+    """Boxing between layouts (differentiable; see `_Convert`); `grad_dst`: the layout of x's gradient."""
+    return _Convert.apply(x, dst, grad_dst)
+
+
+def gradient_layout(x: GlobalTensor, grad_sbp: Any) -> Layout:
+    """`grad_sbp` checked as a layout for the gradient of `x`: on x's placement, valid for its shape.
+
+    A gradient is a sum of contributions, so Partial(max/min) is no layout for one.
+    """
+    sbp = normalize_sbp(grad_sbp, x.placement.ndim, "to_global(grad_sbp)")
+    bad = [s for s in sbp if isinstance(s, Partial) and s.op != "sum"]
+    if bad:
+        raise ValueError(f"to_global(grad_sbp): {bad[0]!r} cannot lay out a gradient (gradients add up); "
+                         "use gt.partial_sum, gt.broadcast or gt.split(d)")
+    layout = Layout(x.placement, sbp)
+    try:
+        layout.check_shape(x.shape)
+    except ValueError as e:
+        raise ValueError(f"to_global(grad_sbp): {e}") from None
+    return layout
 
 
 def device_for(placement: Placement) -> torch.device:
@@ -162,18 +190,21 @@ class _Convert(torch.autograd.Function):
 
     The gradient of a layout is laid out as `grad_layout` (Partial's dual is
     Broadcast), so S->B all-gather comes back as a B->S slice, P->S
-    reduce-scatter as an S->B all-gather, B->P as nothing at all, and so on.
+    reduce-scatter as an S->B all-gather, B->P as nothing at all, and so on;
+    unless the conversion was given its gradient's layout (`to_global(grad_sbp=)`).
     """
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, dst: Layout) -> GlobalTensor:  # type: ignore[override]
-        ctx.src, ctx.shape = x._layout, tuple(x.shape)
+    def forward(ctx, x: GlobalTensor, dst: Layout, grad_dst: Layout | None) -> GlobalTensor:  # type: ignore[override]
+        ctx.want, ctx.shape = grad_layout(x._layout) if grad_dst is None else grad_dst, tuple(x.shape)
         local = boxing.convert_local(x._local, x._layout, dst, ctx.shape, context.current())
+        if local is x._local:
+            local = local.view_as(local)  # a new tensor: autograd's output must not be its input's shard
         return GlobalTensor(local, dst, ctx.shape)
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
-        want = grad_layout(ctx.src)
+        want = ctx.want
         if grad._layout != want:
             grad = grad.to_global(want.placement, want.sbp)
-        return grad, None
+        return grad, None, None

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..module import ModuleLayout
 from ..sbp import Broadcast, Split
 
 
@@ -104,17 +105,27 @@ class GPT(nn.Module):
 
 
 def tp_plan(tensor_axis: int, ndim: int) -> dict:
-    """Megatron tensor parallelism on mesh axis `tensor_axis` (Broadcast on the others).
+    """Megatron tensor parallelism on mesh axis `tensor_axis` (the other axes are left as they are).
 
-    Column-parallel q/k/v/fc (weight [out, in] split on out, bias split), row-parallel
-    proj (weight split on in; its output is P, reduced where the residual stream needs it),
-    vocab-parallel tied embedding/head.
+    Weights: column-parallel q/k/v/fc (weight [out, in] split on out, bias split), row-parallel
+    proj (weight split on in), vocab-parallel tied embedding/head; they never move.
+    Activations, as Megatron keeps them: the residual stream is Broadcast on the tensor axis.
+    A row-parallel output (and the vocab-parallel embedding's) is Partial and all-reduced at once
+    (`output=B`); a column-parallel region's input gradient is Partial and all-reduced once for the
+    whole region (`input_grad=B` on `attn`, so q/k/v share one reduction of their summed gradients).
     """
     def on_axis(s):
         return tuple(s if a == tensor_axis else Broadcast() for a in range(ndim))
-    col, row = on_axis(Split(0)), on_axis(Split(1))
+
+    def hint(s):
+        return tuple(s if a == tensor_axis else None for a in range(ndim))
+    col, row, rep = on_axis(Split(0)), on_axis(Split(1)), hint(Broadcast())
     return {"*.attn.q.*": col, "*.attn.k.*": col, "*.attn.v.*": col, "*.mlp.fc.*": col,
-            "*.attn.proj.weight": row, "*.mlp.proj.weight": row, "wte.weight": col}
+            "*.attn.proj.weight": row, "*.mlp.proj.weight": row, "wte.weight": col,
+            "wte": ModuleLayout(output=rep),
+            "*.attn": ModuleLayout(input_grad=rep), "*.mlp": ModuleLayout(input_grad=rep),
+            "head": ModuleLayout(input_grad=rep),
+            "*.attn.proj": ModuleLayout(output=rep), "*.mlp.proj": ModuleLayout(output=rep)}
 
 
 def dp_batch(data_axis: int, ndim: int) -> tuple:

@@ -177,7 +177,7 @@ def _decide(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> D
     rule = RULES.get(func)
     inplace = is_inplace(func)
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
-    if rule is not None and rule.decompose is not None:
+    if rule is not None and rule.decompose is not None and rule.decompose_when is None:
         return Decision("decompose", rule, None, placement, srcs, (), inplace, False, False)
     fallback = Decision("fallback", None, None, placement, (bcast,) * len(tensors), (), inplace, inplace,
                         any(s != bcast for s in srcs))
@@ -191,6 +191,8 @@ def _decide(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> D
     ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
               tuple(None if o is None else tuple(o.shape) for o in outs), args, kwargs, placement.shape)
     _STATS["decisions"][str(func)] += 1
+    if rule.decompose is not None and rule.decompose_when(ctx, srcs):
+        return Decision("decompose", rule, ctx, placement, srcs, (), inplace, False, False)
     choice = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
     if choice is None:
         return fallback

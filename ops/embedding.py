@@ -2,7 +2,11 @@
 
 A vocab-split (S(0)) table gives a P output: each rank looks up the rows it
 holds and zeroes the tokens it does not (Megatron's vocab-parallel
-embedding); the backward writes only the rows a rank holds.
+embedding); the backward writes only the rows a rank holds. With the whole
+gradient and the whole indices, the backward's output is Broadcast (a
+Broadcast table's gradient must not be gathered later; a vocab-split table
+takes its rows from it locally), so a vocab-split table builds the whole
+table's gradient transiently.
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ def embedding_local(func, args, kwargs, where: Local):
 def embedding_backward_signatures(ctx: Ctx) -> list:
     n_idx = len(ctx.shapes[1])
     sigs = [((S(d), S(d)), (P,)) for d in range(n_idx)]
-    sigs += [((S(n_idx), B), (S(1),)), ((P, B), (P,))]
+    sigs += [((S(n_idx), B), (S(1),)), ((P, B), (P,)), ((B, B), (B,))]
     if not ctx.arg(4, "scale_grad_by_freq", False):
         sigs.append(((B, B), (S(0),)))
     return sigs

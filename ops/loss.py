@@ -1,15 +1,18 @@
 """nll_loss (cross_entropy is log_softmax + nll_loss): split batch, or split classes (vocab-parallel).
 
-With reduction 'mean' the normaliser is the global total weight, so the
-batch-split form reads the whole (small, integer) target and each rank
-divides its partial sum by the global count: the shards' results add up (P).
+With reduction 'mean' the normaliser is the global total weight. Unweighted,
+a batch-split mean is decomposed: the 'sum' loss (P over the batch split)
+divided by the count of scored targets, itself a P scalar all-reduced once
+(4 bytes, where gathering the target would move the whole batch's). With
+class weights the batch-split form still reads the whole (small, integer)
+target, and each rank divides its partial sum by the global total weight.
 With split classes each rank scores only targets in its class range.
 """
 from __future__ import annotations
 
 import torch
 
-from .registry import B, Ctx, Local, P, Rule, S, aten, register
+from .registry import B, Ctx, Local, P, Rule, S, aten, reduce_partial, register, split_on
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -83,5 +86,20 @@ def backward_local(func, args, kwargs, where: Local):
     return func(grad, x, target, weight, reduction, ignore, tw)
 
 
-register([aten.nll_loss_forward.default], Rule(forward_signatures, local=forward_local))
+def _batch_split_mean(ctx: Ctx, layouts: tuple) -> bool:
+    return ctx.arg(3, "reduction") == MEAN and len(ctx.shapes) == 2 and len(ctx.shapes[0]) == 2 and \
+        any(split_on(lay, 0) for lay in layouts)
+
+
+def _mean_as_sum(func, args, kwargs):
+    """Unweighted mean over a split batch: sum of the losses / all-reduced count of scored targets."""
+    x, target, _, _, ignore = _args(args, kwargs, FWD)
+    total, _ = func(x, target, None, SUM, ignore)
+    count = aten.sum.default(aten.ne.Scalar(target, ignore), dtype=x.dtype)
+    count = reduce_partial(count)
+    return aten.div.Tensor(total, count), count
+
+
+register([aten.nll_loss_forward.default],
+         Rule(forward_signatures, local=forward_local, decompose=_mean_as_sum, decompose_when=_batch_split_mean))
 register([aten.nll_loss_backward.default], Rule(backward_signatures, local=backward_local))

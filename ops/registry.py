@@ -4,7 +4,9 @@ A rule's `signatures(ctx)` lists what one mesh axis may do; all-Broadcast is
 implied for every op. `local` is the kernel run on local shards (default: the
 op itself); it only needs writing where a shard must know where it sits
 (view sizes, vocab offsets). `decompose` marks ops that are run as several
-other dispatched ops (the `_foreach_*` family) rather than as one kernel.
+other dispatched ops (the `_foreach_*` family) rather than as one kernel;
+with `decompose_when`, only for the input layouts it accepts (a softmax over
+a split dim), the signatures deciding the others.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class Rule:
     signatures: Callable[[Ctx], Sequence[Signature]]
     local: Optional[Callable[..., Any]] = None  # local(func, args, kwargs, where: Local) -> outputs
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
+    decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
     overwrites: bool = False  # writes every element of its target (copy_): may relayout a fresh target
 
@@ -101,9 +104,19 @@ def pointwise_dims(shape: Sequence[int], out_shape: Sequence[int], out_dim: int)
     return S(d)
 
 
+def reduce_partial(t: Any) -> Any:
+    """A GlobalTensor's Partial mesh axes reduced to Broadcast (for rules that decompose an op)."""
+    return t.to_global(t.placement, tuple(B if isinstance(s, Partial) else s for s in t.sbp))
+
+
+def split_on(layout: Any, dim: int) -> bool:
+    """Whether some mesh axis of `layout` splits tensor dim `dim`."""
+    return any(isinstance(s, Split) and s.dim == dim for s in layout.sbp)
+
+
 def no_signatures(ctx: Ctx) -> list:
     return []
 
 
 __all__ = ["Ctx", "Local", "Rule", "RULES", "register", "overloads", "pointwise_dims", "Signature",
-           "B", "P", "PMAX", "PMIN", "S", "aten", "field", "no_signatures"]
+           "B", "P", "PMAX", "PMIN", "S", "aten", "field", "no_signatures", "reduce_partial", "split_on"]

@@ -52,6 +52,8 @@ def reshape_map(ins: Sequence[int], outs: Sequence[int], mesh: Sequence[int]) ->
         return {}
     m = {}
     for gi, gj in reshape_groups(ins, outs):
+        gi = [k for k in gi if ins[k] != 1] or gi[:1]  # size-1 dims hold no piece of a split
+        gj = [k for k in gj if outs[k] != 1] or gj[:1]
         inner_in, inner_out = math.prod(ins[k] for k in gi[1:]), math.prod(outs[k] for k in gj[1:])
         if all([s * inner_in for s in split_sizes(ins[gi[0]], n)] ==
                [s * inner_out for s in split_sizes(outs[gj[0]], n)] for n in set(mesh)):
