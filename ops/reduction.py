@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
 
 
@@ -46,7 +48,20 @@ def mean_local(func, args, kwargs, where: Local):
 SUM = reduction(P)
 register([aten.sum.default, aten.sum.dim_IntList], SUM)
 register([aten.mean.default, aten.mean.dim], Rule(SUM.signatures, local=mean_local))
-register([aten.amax.default, aten.max.default], reduction(PMAX))
-register([aten.amin.default, aten.min.default], reduction(PMIN))
+def extreme_local(identity: str):
+    """max()/min() of an empty shard (a split smaller than the mesh) is the reduction's identity."""
+    def local(func, args, kwargs, where: Local):
+        x = args[0]
+        if x.numel() or func not in (aten.max.default, aten.min.default):
+            return func(*args, **kwargs)
+        info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
+        value = {"max": -math.inf if x.dtype.is_floating_point else info.min,
+                 "min": math.inf if x.dtype.is_floating_point else info.max}[identity]
+        return x.new_full((), value)
+    return local
+
+
+register([aten.amax.default, aten.max.default], Rule(reduction(PMAX).signatures, local=extreme_local("max")))
+register([aten.amin.default, aten.min.default], Rule(reduction(PMIN).signatures, local=extreme_local("min")))
 register([aten.max.dim, aten.min.dim], reduction(None, n_out=2))
 register([aten.argmax.default, aten.argmin.default], reduction(None))
