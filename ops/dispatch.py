@@ -456,10 +456,13 @@ def candidates_cost(func: Any, args: tuple, kwargs: dict, cls: type) -> list[tup
         if not _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
             continue
         per_rank = [0]
-        for s, t, x in zip(srcs, targets, tensors):
-            if s != t:
-                vec = boxing.plan(s, t, x.shape, x.dtype).recv_bytes
-                per_rank = [a + b for a, b in itertools.zip_longest(per_rank, vec, fillvalue=0)]
+        try:
+            for s, t, x in zip(srcs, targets, tensors):
+                if s != t:
+                    vec = boxing.plan(s, t, x.shape, x.dtype).recv_bytes
+                    per_rank = [a + b for a, b in itertools.zip_longest(per_rank, vec, fillvalue=0)]
+        except ValueError:  # no such conversion (P(sum) cannot become P(max)): not a candidate
+            continue
         result.append((max(per_rank), targets))
     return sorted(result, key=lambda r: r[0])
 
