@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -23,6 +23,15 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, strides: tuple,
+          requires_grad: bool) -> "GlobalTensor":
+    r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype,
+                                            device=local.device, requires_grad=requires_grad)
+    r._local = local
+    r._layout = layout
+    return r
+
+
 class GlobalTensor(torch.Tensor):
     """Holds `_local` (this rank's shard) and `_layout`; ranks outside the placement hold an empty tensor."""
 
@@ -34,12 +43,14 @@ class GlobalTensor(torch.Tensor):
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> "GlobalTensor":
         shape = tuple(shape)
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=_contiguous_strides(shape), dtype=local.dtype,
-            device=local.device, requires_grad=requires_grad)
-        r._local = local
-        r._layout = layout
-        return r
+        return _wrap(cls, local, layout, shape, _contiguous_strides(shape), requires_grad)
+
+    @classmethod
+    def _wrapper(cls, layout: Layout, shape: Sequence[int]) -> Callable[[torch.Tensor], "GlobalTensor"]:
+        """`lambda local: cls(local, layout, shape)` with the strides worked out once (dispatch cache hits)."""
+        shape = tuple(shape)
+        strides = _contiguous_strides(shape)
+        return lambda local: _wrap(cls, local, layout, shape, strides, False)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -30,6 +30,7 @@ _MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss)
 
 _IMPOSSIBLE = (1 << 62,)
 _CACHE: dict[tuple, "Decision"] = {}
+_FAST: dict[tuple, Callable] = {}  # flat key -> the decision's fast path (see _fast_path)
 _STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisions": Counter()}
 _WARNED: set = set()
 _FRESH = WeakIdKeyDictionary()  # locals of outputs that hold no values yet (rule.fresh)
@@ -50,11 +51,12 @@ def reset_stats() -> None:
 def check_replicated(enabled: bool = True) -> None:
     """Verify that plain tensors mixed with GlobalTensors are equal on every rank (GT_CHECK_REPLICATED=1)."""
     _CHECK["replicated"] = enabled
-    _CACHE.clear()
+    clear_cache()
 
 
 def clear_cache() -> None:
     _CACHE.clear()
+    _FAST.clear()
 
 
 # -- arguments ---------------------------------------------------------------
@@ -125,13 +127,30 @@ class Decision:
 
 
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
-    """Entry point from GlobalTensor.__torch_dispatch__."""
+    """Entry point from GlobalTensor.__torch_dispatch__: a flat call takes its precomputed fast path."""
+    if not kwargs:
+        key = _flat_key(func, args, cls)
+        if key is not None:
+            fast = _FAST.get(key)
+            if fast is None:
+                tensors: list = []
+                fast = _FAST[key] = _fast_path(func, _decision(func, args, {}, cls, tensors), args, cls)
+            return fast(args)
     kwargs = kwargs or {}
-    tensors: list = []
+    tensors = []
+    return _run_decided(func, args, kwargs, cls, tensors, _decision(func, args, kwargs, cls, tensors))
+
+
+def _decision(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> Decision:
+    """The cached decision for this call (made on a miss); fills `tensors` with the tensor args in order."""
     key = (func, _key_of(args, cls, tensors), _key_of(tuple(kwargs.items()), cls, tensors))
     dec = _CACHE.get(key)
     if dec is None:
         dec = _CACHE[key] = _decide(func, args, kwargs, cls, tensors)
+    return dec
+
+
+def _run_decided(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec: Decision) -> Any:
     if dec.rule is not None and dec.rule.overwrites and _adopt(args, cls):
         return args[0]
     if dec.kind == "decompose":
@@ -139,6 +158,111 @@ def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     if dec.kind == "fallback":
         return _run_fallback(func, args, kwargs, cls, tensors, dec)
     return _execute(func, args, kwargs, cls, tensors, dec)
+
+
+# -- the cache-hit fast path ---------------------------------------------------
+_PLAIN = object()  # flat-key marker of a plain tensor (a GlobalTensor's is its layout)
+_ZERO, _NONZERO = object(), object()  # flat-key floats: only zero-or-not decides a rule (see _key_of)
+
+
+def _flat_key(func: Any, args: tuple, cls: type) -> Optional[tuple]:
+    """`_key_of` without recursion for the common call: no tensor or float inside a list; None otherwise.
+
+    It tells calls apart at least as finely as the general key, so one
+    decision serves every call with the same flat key.
+    """
+    key = [func]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key += (a._layout if isinstance(a, cls) else _PLAIN, a.shape, a.dtype)
+        elif type(a) is float:
+            key.append(_NONZERO if a else _ZERO)
+        elif type(a) is list:
+            for e in a:
+                if type(e) is not int:
+                    return None
+            key.append((list, *a))
+        elif type(a) is tuple:
+            return None
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _fast_path(func: Any, dec: Decision, args: tuple, cls: type) -> Callable[[tuple], Any]:
+    """A decision's cache-hit work with everything that does not depend on the values worked out once.
+
+    Which positions hold tensors, which of them need boxing (a decision knows
+    its source layouts), the output wrappers, and a `Local` per rank only
+    where the rule has a local hook. Ranks outside the placement, other
+    decision kinds and multi-output writebacks take the general path.
+    """
+    slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+
+    def general(args: tuple) -> Any:
+        return _run_decided(func, args, {}, cls, [args[i] for i in slots], dec)
+
+    if dec.kind != "kernel" or dec.rule.overwrites:
+        return general
+    rule, ctx, placement, inplace, writeback = dec.rule, dec.ctx, dec.placement, dec.inplace, dec.writeback
+    direct = tuple(i for i, t in zip(slots, dec.targets) if isinstance(args[i], cls) and args[i]._layout == t)
+    work = tuple((i, t) for i, t in zip(slots, dec.targets) if i not in direct)
+    boxed_name = str(func) if dec.boxes else None
+    first = slots[0] if slots else None
+    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape)
+                     for lay, shape in zip(dec.out_layouts, ctx.out_shapes))
+    wrap0 = wrappers[0] if len(wrappers) == 1 else None
+    where: dict = {}  # rank -> Local (only built when the rule has a local hook)
+
+    def fast(args: tuple) -> Any:
+        comm = context.current()
+        rank = comm.rank
+        if rank not in placement:
+            return general(args)
+        largs = list(args)
+        for i in direct:
+            largs[i] = args[i]._local
+        if work:
+            if boxed_name is not None:
+                _STATS["boxed"][boxed_name] += 1
+            for i, dst in work:
+                largs[i] = _local_of(func, args[i], dst, cls, placement, comm)
+        if writeback:
+            largs[first] = largs[first].clone()
+        if rule.local is None:
+            result = func(*largs)
+        else:
+            loc = where.get(rank)
+            if loc is None:
+                loc = where[rank] = Local(ctx, dec.targets, dec.out_layouts, rank)
+            result = rule.local(func, tuple(largs), {}, loc)
+        if inplace:
+            target = args[first]
+            if writeback:
+                new = box(_flatten_out(result)[0][0], dec.out_layouts[0], target._layout, target.shape)
+                target._local.copy_(new)
+            return target
+        if wrap0 is not None and isinstance(result, torch.Tensor):
+            out = wrap0(result)
+        else:
+            flat, rebuild = _flatten_out(result)
+            out = rebuild([None if f is None or w is None else w(f) for f, w in zip(flat, wrappers)])
+        if rule.fresh:
+            for f in _flatten_out(result)[0]:
+                _FRESH[f] = True
+        return out
+
+    return fast
+
+
+def _local_of(func: Any, t: torch.Tensor, dst: Layout, cls: type, placement: Any, comm: Any) -> torch.Tensor:
+    """One input's local tensor in the target layout (plain tensors are taken as Broadcast)."""
+    if isinstance(t, cls):
+        return box_global(t, dst)
+    if _CHECK["replicated"]:
+        _check_plain(func, t, placement, comm)
+    src = Layout(placement, (Broadcast(),) * placement.ndim)
+    return t if dst == src else box(t, src, dst, t.shape)
 
 
 def _adopt(args: tuple, cls: type) -> bool:
@@ -362,16 +486,7 @@ def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:
 
 
 def _locals(func: Any, tensors: list, dec: Decision, cls: type, comm: Any) -> list:
-    out = []
-    for t, dst in zip(tensors, dec.targets):
-        if isinstance(t, cls):
-            out.append(box_global(t, dst))
-        else:
-            if _CHECK["replicated"]:
-                _check_plain(func, t, dec.placement, comm)
-            src = Layout(dec.placement, (Broadcast(),) * dec.placement.ndim)
-            out.append(t if dst == src else box(t, src, dst, t.shape))
-    return out
+    return [_local_of(func, t, dst, cls, dec.placement, comm) for t, dst in zip(tensors, dec.targets)]
 
 
 def _execute(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec: Decision) -> Any:
