@@ -386,17 +386,43 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
                     per_rank[r] += b
         return (max(per_rank, default=0), steps)
 
-    combos = list(itertools.islice(itertools.product(*axes), _MAX_COMBOS))  # bounded: 3-axis meshes stay cheap
-    scored = sorted(((score(c), k) for k, c in enumerate(combos)))
-    for (cost, _), k in scored:
-        if cost == float("inf"):
-            break
-        combo = combos[k]
+    def take(combo: tuple) -> Optional[tuple]:
+        """The decision's (targets, out layouts, writeback) if this combo's local kernel checks out."""
         targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
         out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
                             for j in range(n_out))
         if _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
             return targets, out_layouts, writeback or (inplace and out_layouts[0] != srcs[0])
+        return None
+
+    combos = list(itertools.islice(itertools.product(*axes), _MAX_COMBOS))  # bounded: 3-axis meshes stay cheap
+    free = _first_free(combos, srcs, take)
+    if free is not None:  # (0, 0) is the least cost: only combos before it could tie, and win by order
+        k, chosen = free
+        for c in combos[:k]:
+            if score(c) == (0, 0) and (tie := take(c)) is not None:
+                return tie
+        return chosen
+    for (cost, _), k in sorted((score(c), k) for k, c in enumerate(combos)):
+        if cost == float("inf"):
+            break
+        chosen = take(combos[k])
+        if chosen is not None:
+            return chosen
+    return None
+
+
+def _first_free(combos: list, srcs: tuple, take: Callable) -> Optional[tuple]:
+    """(index, decision) of the first valid combo that boxes no input, or None.
+
+    A cache miss then plans no conversions (boxing searches are most of a
+    miss) except for the combos listed before it.
+    """
+    for k, combo in enumerate(combos):
+        if all(tuple(sig[0][i] for sig in combo) == src.sbp for i, src in enumerate(srcs)):
+            chosen = take(combo)
+            if chosen is not None:
+                return k, chosen
     return None
 
 
