@@ -205,6 +205,8 @@ def _fast_path(func: Any, dec: Decision, args: tuple, cls: type) -> Callable[[tu
     if dec.kind != "kernel" or dec.rule.overwrites:
         return general
     rule, ctx, placement, inplace, writeback = dec.rule, dec.ctx, dec.placement, dec.inplace, dec.writeback
+    members = frozenset(placement.flat_ranks)
+    kernel = getattr(func, "_op", func)  # the C++ op under OpOverload.__call__: one Python frame less
     direct = tuple(i for i, t in zip(slots, dec.targets) if isinstance(args[i], cls) and args[i]._layout == t)
     work = tuple((i, t) for i, t in zip(slots, dec.targets) if i not in direct)
     boxed_name = str(func) if dec.boxes else None
@@ -217,7 +219,7 @@ def _fast_path(func: Any, dec: Decision, args: tuple, cls: type) -> Callable[[tu
     def fast(args: tuple) -> Any:
         comm = context.current()
         rank = comm.rank
-        if rank not in placement:
+        if rank not in members:
             return general(args)
         largs = list(args)
         for i in direct:
@@ -230,7 +232,7 @@ def _fast_path(func: Any, dec: Decision, args: tuple, cls: type) -> Callable[[tu
         if writeback:
             largs[first] = largs[first].clone()
         if rule.local is None:
-            result = func(*largs)
+            result = kernel(*largs)
         else:
             loc = where.get(rank)
             if loc is None:
