@@ -143,11 +143,6 @@ def device_for(placement: Placement) -> torch.device:
     return torch.device(placement.device_type)
 
 
-def make_global(local: torch.Tensor, layout: Layout, shape: Sequence[int],
-                requires_grad: bool = False) -> GlobalTensor:
-    return GlobalTensor(local, layout, shape, requires_grad)
-
-
 def grad_layout(layout: Layout) -> Layout:
     """The layout a gradient takes when flowing back through `layout`: the dual of Partial is Broadcast."""
     if not layout.has_partial:
