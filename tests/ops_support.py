@@ -28,6 +28,17 @@ def sbps_for(draw, mesh: tuple, shape: tuple, partial: bool = False):
     return tuple(draw(st.one_of(*choices)) for _ in mesh)
 
 
+def _forward_backward(fn, xs, grad, seed):
+    """fn(*xs), then backward of a random weighting of its outputs (the same weights on every device)."""
+    out = fn(*xs)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if grad:
+        torch.manual_seed(seed)
+        loss = sum((o * torch.randn(o.shape, dtype=o.dtype)).sum() for o in outs if o.is_floating_point())
+        loss.backward()
+    return outs
+
+
 def run_global(fn, inputs, mesh, sbps, grad=True, seed=0):
     """fn on GlobalTensors laid out as `sbps` on every rank: (outputs, input grads), each full, per rank."""
     n = math.prod(mesh)
@@ -36,12 +47,7 @@ def run_global(fn, inputs, mesh, sbps, grad=True, seed=0):
         p = mesh_placement(mesh)
         xs = [gt.to_global(t.detach(), p, s).requires_grad_(grad and t.is_floating_point())
               for t, s in zip(inputs, sbps)]
-        out = fn(*xs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if grad:
-            torch.manual_seed(seed)
-            loss = sum((o * torch.randn(o.shape, dtype=o.dtype)).sum() for o in outs if o.is_floating_point())
-            loss.backward()
+        outs = _forward_backward(fn, xs, grad, seed)
         fulls = [o.full_tensor() for o in outs]
         grads = [x.grad.full_tensor() if x.grad is not None else None for x in xs] if grad else []
         return fulls, grads, [o.sbp for o in outs]
@@ -50,12 +56,7 @@ def run_global(fn, inputs, mesh, sbps, grad=True, seed=0):
 
 def run_local(fn, inputs, grad=True, seed=0):
     xs = [t.detach().clone().requires_grad_(grad and t.is_floating_point()) for t in inputs]
-    out = fn(*xs)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    if grad:
-        torch.manual_seed(seed)
-        loss = sum((o * torch.randn(o.shape, dtype=o.dtype)).sum() for o in outs if o.is_floating_point())
-        loss.backward()
+    outs = _forward_backward(fn, xs, grad, seed)
     return [o.detach() for o in outs], [x.grad for x in xs] if grad else []
 
 
