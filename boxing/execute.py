@@ -5,7 +5,7 @@ a buffer is allocated only where the result is assembled from several pieces.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -18,16 +18,63 @@ from .search import plan as make_plan
 
 def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Run `plan` on this rank's shard; returns the shard of the target layout (empty outside it)."""
-    if plan.world > comm.world_size:
-        bad = sorted(r for r in set(plan.src.placement.flat_ranks + plan.dst.placement.flat_ranks)
-                     if r >= comm.world_size)
-        raise ValueError(f"to_global(placement): ranks {bad} are not in the world of size {comm.world_size}; "
-                         f"use ranks 0..{comm.world_size - 1} or launch more processes")
+    _check_world(plan, comm)
     for step in plan.steps:
         local = _RUN[step.primitive](step, plan.shape, local, comm)
     if comm.rank not in plan.dst.placement:
         return local.new_empty((0,))
     return local
+
+
+def _check_world(plan: Plan, comm: Communicator) -> None:
+    if plan.world > comm.world_size:
+        bad = sorted(r for r in set(plan.src.placement.flat_ranks + plan.dst.placement.flat_ranks)
+                     if r >= comm.world_size)
+        raise ValueError(f"to_global(placement): ranks {bad} are not in the world of size {comm.world_size}; "
+                         f"use ranks 0..{comm.world_size - 1} or launch more processes")
+
+
+def all_reduce_key(plan: Plan) -> Optional[tuple]:
+    """(placement, mesh axis, dtype, op) when `plan` is exactly one all-reduce, else None.
+
+    Plans with equal keys reduce over the same rank groups, so their shards can share one collective.
+    """
+    if len(plan.steps) != 1 or plan.steps[0].primitive != "all_reduce":
+        return None
+    step = plan.steps[0]
+    return step.src.placement, step.axis, plan.dtype, step.op
+
+
+def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
+                 ) -> list[torch.Tensor]:
+    """`execute` for several shards, with the plans that are one all-reduce on a common key coalesced.
+
+    Each such group is packed into one flat buffer and reduced by ONE collective (DDP's gradient
+    bucket); the communicator records the buffer's real bytes. Other plans run one by one. Every
+    rank must pass the same plans in the same order; groups run in order of first appearance.
+    """
+    out: list = [None] * len(plans)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(plans):
+        key = all_reduce_key(p)
+        _check_world(p, comm)
+        if key is None:
+            out[i] = execute(p, locals_[i], comm)
+        else:
+            groups.setdefault(key, []).append(i)
+    for (placement, axis, _, op), members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = execute(plans[members[0]], locals_[members[0]], comm)
+            continue
+        if comm.rank not in placement:
+            for i in members:
+                out[i] = locals_[i].new_empty((0,))
+            continue
+        flat = torch.cat([locals_[i].reshape(-1) for i in members])
+        flat = comm.all_reduce(flat, placement.group(comm.rank, axis), op)
+        for i, piece in zip(members, flat.split([locals_[i].numel() for i in members])):
+            out[i] = piece.view(locals_[i].shape)
+    return out
 
 
 def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],

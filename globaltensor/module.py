@@ -14,6 +14,10 @@ things; the first matching pattern of each kind wins:
   `to_global(grad_sbp=)` do; e.g. Megatron's row-parallel output is
   `ModuleLayout(output=B)` (all-reduce forward) and its column-parallel input
   `ModuleLayout(input_grad=B)` (all-reduce of the input gradient backward).
+
+Each converted parameter's gradient, once accumulated, is noted as pending (if Partial) so that
+the optimizer's first read reduces all of them together, one all-reduce per bucket as DDP does,
+instead of one collective per parameter (`dispatch.defer_reduction`).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .layout import normalize_sbp
+from .layout import Layout, normalize_sbp
+from .ops import dispatch
 from .placement import Placement
 from .sbp import SBP_TYPES, Broadcast, Partial
 
@@ -109,6 +114,16 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     return pre, post
 
 
+def _defer_grad_reduction(param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced."""
+    from .tensor import GlobalTensor
+    g = param.grad
+    if isinstance(g, GlobalTensor) and g._layout.has_partial:
+        lay = g._layout
+        dispatch.defer_reduction(g, Layout(lay.placement, tuple(
+            Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)))
+
+
 def _sbp_for(name: str, plan: Mapping[str, Any], placement: Placement) -> tuple:
     for pattern, sbp in plan.items():
         if not isinstance(sbp, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
@@ -155,6 +170,8 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     g = to_global(t.detach(), placement, _sbp_for(full, plan, placement))
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
                         if isinstance(t, torch.nn.Parameter) else g
+                    if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                        done[id(t)].register_post_accumulate_grad_hook(_defer_grad_reduction)
                 table[name] = done[id(t)]
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in mod.__dict__.pop("_gt_layout_hooks", ()):

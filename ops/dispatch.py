@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -35,6 +36,7 @@ _STATS: dict[str, Counter] = {"fallback": Counter(), "boxed": Counter(), "decisi
 _WARNED: set = set()
 _FRESH = WeakIdKeyDictionary()  # locals of outputs that hold no values yet (rule.fresh)
 _REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor -> {target layout: (versions, reduced local)}
+_PENDING = weakref.WeakKeyDictionary()  # Communicator -> {Partial GlobalTensor: expected target} (defer_reduction)
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
 
 
@@ -485,6 +487,7 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     dispatcher (`to_local()` views, a replaced shard). Only Partial sources
     are remembered: re-reducing is what costs, and other conversions would
     only pin memory (a ZeRO-3 all-gathered weight) for no saved bytes.
+    A gradient noted by `defer_reduction` is reduced together with the other pending ones.
     """
     src = t._layout
     if src == dst:
@@ -498,9 +501,51 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     hit = memo.get(dst)
     if hit is not None and hit[0] == now:
         return hit[1]
+    pending = _PENDING.get(context.current())
+    if pending and t in pending:
+        if pending.pop(t) == dst:
+            _flush(pending, t, dst)
+            hit = memo.get(dst)
+            if hit is not None and hit[0] == now:
+                return hit[1]
     out = box(t._local, src, dst, t.shape)
     memo[dst] = (now, out)
     return out
+
+
+def defer_reduction(t: Any, dst: Layout) -> None:
+    """Note a fresh Partial gradient whose reduction to `dst` should share a collective with others.
+
+    Called by the gradient hooks of converted modules, in backward order (the same on every rank).
+    The first time `box_global` is asked for a pending tensor in its expected layout, every pending
+    one is reduced at once, one all-reduce per bucket (`boxing.execute_many`), and the results wait
+    in the memo of reductions under the usual version check. A tensor asked for in another layout
+    leaves the list and takes the normal path, so a wrong guess only costs the bucketing.
+    """
+    comm = context.current()
+    pending = _PENDING.get(comm)
+    if pending is None:
+        pending = _PENDING[comm] = WeakIdKeyDictionary()
+    pending[t] = dst
+
+
+def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
+    """Reduce `t` (just taken off the list) and the pending tensors whose plan is one all-reduce; clear the list.
+
+    Other plans are left to the normal path, which runs them only if asked.
+    """
+    entries = [(t, dst)] + list(pending.items())
+    pending.clear()
+    plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
+    keep = [i for i, p in enumerate(plans) if boxing.all_reduce_key(p) is not None]
+    outs = boxing.execute_many([plans[i] for i in keep], [entries[i][0]._local for i in keep],
+                               context.current())
+    for i, out in zip(keep, outs):
+        u, d = entries[i]
+        memo = _REDUCED.get(u)
+        if memo is None:
+            memo = _REDUCED[u] = {}
+        memo[d] = (_versions(u), out)
 
 
 def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:

@@ -7,7 +7,8 @@ forward all-reduces the vocab-parallel embedding output and the two
 row-parallel outputs per layer (attention and MLP `proj`); backward
 all-reduces the input gradients of the column-parallel regions (q/k/v once,
 fc, the head); the data axis all-reduces every gradient shard once in the
-step; the optimizer moves nothing more.
+step, all of them in one flat bucket (one collective, as DDP); the optimizer
+moves nothing more.
 
 The loss is the model's unchanged `F.cross_entropy` (log_softmax + nll_loss)
 over vocab-split logits: two [N] all-reduces forward (row max, row sum of
@@ -59,8 +60,10 @@ def megatron(mesh: tuple, params: list) -> dict:
     ar("backward", 1, n_tok, t)                            #   backward: row sum of the gradient
     ar("forward", 0, 1, d)                                 # mean over the split batch: target count
     ar("backward", 1, n_tok * h, t)                        # grad of the head's input
-    for shape, split in params:                            # data-parallel gradient reduction
-        ar("step", 0, int(np.prod(shape)) // (t if split else 1), d)
+    if d > 1:                                              # data-parallel gradient reduction: one
+        out[("step", "all_reduce", 0, "n")] += 1           # flat bucket (as DDP's), the bytes of
+        for shape, split in params:                        # reducing each gradient shard once
+            out[("step", "all_reduce", 0, "b")] += _all_reduce_bytes(int(np.prod(shape)) // (t if split else 1), d)
     return {k: v for k, v in out.items() if v}
 
 

@@ -1,4 +1,5 @@
-"""Optimizer steps reduce each Partial gradient exactly once; the memory of reductions is invalidated by writes."""
+"""Optimizer steps reduce each Partial gradient exactly once (in buckets); the memory of reductions is
+invalidated by writes."""
 from __future__ import annotations
 
 import warnings
@@ -15,13 +16,16 @@ LOCAL_STEPS = {"slice", "fill", "pad"}
 
 
 def _expected(params, rank):
-    """Each gradient boxed once to its parameter's (and optimizer state's) layout, as its plan says."""
-    kinds, recv = Counter(), 0
+    """Each gradient boxed once to its parameter's (and optimizer state's) layout, as its plan says;
+    the plans that are one all-reduce share a collective per bucket (same groups, dtype and op)."""
+    kinds, recv, buckets = Counter(), 0, set()
     for p in params:
         plan = gt.boxing.plan(p.grad.layout, p.layout, tuple(p.shape), p.dtype)
+        key = gt.boxing.all_reduce_key(plan)
         for step in plan.steps:
-            if step.primitive not in LOCAL_STEPS:
+            if step.primitive not in LOCAL_STEPS and (key is None or key not in buckets):
                 kinds[step.primitive] += 1
+        buckets.add(key)
         recv += plan.recv_bytes[rank]
     return kinds, recv
 
