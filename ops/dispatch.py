@@ -494,9 +494,7 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
         return t._local
     if not src.has_partial:
         return box(t._local, src, dst, t.shape)
-    memo = _REDUCED.get(t)
-    if memo is None:
-        memo = _REDUCED[t] = {}
+    memo = _memo_of(t)
     now = _versions(t)
     hit = memo.get(dst)
     if hit is not None and hit[0] == now:
@@ -511,6 +509,14 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     out = box(t._local, src, dst, t.shape)
     memo[dst] = (now, out)
     return out
+
+
+def _memo_of(t: Any) -> dict:
+    """The reductions remembered for GlobalTensor `t`: {target layout: (versions, reduced local)}."""
+    memo = _REDUCED.get(t)
+    if memo is None:
+        memo = _REDUCED[t] = {}
+    return memo
 
 
 def defer_reduction(t: Any, dst: Layout) -> None:
@@ -542,10 +548,7 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
                                context.current())
     for i, out in zip(keep, outs):
         u, d = entries[i]
-        memo = _REDUCED.get(u)
-        if memo is None:
-            memo = _REDUCED[u] = {}
-        memo[d] = (_versions(u), out)
+        _memo_of(u)[d] = (_versions(u), out)
 
 
 def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:
