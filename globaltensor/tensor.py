@@ -1,7 +1,6 @@
 """GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import torch
@@ -13,22 +12,16 @@ from .ops import dispatch as _ops_dispatch
 from .runtime import context
 from .sbp import Broadcast, Partial, Split
 
-
-@lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
+_run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
 
 
-def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, strides: tuple,
-          requires_grad: bool) -> "GlobalTensor":
-    r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=local.dtype,
-                                            device=local.device, requires_grad=requires_grad)
+def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any,
+          requires_grad: bool = False) -> "GlobalTensor":
+    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+                                            requires_grad=requires_grad)  # contiguous strides
     r._local = local
     r._layout = layout
+    r._key = key
     return r
 
 
@@ -37,27 +30,35 @@ class GlobalTensor(torch.Tensor):
 
     _local: torch.Tensor
     _layout: Layout
-    __slots__ = ["_local", "_layout"]
+    _key: Any  # the dispatcher's interned (layout, shape, dtype); set wherever _layout is
+    __slots__ = ["_local", "_layout", "_key"]
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> "GlobalTensor":
         shape = tuple(shape)
-        return _wrap(cls, local, layout, shape, _contiguous_strides(shape), requires_grad)
+        return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
 
     @classmethod
-    def _wrapper(cls, layout: Layout, shape: Sequence[int]) -> Callable[[torch.Tensor], "GlobalTensor"]:
-        """`lambda local: cls(local, layout, shape)` with the strides worked out once (dispatch cache hits)."""
+    def _wrapper(cls, layout: Layout, shape: Sequence[int],
+                 dtype: torch.dtype) -> Callable[[torch.Tensor], "GlobalTensor"]:
+        """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits)."""
         shape = tuple(shape)
-        strides = _contiguous_strides(shape)
-        return lambda local: _wrap(cls, local, layout, shape, strides, False)
+        key = _tensor_key(layout, shape, dtype)
+        return lambda local: _wrap(cls, local, layout, shape, key)
+
+    def _set_layout(self, local: torch.Tensor, layout: Layout) -> None:
+        """Replace shard and layout in place (same global shape and dtype)."""
+        self._local = local
+        self._layout = layout
+        self._key = _tensor_key(layout, tuple(self.shape), self.dtype)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`)."""
-        return _ops_dispatch.run(func, args, kwargs, GlobalTensor)
+        return _run(func, args, kwargs, GlobalTensor)
 
     # -- the layout ----------------------------------------------------------
     @property

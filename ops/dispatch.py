@@ -62,6 +62,37 @@ def clear_cache() -> None:
 
 
 # -- arguments ---------------------------------------------------------------
+class TensorKey:
+    """What a decision depends on of one GlobalTensor argument: (layout, shape, dtype).
+
+    Interned, and hashed and compared by identity, so a cache-hit key is a
+    tuple of such objects that hashes without looking inside layouts or shapes.
+    Every GlobalTensor carries its own as `_key`.
+    """
+    __slots__ = ("layout", "shape", "dtype")
+
+    def __copy__(self) -> "TensorKey":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "TensorKey":
+        return self
+
+    def __reduce__(self):
+        return (tensor_key, (self.layout, self.shape, self.dtype))
+
+
+_TENSOR_KEYS: dict[tuple, TensorKey] = {}
+
+
+def tensor_key(layout: Layout, shape: tuple, dtype: torch.dtype) -> TensorKey:
+    k = (layout, shape, dtype)
+    key = _TENSOR_KEYS.get(k)
+    if key is None:
+        key = _TENSOR_KEYS[k] = TensorKey()
+        key.layout, key.shape, key.dtype = k
+    return key
+
+
 def _key_of(a: Any, cls: type, tensors: list) -> Any:
     if isinstance(a, cls):
         tensors.append(a)
@@ -126,6 +157,7 @@ class Decision:
     inplace: bool
     writeback: bool                   # in-place op computed elsewhere and boxed back to the target
     boxes: bool                       # some input needs boxing
+    out_dtypes: tuple = ()            # per flattened output (kernel decisions)
 
 
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
@@ -175,8 +207,10 @@ def _flat_key(func: Any, args: tuple, cls: type) -> Optional[tuple]:
     """
     key = [func]
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key += (a._layout if isinstance(a, cls) else _PLAIN, a.shape, a.dtype)
+        if isinstance(a, cls):
+            key.append(a._key)
+        elif isinstance(a, torch.Tensor):
+            key += (_PLAIN, a.shape, a.dtype)
         elif type(a) is float:
             key.append(_NONZERO if a else _ZERO)
         elif type(a) is list:
@@ -213,8 +247,8 @@ def _fast_path(func: Any, dec: Decision, args: tuple, cls: type) -> Callable[[tu
     work = tuple((i, t) for i, t in zip(slots, dec.targets) if i not in direct)
     boxed_name = str(func) if dec.boxes else None
     first = slots[0] if slots else None
-    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape)
-                     for lay, shape in zip(dec.out_layouts, ctx.out_shapes))
+    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
+                     for lay, shape, dtype in zip(dec.out_layouts, ctx.out_shapes, dec.out_dtypes))
     wrap0 = wrappers[0] if len(wrappers) == 1 else None
     where: dict = {}  # rank -> Local (only built when the rule has a local hook)
 
@@ -280,8 +314,7 @@ def _adopt(args: tuple, cls: type) -> bool:
             dst.shape != src.shape or dst._layout.placement != src._layout.placement:
         return False
     del _FRESH[dst._local]
-    dst._local = src._local.to(dst.dtype, copy=True)
-    dst._layout = src._layout
+    dst._set_layout(src._local.to(dst.dtype, copy=True), src._layout)
     return True
 
 
@@ -326,7 +359,7 @@ def _decide(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> D
         return fallback
     targets, out_layouts, writeback = choice
     return Decision("kernel", rule, ctx, placement, targets, out_layouts, inplace, writeback,
-                    any(s != t for s, t in zip(srcs, targets)))
+                    any(s != t for s, t in zip(srcs, targets)), tuple(None if o is None else o.dtype for o in outs))
 
 
 def _axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:

@@ -11,18 +11,24 @@ import threading
 
 from .comm import Communicator
 
-_local = threading.local()
+
+
+class _Thread(threading.local):
+    comm: Communicator | None = None  # a class default: reading it never raises (a dispatch hit reads it)
+
+
+_local = _Thread()
 _process: Communicator | None = None
 _alone: Communicator | None = None  # the implicit world of one of a plain script
 
 
 def current_or_none() -> Communicator | None:
     """The communicator of a launched rank or a torchrun process; None in a plain script."""
-    return getattr(_local, "comm", None) or _process
+    return _local.comm or _process
 
 
 def current() -> Communicator:
-    comm = getattr(_local, "comm", None) or _process or _alone
+    comm = _local.comm or _process or _alone
     return comm if comm is not None else _init_process()
 
 
