@@ -97,6 +97,10 @@ class Layout:
         box = self.shard(shape, rank)
         return (0,) if box is None else tuple(size for _, size in box)
 
+    def local_shapes(self, shape: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """Every rank's local shape, in `placement.flat_ranks` order (one pass: dispatch checks all ranks)."""
+        return _local_shapes(self, tuple(shape))
+
 
 @lru_cache(maxsize=65536)
 def _shard(sbp: tuple[SBP, ...], mesh: tuple[int, ...], shape: tuple[int, ...],
@@ -108,6 +112,22 @@ def _shard(sbp: tuple[SBP, ...], mesh: tuple[int, ...], shape: tuple[int, ...],
             off, size = split_range(size, mesh[axis], coord[axis])
             box[s.dim] = (start + off, size)
     return tuple(box)
+
+
+@lru_cache(maxsize=4096)
+def _local_shapes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    p = layout.placement
+    cuts = [(axis, s.dim, p.shape[axis]) for axis, s in enumerate(layout.sbp) if isinstance(s, Split)]
+    if not cuts:
+        return (shape,) * p.size
+    shapes = []
+    for r in p.flat_ranks:
+        coord, sizes = p.coord(r), list(shape)
+        for axis, d, parts in cuts:  # in mesh-axis order, as _shard cuts
+            base, extra = divmod(sizes[d], parts)
+            sizes[d] = base + (coord[axis] < extra)
+        shapes.append(tuple(sizes))
+    return tuple(shapes)
 
 
 def slice_box(t, box: tuple[tuple[int, int], ...]):

@@ -45,7 +45,9 @@ class GlobalTensor(torch.Tensor):
         """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits)."""
         shape = tuple(shape)
         key = _tensor_key(layout, shape, dtype)
-        return lambda local: _wrap(cls, local, layout, shape, key)
+        # the decision's dtype comes from torch's meta kernels, which a real kernel may contradict
+        return lambda local: _wrap(cls, local, layout, shape,
+                                   key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype))
 
     def _set_layout(self, local: torch.Tensor, layout: Layout) -> None:
         """Replace shard and layout in place (same global shape and dtype)."""

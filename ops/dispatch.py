@@ -24,7 +24,7 @@ from .. import boxing
 from ..layout import Layout, slice_box
 from ..runtime import context
 from ..sbp import Broadcast, Partial, Split
-from .registry import RULES, Ctx, Local, Rule
+from .registry import RULES, Ctx, Local, Rule, is_inplace
 
 aten = torch.ops.aten
 _MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss)
@@ -132,13 +132,6 @@ def _flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:
         kind = type(out)
         return list(out), lambda xs: kind(xs)
     return [], lambda xs: out
-
-
-def is_inplace(func: Any) -> bool:
-    s = func._schema
-    return bool(s.arguments) and s.arguments[0].is_out is False and s.arguments[0].alias_info is not None \
-        and s.arguments[0].alias_info.is_write and not s.name.endswith("_foreach") and s.returns \
-        and s.returns[0].alias_info is not None and s.returns[0].alias_info.is_write
 
 
 def _meta(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -346,7 +339,8 @@ def _decide(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list) -> D
         return fallback
     try:
         meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: _meta(t, t.shape))
-        outs, _ = _flatten_out(func(*meta_args, **meta_kwargs))
+        outs, _ = _flatten_out(func(*meta_args, **meta_kwargs) if rule.meta is None else
+                               rule.meta(func, meta_args, meta_kwargs))
     except Exception:
         return fallback  # no meta kernel (data-dependent output): run it replicated
     ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
@@ -465,25 +459,32 @@ def _first_free(combos: list, srcs: tuple, take: Callable) -> Optional[tuple]:
 
 def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, tensors: list, placement: Any,
            outs: list) -> bool:
+    """Whether the local kernel, run on meta shards, yields on every rank the shards `out_layouts` describe.
+
+    Ranks whose input and expected output shard shapes are alike are checked once.
+    """
     for lay, shape in zip(out_layouts, ctx.out_shapes):
         if lay is not None:
             try:
                 lay.check_shape(shape)
             except ValueError:
                 return False
+    ins = [t.local_shapes(s) for t, s in zip(targets, ctx.shapes)]
+    want = [None if lay is None else lay.local_shapes(s) for lay, s in zip(out_layouts, ctx.out_shapes)]
     seen = set()
-    for r in placement.flat_ranks:
-        shapes = tuple(t.local_shape(s, r) for t, s in zip(targets, ctx.shapes))
-        if shapes in seen:
+    for k, r in enumerate(placement.flat_ranks):
+        shapes = tuple(s[k] for s in ins)
+        expect = tuple(None if w is None else w[k] for w in want)
+        if (shapes, expect) in seen:
             continue
-        seen.add(shapes)
+        seen.add((shapes, expect))
         try:
             largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: _meta(t, shapes[i]))
-            got, _ = _flatten_out(_kernel(ctx.func, rule, largs, lkwargs, Local(ctx, targets, out_layouts, r)))
+            got, _ = _flatten_out(_meta_kernel(ctx.func, rule, largs, lkwargs, Local(ctx, targets, out_layouts, r)))
         except Exception:
             return False
-        for g, lay, shape in zip(got, out_layouts, ctx.out_shapes):
-            if lay is not None and (g is None or tuple(g.shape) != lay.local_shape(shape, r)):
+        for g, e in zip(got, expect):
+            if e is not None and (g is None or tuple(g.shape) != e):
                 return False
     return True
 
@@ -492,6 +493,13 @@ def _kernel(func: Any, rule: Rule, args: tuple, kwargs: dict, where: Local) -> A
     if rule.local is not None:
         return rule.local(func, args, kwargs, where)
     return func(*args, **kwargs)
+
+
+def _meta_kernel(func: Any, rule: Rule, args: tuple, kwargs: dict, where: Local) -> Any:
+    """`_kernel` on meta shards, through the rule's faster meta stand-in where it has one."""
+    if rule.local is None and rule.meta is not None:
+        return rule.meta(func, args, kwargs)
+    return _kernel(func, rule, args, kwargs, where)
 
 
 # -- execution -----------------------------------------------------------------

@@ -10,6 +10,7 @@ a split dim), the signatures deciding the others.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -77,9 +78,19 @@ class Rule:
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
     overwrites: bool = False  # writes every element of its target (copy_): may relayout a fresh target
+    meta: Optional[Callable[..., Any]] = None  # meta(func, args, kwargs): func's outputs on meta tensors, faster
 
 
 RULES: dict[Any, Rule] = {}
+
+
+@lru_cache(maxsize=None)
+def is_inplace(func: Any) -> bool:
+    """Whether `func` writes its first argument and returns it (add_, copy_), from its schema."""
+    s = func._schema
+    return bool(s.arguments) and s.arguments[0].is_out is False and s.arguments[0].alias_info is not None \
+        and s.arguments[0].alias_info.is_write and not s.name.endswith("_foreach") and bool(s.returns) \
+        and s.returns[0].alias_info is not None and s.returns[0].alias_info.is_write
 
 
 def register(ops: Sequence[Any], rule: Rule) -> None:
@@ -118,5 +129,5 @@ def no_signatures(ctx: Ctx) -> list:
     return []
 
 
-__all__ = ["Ctx", "Local", "Rule", "RULES", "register", "overloads", "pointwise_dims", "Signature",
+__all__ = ["Ctx", "Local", "Rule", "RULES", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
            "B", "P", "PMAX", "PMIN", "S", "aten", "field", "no_signatures", "reduce_partial", "split_on"]
