@@ -44,7 +44,7 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> 
     """The cheapest plan converting `src` to `dst` for a global `shape` and `dtype` (cached)."""
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError("boxing.plan(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
-    return _plan(src, dst, tuple(int(s) for s in shape), dtype)
+    return _plan(src, dst, tuple(map(int, shape)), dtype)
 
 
 @lru_cache(maxsize=4096)

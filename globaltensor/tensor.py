@@ -102,7 +102,7 @@ class GlobalTensor(torch.Tensor):
             if placement.ndim != self.placement.ndim:
                 raise ValueError("to_global(sbp): required when the placement's mesh has another number of axes")
             sbp = self.sbp
-        dst = Layout(placement, normalize_sbp(sbp, placement.ndim))
+        dst = _layout_of(placement, sbp)
         dst.check_shape(self.shape)
         grad_dst = None if grad_sbp is None else gradient_layout(self, grad_sbp)
         if dst == self._layout and grad_dst is None:
@@ -114,8 +114,28 @@ class GlobalTensor(torch.Tensor):
         return _FullTensor.apply(self)
 
 
+_LAYOUTS: dict[tuple, Layout] = {}  # (placement, sbp as given) -> Layout: conversions repeat their targets
+
+
+def _layout_of(placement: Placement, sbp: Any) -> Layout:
+    try:
+        layout = _LAYOUTS.get((placement, sbp))
+    except TypeError:  # a list of SBPs: unhashable, checked afresh
+        return Layout(placement, normalize_sbp(sbp, placement.ndim))
+    if layout is None:
+        layout = _LAYOUTS[(placement, sbp)] = Layout(placement, normalize_sbp(sbp, placement.ndim))
+    return layout
+
+
 def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> GlobalTensor:
-    """Boxing between layouts (differentiable; see `_Convert`); `grad_dst`: the layout of x's gradient."""
+    """Boxing between layouts (differentiable; see `_Convert`); `grad_dst`: the layout of x's gradient.
+
+    Without a gradient to record, the plan runs directly: an autograd.Function call costs more than
+    a conversion that moves nothing (a B->S slice).
+    """
+    if grad_dst is None and not (x.requires_grad and torch.is_grad_enabled()):
+        local = boxing.convert_local(x._local, x._layout, dst, tuple(x.shape), context.current())
+        return GlobalTensor(local.view_as(local) if local is x._local else local, dst, x.shape)
     return _Convert.apply(x, dst, grad_dst)
 
 
