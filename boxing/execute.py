@@ -176,14 +176,21 @@ def _exchange(step: Step, shape, local, comm):
         out = comm.broadcast(t, group, src, (n,), local.dtype)
         if src != comm.rank:
             heard[src] = out
-    got = comm.exchange(sends, recvs)
-    if comm.rank not in step.dst.placement:
-        return local.new_empty((0,))
     regions = route.regions
-    if len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
+    inside = comm.rank in step.dst.placement
+    if inside and len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
+        comm.exchange(sends, recvs)
         return slice_box(local, regions[0][2])  # a pure local slice: a view, no copy
-    out = local.new_empty(route.out_shape)
-    pieces = {peer: got[peer].split([numel(b) for b in boxes]) for peer, boxes in route.recvs}
+    out = local.new_empty(route.out_shape) if inside else None
+    into = {}  # a message of one box that is a contiguous block of the output is received in place
+    for peer, boxes in route.recvs if inside else ():
+        target = slice_box(out, boxes[0])
+        if len(boxes) == 1 and target.is_contiguous():
+            into[peer] = target.view(-1)
+    got = comm.exchange(sends, recvs, into)
+    if not inside:
+        return local.new_empty((0,))
+    pieces = {peer: got[peer].split([numel(b) for b in boxes]) for peer, boxes in route.recvs if peer not in into}
     pieces.update({src: (t,) for src, t in heard.items()})
     for kind, box, arg in regions:
         target = slice_box(out, box)
@@ -191,7 +198,8 @@ def _exchange(step: Step, shape, local, comm):
             target.copy_(slice_box(local, arg))
         elif kind == "recv":
             peer, i = arg
-            target.copy_(pieces[peer][i].view(sizes(box)))
+            if peer not in into:
+                target.copy_(pieces[peer][i].view(sizes(box)))
         else:
             target.fill_(identity(arg, local.dtype))
     return out

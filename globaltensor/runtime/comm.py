@@ -126,18 +126,31 @@ class Communicator:
                      sum(nbytes(s, dtype) for j, s in enumerate(recv_shapes) if j != i))
         return out
 
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]]
-                 ) -> dict[int, torch.Tensor]:
-        """Point-to-point: send sends[r] to rank r, receive recvs[r] = (shape, dtype) from rank r."""
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]],
+                 into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+        """Point-to-point: send sends[r] to rank r, receive recvs[r] = (shape, dtype) from rank r.
+
+        `into[r]`, where given, is a contiguous tensor of that shape and dtype to receive into (a
+        view of the caller's output, which then needs no copy); it is what is returned for r.
+        """
         if self.rank in sends or self.rank in recvs:
             raise ValueError(f"exchange: rank {self.rank} cannot send to or receive from itself")
         if not sends and not recvs:
             return {}
-        out = self._exchange({r: t.contiguous() for r, t in sends.items()},
-                             {r: (tuple(s), d) for r, (s, d) in recvs.items()})
+        into = into or {}
+        bufs = {}
+        for r, (shape, dtype) in recvs.items():
+            buf = into.get(r)
+            if buf is None:
+                buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+            elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
+                raise ValueError(f"exchange(into): the buffer for rank {r} must be a contiguous {tuple(shape)} "
+                                 f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
+            bufs[r] = buf
+        self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs)
         peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
         self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
-        return out
+        return bufs
 
     def broadcast(self, t: torch.Tensor | None, group: Group, src: int,
                   shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -176,7 +189,7 @@ class Communicator:
     def _all_to_all(self, sends, group, recv_shapes):  # pragma: no cover
         raise NotImplementedError
 
-    def _exchange(self, sends, recvs):  # pragma: no cover
+    def _exchange(self, sends, bufs):  # pragma: no cover - fill bufs[r] with what rank r sends
         raise NotImplementedError
 
     def _broadcast(self, t, group, src, shape, dtype):  # pragma: no cover

@@ -141,16 +141,14 @@ class TorchDistCommunicator(Communicator):
         pieces = dict(zip(order, out.split(out_splits)))
         return [pieces[r].view(shape_by[r]) for r in group]
 
-    def _exchange(self, sends, recvs):
-        out = {src: torch.empty(shape, dtype=dtype, device=self.device) for src, (shape, dtype) in recvs.items()}
+    def _exchange(self, sends, bufs):
         ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
-        ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(out.items())]
+        ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
 
         def run():
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-        self._call("send_recv", tuple(sorted(set(sends) | set(recvs) | {self.rank})), run)
-        return out
+        self._call("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), run)
 
     def _broadcast(self, t, group, src, shape, dtype):
         buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)

@@ -259,10 +259,11 @@ class SimCommunicator(Communicator):
                                       f"from rank {group[j]}, got {tuple(t.shape)}")
         return out
 
-    def _exchange(self, sends, recvs):
+    def _exchange(self, sends, bufs):
         for dst, t in sends.items():
             self.world.send(self.rank, dst, t)
-        return {src: self.world.recv(self.rank, src, shape, dtype) for src, (shape, dtype) in recvs.items()}
+        for src, buf in bufs.items():
+            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype))
 
     def _broadcast(self, t, group, src, shape, dtype):
         return self.world.collective(self.rank, "broadcast", group, (src, shape, dtype), t)
