@@ -2,6 +2,9 @@
 
 Each primitive works on this rank's local tensor only; slices stay views and
 a buffer is allocated only where the result is assembled from several pieces.
+A plan is compiled once per rank into calls whose boxes, groups and shapes
+are worked out (`Plan.programs`), so running a cached plan is the
+collectives and a few slices.
 """
 from __future__ import annotations
 
@@ -18,12 +21,22 @@ from .search import plan as make_plan
 
 def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Run `plan` on this rank's shard; returns the shard of the target layout (empty outside it)."""
-    _check_world(plan, comm)
-    for step in plan.steps:
-        local = _RUN[step.primitive](step, plan.shape, local, comm)
-    if comm.rank not in plan.dst.placement:
-        return local.new_empty((0,))
+    key = (comm.rank, comm.world_size)
+    program = plan.programs.get(key)
+    if program is None:
+        _check_world(plan, comm)
+        program = plan.programs[key] = _compile(plan, comm.rank)
+    for run in program:
+        local = run(local, comm)
     return local
+
+
+def _compile(plan: Plan, rank: int) -> tuple[Callable, ...]:
+    """This rank's steps as calls with every box, group and shape worked out once (plans are cached)."""
+    program = [_COMPILE[step.primitive](step, plan.shape, rank) for step in plan.steps]
+    if rank not in plan.dst.placement:
+        program.append(lambda local, comm: local.new_empty((0,)))
+    return tuple(p for p in program if p is not None)
 
 
 def _check_world(plan: Plan, comm: Communicator) -> None:
@@ -84,29 +97,28 @@ def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence
 
 
 def _axis_step(fn: Callable) -> Callable:
-    """1-D steps run on the source placement's axis groups; other ranks keep their (empty) local."""
-    def run(step: Step, shape, local, comm):
-        if comm.rank not in step.src.placement:
-            return local
-        return fn(step, shape, local, comm, step.src.placement.group(comm.rank, step.axis))
-    return run
+    """1-D steps run on the source placement's axis groups; other ranks keep their (empty) local (None)."""
+    def compile_step(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
+        if rank not in step.src.placement:
+            return None
+        return fn(step, shape, rank, step.src.placement.group(rank, step.axis))
+    return compile_step
 
 
 @_axis_step
-def _all_gather(step, shape, local, comm, group):
+def _all_gather(step, shape, rank, group):
     d = step.src.sbp[step.axis].dim
-    pieces = comm.all_gather(local, group, [step.src.local_shape(shape, r) for r in group])
-    return _cat(pieces, d)
+    shapes = [step.src.local_shape(shape, r) for r in group]
+    return lambda local, comm: _cat(comm.all_gather(local, group, shapes), d)
 
 
 @_axis_step
-def _all_to_all(step, shape, local, comm, group):
+def _all_to_all(step, shape, rank, group):
     d = step.src.sbp[step.axis].dim
-    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
-    sends = [slice_box(local, relative(intersect(old, step.dst.shard(shape, r)), old)) for r in group]
+    old, new = step.src.shard(shape, rank), step.dst.shard(shape, rank)
+    sends = [relative(intersect(old, step.dst.shard(shape, r)), old) for r in group]
     recv_shapes = [sizes(intersect(step.src.shard(shape, r), new)) for r in group]
-    pieces = comm.all_to_all(sends, group, recv_shapes)
-    return _cat(pieces, d)
+    return lambda local, comm: _cat(comm.all_to_all([slice_box(local, b) for b in sends], group, recv_shapes), d)
 
 
 def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -129,42 +141,52 @@ def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 @_axis_step
-def _reduce_scatter(step, shape, local, comm, group):
-    old = step.src.shard(shape, comm.rank)
-    chunks = [slice_box(local, relative(step.dst.shard(shape, r), old)) for r in group]
-    return comm.reduce_scatter(chunks, group, step.op)
+def _reduce_scatter(step, shape, rank, group):
+    old = step.src.shard(shape, rank)
+    chunks = [relative(step.dst.shard(shape, r), old) for r in group]
+    op = step.op
+    return lambda local, comm: comm.reduce_scatter([slice_box(local, b) for b in chunks], group, op)
 
 
 @_axis_step
-def _all_reduce(step, shape, local, comm, group):
-    return comm.all_reduce(local, group, step.op)
+def _all_reduce(step, shape, rank, group):
+    op = step.op
+    return lambda local, comm: comm.all_reduce(local, group, op)
 
 
 @_axis_step
-def _slice(step, shape, local, comm, group):
-    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
-    return slice_box(local, relative(new, old))
+def _slice(step, shape, rank, group):
+    box = relative(step.dst.shard(shape, rank), step.src.shard(shape, rank))
+    return lambda local, comm: slice_box(local, box)
 
 
 @_axis_step
-def _fill(step, shape, local, comm, group):
-    if step.op == "sum" and group.index(comm.rank) != 0:
-        return torch.zeros_like(local)
-    return local  # max/min are idempotent: every rank may keep the value
+def _fill(step, shape, rank, group):
+    if step.op == "sum" and group.index(rank) != 0:
+        return lambda local, comm: torch.zeros_like(local)
+    return None  # max/min are idempotent: every rank may keep the value
 
 
 @_axis_step
-def _pad(step, shape, local, comm, group):
-    old, new = step.src.shard(shape, comm.rank), step.dst.shard(shape, comm.rank)
-    out = local.new_full(sizes(new), identity(step.op, local.dtype))
-    slice_box(out, relative(old, new)).copy_(local)
-    return out
+def _pad(step, shape, rank, group):
+    old, new = step.src.shard(shape, rank), step.dst.shard(shape, rank)
+    out_shape, box, op = sizes(new), relative(old, new), step.op
+
+    def pad(local, comm):
+        out = local.new_full(out_shape, identity(op, local.dtype))
+        slice_box(out, box).copy_(local)
+        return out
+    return pad
 
 
-def _exchange(step: Step, shape, local, comm):
-    route = step.route(comm.rank)
+def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
+    route = step.route(rank)
     if route is None:
-        return local
+        return None
+    return lambda local, comm: _run_route(step, route, local, comm)
+
+
+def _run_route(step: Step, route, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
     sends = {}
     for peer, boxes in route.sends:
         parts = [slice_box(local, b).reshape(-1) for b in boxes]
@@ -205,6 +227,6 @@ def _exchange(step: Step, shape, local, comm):
     return out
 
 
-_RUN = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,
+_COMPILE = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,
         "all_reduce": _all_reduce, "slice": _slice, "fill": _fill, "pad": _pad,
         "send_recv": _exchange, "broadcast": _exchange, "local": _exchange}

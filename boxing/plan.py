@@ -74,6 +74,8 @@ class Plan:
     steps: tuple[Step, ...]
     lower_bound: Optional[tuple[int, ...]]  # per global rank; None when the source has Partial axes
     world: int                              # len of recv_bytes: highest rank of either placement + 1
+    # (rank, world size) -> that rank's steps with their boxes and groups worked out (boxing.execute fills it)
+    programs: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def recv_bytes(self) -> list[int]:
