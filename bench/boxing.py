@@ -6,8 +6,10 @@
     python bench/boxing.py --malloc system # glibc's default trimming (see below)
 
 The three implementations are interleaved (A B C A B C ...) in one run, each
-repetition between barriers; a repetition's time is the slowest rank's. Prints
-a Markdown table and writes it with a JSON file under bench/results/.
+repetition between barriers; a repetition's time is the slowest rank's. Times
+are medians; ratios are medians of the per-repetition ratios (neighbours in
+time share the machine's load). Prints a Markdown table and writes it with a
+JSON file under bench/results/.
 
 "raw" is the bare collective on buffers allocated once. Where the data must be
 packed before any collective can send it (S0->S1: a rank's column blocks are
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from common import interleaved_medians, write_results
+from common import interleaved_times, paired_ratio, write_results
 
 S, B, P = gt.split, gt.broadcast, gt.partial_sum
 
@@ -183,12 +185,14 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
             impls["dtensor"] = d
         with gt.comm_log() as log:
             g()
-        med = interleaved_medians(impls, n_reps, warmup)
+        times = interleaved_times(impls, n_reps, warmup)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratios = {f"globaltensor/{k}": paired_ratio(times, "globaltensor", k) for k in impls if k != "globaltensor"}
         recv = [0] * n
         dist.all_gather_object(recv, log.recv_bytes)
         lb = plan.lower_bound
         results.append({
-            "case": case.name, "shape": list(shape), "median_s": med, "dtensor_note": why,
+            "case": case.name, "shape": list(shape), "median_s": med, "paired_ratio": ratios, "dtensor_note": why,
             "recv_bytes_counted": recv, "recv_bytes_plan": plan.recv_bytes[:n],
             "lower_bound": list(lb)[:n] if lb is not None else None,
             "plan": plan.explain(),
@@ -206,12 +210,15 @@ def table(results: list[dict], n: int, mib: float, malloc: str) -> str:
         m = r["median_s"]
         g, raw, d = m["globaltensor"], m["raw"], m.get("dtensor")
         floor = m.get("floor", raw)
+        q = r["paired_ratio"]
+        q_raw, q_d = q["globaltensor/raw"], q.get("globaltensor/dtensor")
+        q_floor = q.get("globaltensor/floor", q_raw)
         lb = "n/a (Partial source)" if r["lower_bound"] is None else (
             f"{max(r['lower_bound'])} ({'met' if r['recv_bytes_counted'] == r['lower_bound'] else 'NOT met'})")
         lines.append(f"| {r['case']} | {g * 1e3:.3f} | {raw * 1e3:.3f} | {floor * 1e3:.3f} | "
-                     f"{'n/a' if d is None else f'{d * 1e3:.3f}'} | {g / raw:.2f} | {g / floor:.2f} | "
-                     f"{'n/a' if d is None else f'{g / d:.2f}'} | {max(r['recv_bytes_counted'])} | {lb} |")
-    ratios = [r["median_s"]["globaltensor"] / r["median_s"]["dtensor"] for r in results if "dtensor" in r["median_s"]]
+                     f"{'n/a' if d is None else f'{d * 1e3:.3f}'} | {q_raw:.2f} | {q_floor:.2f} | "
+                     f"{'n/a' if q_d is None else f'{q_d:.2f}'} | {max(r['recv_bytes_counted'])} | {lb} |")
+    ratios = [r["paired_ratio"]["globaltensor/dtensor"] for r in results if "dtensor" in r["median_s"]]
     if ratios:
         geo = statistics.geometric_mean(ratios)
         lines += ["", f"gt/DTensor geometric mean: {geo:.2f}"]
