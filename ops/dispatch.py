@@ -470,21 +470,21 @@ def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, tensors: li
             except ValueError:
                 return False
     ins = [t.local_shapes(s) for t, s in zip(targets, ctx.shapes)]
-    want = [None if lay is None else lay.local_shapes(s) for lay, s in zip(out_layouts, ctx.out_shapes)]
-    seen = set()
-    for k, r in enumerate(placement.flat_ranks):
-        shapes = tuple(s[k] for s in ins)
-        expect = tuple(None if w is None else w[k] for w in want)
-        if (shapes, expect) in seen:
-            continue
-        seen.add((shapes, expect))
+    want = [w.local_shapes(s) for w, s in zip(out_layouts, ctx.out_shapes) if w is not None]
+    first: dict = {}  # distinct (input shapes..., expected output shapes...) -> a rank index showing it
+    for k, combo in enumerate(zip(*ins, *want)):
+        first.setdefault(combo, k)
+    n_in = len(ins)
+    for combo, k in first.items():
+        shapes, expect = combo[:n_in], iter(combo[n_in:])
         try:
             largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: _meta(t, shapes[i]))
-            got, _ = _flatten_out(_meta_kernel(ctx.func, rule, largs, lkwargs, Local(ctx, targets, out_layouts, r)))
+            got, _ = _flatten_out(_meta_kernel(ctx.func, rule, largs, lkwargs,
+                                               Local(ctx, targets, out_layouts, placement.flat_ranks[k])))
         except Exception:
             return False
-        for g, e in zip(got, expect):
-            if e is not None and (g is None or tuple(g.shape) != e):
+        for g, lay in zip(got, out_layouts):
+            if lay is not None and (g is None or tuple(g.shape) != next(expect)):
                 return False
     return True
 
