@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import traceback
 import types
 import warnings
@@ -42,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import globaltensor as gt
-from common import interleaved_medians, write_results
+from common import interleaved_times, paired_ratio, write_results
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 IMPLS = ("globaltensor", "DTensor")
@@ -251,13 +252,15 @@ def timed(cfg: GPTConfig, dp: int, tp: int, batch: int, reps: int, warmup: int, 
             counters[k] += 1
         return fn
 
-    med = interleaved_medians({k: stepper(k) for k in live}, reps, warmup) if live else {}
+    times = interleaved_times({k: stepper(k) for k in live}, reps, warmup) if live else {}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = paired_ratio(times, "globaltensor", "DTensor") if len(times) == 2 else None
     losses = {k: t.loss_values() for k, t in live.items()}
     state: list = [None] * dist.get_world_size()
     dist.all_gather_object(state, {k: t.state_bytes() for k, t in live.items()})
     if dist.get_rank() != 0:
         return None
-    return {"median_s": med, "losses": losses, "errors": errors,
+    return {"median_s": med, "paired_ratio": ratio, "losses": losses, "errors": errors,
             "state_bytes": {k: max(s[k] for s in state) for k in live}}
 
 
@@ -318,7 +321,7 @@ def report(results: list[dict], cfg: GPTConfig, args) -> str:
             f"block {cfg.block_size}, vocab {cfg.vocab_size}), global batch {args.batch}, fp32, AdamW foreach; "
             f"{args.threads} torch thread(s) per rank; "
             f"gloo on {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}; "
-            f"medians of {args.reps} interleaved steps after {args.warmup + 1} warm-up")
+            f"medians of {args.reps} interleaved steps after {args.warmup + 1} warm-up; gt / DTensor: median of per-step ratios")
     lines = [head, "",
              "| config | ranks | globaltensor ms/step | DTensor ms/step | gt / DTensor | "
              "gt peak RSS growth MiB/rank | DTensor peak RSS growth | gt param+grad+Adam MiB/rank | "
@@ -330,7 +333,7 @@ def report(results: list[dict], cfg: GPTConfig, args) -> str:
 
         def cell(k):
             return f"{med[k] * 1e3:.1f}" if k in med else "failed"
-        ratio = f"{med['globaltensor'] / med['DTensor']:.2f}" if len(med) == 2 else "—"
+        ratio = f"{r['paired_ratio']:.2f}" if r.get("paired_ratio") is not None else "—"
         if len(losses) == 2:
             diff = max(abs(a - b) for a, b in zip(losses["globaltensor"], losses["DTensor"]))
             diff_s = f"{diff:.1e}"
