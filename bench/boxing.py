@@ -11,9 +11,12 @@ are medians; ratios are medians of the per-repetition ratios (neighbours in
 time share the machine's load). Prints a Markdown table and writes it with a
 JSON file under bench/results/.
 
-"raw" is the bare collective on buffers allocated once. Where the data must be
-packed before any collective can send it (S0->S1: a rank's column blocks are
-strided), "floor" adds that one copy; elsewhere floor = raw.
+"raw" is the bare collective on buffers allocated once, working in place
+where torch.distributed does. "floor" is what any conversion must do, since it
+returns a new tensor and leaves its input intact: the same collective into a
+fresh buffer, plus a copy of the input for in-place collectives (all_reduce),
+the pack of strided pieces (S0->S1), and the copy of the piece a rank already
+holds into its result (see `floor_op`).
 
 Memory: by default the ranks run with glibc told to keep freed memory
 (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), as jemalloc and tcmalloc, the
@@ -93,15 +96,6 @@ def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
         inp = torch.randn(local.numel(), dtype=dtype)
         out = torch.empty(local.numel(), dtype=dtype)
         return lambda: dist.all_to_all_single(out, inp)
-    if name == "S0->S1 floor":  # the pack of the strided column blocks, then the collective
-        inp = torch.empty(local.numel(), dtype=dtype)
-        out = torch.empty(local.numel(), dtype=dtype)
-        rows, cols = local.shape[0], shape[1] // n
-
-        def pack_and_send():
-            inp.view(n, rows, cols).copy_(local.view(rows, n, cols).transpose(0, 1))
-            dist.all_to_all_single(out, inp)
-        return pack_and_send
     if name == "B->S0":
         return lambda: full.narrow(0, *dst.shard(shape, rank)[0]).contiguous()
     if name == "B->P":
@@ -131,6 +125,76 @@ def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
             return lambda: dist.send(local, peer)
         buf = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
         return lambda: dist.recv(buf, peer)
+    raise KeyError(name)
+
+
+def floor_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
+    """The raw call(s) plus what any conversion must add to return a new tensor and keep its input.
+
+    A fresh result buffer (the collective receives into it), a copy of the
+    input where the collective works in place (all_reduce), the pack of
+    strided pieces before an all-to-all, and the copy of the piece a rank
+    already holds into its result.
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    src = gt.Layout(gt.placement("cpu", case.src_ranks), case.src)
+    dst = gt.Layout(gt.placement("cpu", case.dst_ranks), case.dst)
+    local = torch.randn(src.local_shape(shape, rank), dtype=dtype)
+    full = torch.randn(shape, dtype=dtype)
+    name = case.name
+    if name == "S0->B":
+        return lambda: dist.all_gather_into_tensor(torch.empty(shape, dtype=dtype), local)
+    if name == "P->B":
+        return lambda: dist.all_reduce(local.clone())
+    if name == "P->S0":
+        return lambda: dist.reduce_scatter_tensor(torch.empty(dst.local_shape(shape, rank), dtype=dtype), local)
+    if name == "S0->S1":
+        inp = torch.empty(local.numel(), dtype=dtype)
+        rows, cols = local.shape[0], shape[1] // n
+
+        def pack_and_send():
+            inp.view(n, rows, cols).copy_(local.view(rows, n, cols).transpose(0, 1))
+            dist.all_to_all_single(torch.empty(local.numel(), dtype=dtype), inp)
+        return pack_and_send
+    if name == "B->S0":
+        return lambda: full.narrow(0, *dst.shard(shape, rank)[0])
+    if name == "B->P":
+        return lambda: full if rank == 0 else torch.zeros_like(full)
+    if name == "(S0,S1)->(S1,S0)":
+        peer = {1: 2, 2: 1}.get(rank)
+
+        def swap():
+            if peer is None:
+                return local
+            buf = torch.empty_like(local)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, buf, peer)]):
+                w.wait()
+            return buf
+        return swap
+    if name == "(S0,S0)->(B,S0)":  # receive the missing quarters straight into the half, copy a held one
+        quarter = local.shape[0]
+        need = [2 * (rank % 2), 2 * (rank % 2) + 1]  # rank q holds quarter q
+        got = [q for q in need if q != rank]
+        lo = need.index(got[0])
+        send = [local.numel() if q % 2 == rank // 2 and q != rank else 0 for q in range(n)]
+        recv = [local.numel() if q in got else 0 for q in range(n)]
+        inp = torch.cat([local.reshape(-1)] * sum(1 for k in send if k))
+
+        def assemble():
+            half = torch.empty((2 * quarter, shape[1]), dtype=dtype)
+            dist.all_to_all_single(half[lo * quarter:(lo + len(got)) * quarter].reshape(-1), inp, recv, send)
+            if rank in need:
+                half[need.index(rank) * quarter:(need.index(rank) + 1) * quarter].copy_(local)
+            return half
+        return assemble
+    if name == "(P,S1)->(B,S1)":
+        g = next(x for x in _groups(src.placement, 0) if x is not None)
+        return lambda: dist.all_reduce(local.clone(), group=g)
+    if name == "[0,1] S0 -> [2,3] S0":
+        peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
+        if rank < 2:
+            return lambda: dist.send(local, peer)
+        return lambda: dist.recv(torch.empty(dst.local_shape(shape, rank), dtype=dtype), peer)
     raise KeyError(name)
 
 
@@ -172,9 +236,7 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
         g, plan = gt_op(case, shape, dtype)
         impls["globaltensor"] = g
         impls["raw"] = raw_op(case, shape, dtype)
-        if case.name == "S0->S1":
-            impls["floor"] = raw_op(Case("S0->S1 floor", case.src_ranks, case.src, case.dst_ranks, case.dst),
-                                    shape, dtype)
+        impls["floor"] = floor_op(case, shape, dtype)
         try:
             d = dtensor_op(case, shape, dtype)
         except Exception as e:  # noqa: BLE001 - reported as "n/a" with the reason
