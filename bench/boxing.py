@@ -76,14 +76,18 @@ def _groups(p: gt.Placement, axis: int):
             for g in p.axis_groups(axis)]
 
 
-def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
-    """The torch.distributed call(s) that move what the conversion must move, on buffers made once."""
+def _operands(case: Case, shape: tuple, dtype) -> tuple:
+    """What raw_op and floor_op start from: rank, world size, layouts, this rank's shard, a full tensor."""
     rank, n = dist.get_rank(), dist.get_world_size()
     src = gt.Layout(gt.placement("cpu", case.src_ranks), case.src)
     dst = gt.Layout(gt.placement("cpu", case.dst_ranks), case.dst)
-    local = torch.randn(src.local_shape(shape, rank), dtype=dtype)
-    full = torch.randn(shape, dtype=dtype)
-    name = case.name
+    return (rank, n, src, dst, torch.randn(src.local_shape(shape, rank), dtype=dtype),
+            torch.randn(shape, dtype=dtype), case.name)
+
+
+def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
+    """The torch.distributed call(s) that move what the conversion must move, on buffers made once."""
+    rank, n, src, dst, local, full, name = _operands(case, shape, dtype)
     if name == "S0->B":
         out = torch.empty(shape, dtype=dtype)
         return lambda: dist.all_gather_into_tensor(out, local)
@@ -136,12 +140,7 @@ def floor_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
     strided pieces before an all-to-all, and the copy of the piece a rank
     already holds into its result.
     """
-    rank, n = dist.get_rank(), dist.get_world_size()
-    src = gt.Layout(gt.placement("cpu", case.src_ranks), case.src)
-    dst = gt.Layout(gt.placement("cpu", case.dst_ranks), case.dst)
-    local = torch.randn(src.local_shape(shape, rank), dtype=dtype)
-    full = torch.randn(shape, dtype=dtype)
-    name = case.name
+    rank, n, src, dst, local, full, name = _operands(case, shape, dtype)
     if name == "S0->B":
         return lambda: dist.all_gather_into_tensor(torch.empty(shape, dtype=dtype), local)
     if name == "P->B":
