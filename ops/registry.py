@@ -6,7 +6,9 @@ op itself); it only needs writing where a shard must know where it sits
 (view sizes, vocab offsets). `decompose` marks ops that are run as several
 other dispatched ops (the `_foreach_*` family) rather than as one kernel;
 with `decompose_when`, only for the input layouts it accepts (a softmax over
-a split dim), the signatures deciding the others.
+a split dim), the signatures deciding the others. `meta` may stand in for
+torch's meta kernel when a decision infers output shapes and dtypes (torch's
+elementwise meta kernels are Python references, slow on a cache miss).
 """
 from __future__ import annotations
 
