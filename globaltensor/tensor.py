@@ -134,9 +134,14 @@ def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> Glo
     a conversion that moves nothing (a B->S slice).
     """
     if grad_dst is None and not (x.requires_grad and torch.is_grad_enabled()):
-        local = boxing.convert_local(x._local, x._layout, dst, tuple(x.shape), context.current())
-        return GlobalTensor(local.view_as(local) if local is x._local else local, dst, x.shape)
+        return _boxed(x, dst)
     return _Convert.apply(x, dst, grad_dst)
+
+
+def _boxed(x: GlobalTensor, dst: Layout) -> GlobalTensor:
+    """x's value in layout `dst`, always a new tensor (autograd's output must not be its input's shard)."""
+    local = boxing.convert_local(x._local, x._layout, dst, tuple(x.shape), context.current())
+    return GlobalTensor(local.view_as(local) if local is x._local else local, dst, x.shape)
 
 
 def gradient_layout(x: GlobalTensor, grad_sbp: Any) -> Layout:
@@ -226,10 +231,7 @@ class _Convert(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, dst: Layout, grad_dst: Layout | None) -> GlobalTensor:  # type: ignore[override]
         ctx.want, ctx.shape = grad_layout(x._layout) if grad_dst is None else grad_dst, tuple(x.shape)
-        local = boxing.convert_local(x._local, x._layout, dst, ctx.shape, context.current())
-        if local is x._local:
-            local = local.view_as(local)  # a new tensor: autograd's output must not be its input's shard
-        return GlobalTensor(local, dst, ctx.shape)
+        return _boxed(x, dst)
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]

@@ -188,7 +188,7 @@ def _run_decided(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list,
 
 
 # -- the cache-hit fast path ---------------------------------------------------
-_PLAIN = object()  # flat-key marker of a plain tensor (a GlobalTensor's is its layout)
+_PLAIN = object()  # flat-key marker of a plain tensor (a GlobalTensor's is its TensorKey)
 _ZERO, _NONZERO = object(), object()  # flat-key floats: only zero-or-not decides a rule (see _key_of)
 
 
@@ -422,7 +422,7 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
         targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
         out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
                             for j in range(n_out))
-        if _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
+        if _valid(ctx, rule, targets, out_layouts, placement):
             return targets, out_layouts, writeback or (inplace and out_layouts[0] != srcs[0])
         return None
 
@@ -457,8 +457,7 @@ def _first_free(combos: list, srcs: tuple, take: Callable) -> Optional[tuple]:
     return None
 
 
-def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, tensors: list, placement: Any,
-           outs: list) -> bool:
+def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:
     """Whether the local kernel, run on meta shards, yields on every rank the shards `out_layouts` describe.
 
     Ranks whose input and expected output shard shapes are alike are checked once.
@@ -685,7 +684,7 @@ def candidates_cost(func: Any, args: tuple, kwargs: dict, cls: type) -> list[tup
         targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(len(tensors)))
         out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
                             for j in range(len(outs)))
-        if not _valid(ctx, rule, targets, out_layouts, tensors, placement, outs):
+        if not _valid(ctx, rule, targets, out_layouts, placement):
             continue
         per_rank = [0]
         try:
