@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import random
 import statistics
 import time
 from typing import Callable
@@ -27,16 +29,34 @@ def paired_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
+def paired_ratio_ci(times: dict[str, list[float]], a: str, b: str) -> tuple[float, float]:
+    """A distribution-free ~95% interval for `paired_ratio` (order statistics of the sorted ratios).
+
+    The median's rank interval is n/2 -+ 0.98 sqrt(n) (the binomial(n, 1/2) normal approximation);
+    a target is only met or missed where the whole interval says so.
+    """
+    r = sorted(x / y for x, y in zip(times[a], times[b]))
+    k = max(0, int((len(r) - 1.96 * math.sqrt(len(r))) / 2))
+    return r[k], r[len(r) - 1 - k]
+
+
 def interleaved_times(impls: dict[str, Callable[[], object]], reps: int, warmup: int,
                       inner: int = 1) -> dict[str, list[float]]:
-    """Seconds per call of each implementation in each repetition, run A B C A B C ... between barriers.
+    """Seconds per call of each implementation in each repetition, run A B C, C A B, ... between barriers.
 
     A repetition takes as long as its slowest rank; `inner` calls are timed together
-    (for per-op overheads far below a barrier's cost) and averaged. Every rank gets the same lists.
+    (for per-op overheads far below a barrier's cost) and averaged. Each repetition runs the
+    implementations in a fresh random order, the same on every rank: on a shared VM the slot
+    after another implementation (its frees, its cache footprint) is not neutral, and a fixed
+    order would charge that to whoever always follows. Every rank gets the same lists.
     """
     times: dict[str, list[float]] = {k: [] for k in impls}
+    order = list(impls)
+    shuffle = random.Random(0).shuffle  # one seed: every rank draws the same orders
     for rep in range(warmup + reps):
-        for k, fn in impls.items():
+        shuffle(order)
+        for k in order:
+            fn = impls[k]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(inner):

@@ -15,6 +15,7 @@ import torch
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
 from .boxes import identity, intersect, numel, relative, sizes
+from .pack import Tiling
 from .plan import Plan, Step
 from .search import plan as make_plan
 
@@ -114,11 +115,20 @@ def _all_gather(step, shape, rank, group):
 
 @_axis_step
 def _all_to_all(step, shape, rank, group):
-    d = step.src.sbp[step.axis].dim
     old, new = step.src.shard(shape, rank), step.dst.shard(shape, rank)
-    sends = [relative(intersect(old, step.dst.shard(shape, r)), old) for r in group]
-    recv_shapes = [sizes(intersect(step.src.shard(shape, r), new)) for r in group]
-    return lambda local, comm: _cat(comm.all_to_all([slice_box(local, b) for b in sends], group, recv_shapes), d)
+    sends = Tiling.of(sizes(old), [relative(intersect(old, step.dst.shard(shape, r)), old) for r in group])
+    recvs = Tiling.of(sizes(new), [relative(intersect(step.src.shard(shape, r), new), new) for r in group])
+    pack, unpack = sends.packer(), recvs.unpacker()
+    send_splits, recv_splits, new_shape, total = sends.splits, recvs.splits, sizes(new), sum(recvs.splits)
+
+    def all_to_all(local, comm):
+        send = pack(local, comm.send_buffer)
+        if unpack is None:  # receive straight into the new shard
+            out = local.new_empty(new_shape)
+            comm.all_to_all_into(send, send_splits, out.view(-1), recv_splits, group)
+            return out
+        return unpack(comm.all_to_all_into(send, send_splits, local.new_empty(total), recv_splits, group))
+    return all_to_all
 
 
 def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:

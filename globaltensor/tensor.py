@@ -1,7 +1,7 @@
 """GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -95,36 +95,78 @@ class GlobalTensor(torch.Tensor):
         input gradient is all-reduced backward. With a `grad_sbp` the result is always a new
         autograd node, even when the layout is unchanged.
         """
+        if grad_sbp is None:
+            try:
+                target = _TARGETS.get((self._key, placement, sbp))
+            except TypeError:  # an unhashable sbp (a list): resolved afresh
+                target = None
+            if target is None:
+                target = _target(self, placement, sbp)
+            if target.key is self._key:  # the same layout: nothing to do
+                return self
+            if self.requires_grad and torch.is_grad_enabled():
+                return _Convert.apply(self, target, None)
+            return _run_target(self, target)
         placement = self.placement if placement is None else placement
-        if not isinstance(placement, Placement):
-            raise TypeError(f"to_global(placement): expected a gt.placement, got {type(placement).__name__}")
-        if sbp is None:
-            if placement.ndim != self.placement.ndim:
-                raise ValueError("to_global(sbp): required when the placement's mesh has another number of axes")
-            sbp = self.sbp
-        dst = _layout_of(placement, sbp)
-        dst.check_shape(self.shape)
-        grad_dst = None if grad_sbp is None else gradient_layout(self, grad_sbp)
-        if dst == self._layout and grad_dst is None:
-            return self
-        return convert(self, dst, grad_dst)
+        dst = _resolve(self, placement, sbp)
+        return convert(self, dst, gradient_layout(self, grad_sbp))
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global value on every rank of the placement (Partial reduced); empty outside it."""
         return _FullTensor.apply(self)
 
 
-_LAYOUTS: dict[tuple, Layout] = {}  # (placement, sbp as given) -> Layout: conversions repeat their targets
+class _Target(NamedTuple):
+    """Where a conversion of one input key goes: the layout, the (cached) plan, the result's TensorKey."""
+
+    layout: Layout
+    plan: Any
+    key: Any
 
 
-def _layout_of(placement: Placement, sbp: Any) -> Layout:
+# (input TensorKey, placement, sbp as given) -> _Target: a training loop repeats the same conversions,
+# and the arguments' checks, the plan lookup and the result's key are worked out once
+_TARGETS: dict[tuple, _Target] = {}
+_TARGETS_MAX = 8192
+
+
+def _resolve(x: GlobalTensor, placement: Any, sbp: Any) -> Layout:
+    """`to_global`'s arguments checked and made a Layout valid for x's shape."""
+    if not isinstance(placement, Placement):
+        raise TypeError(f"to_global(placement): expected a gt.placement, got {type(placement).__name__}")
+    if sbp is None:
+        if placement.ndim != x.placement.ndim:
+            raise ValueError("to_global(sbp): required when the placement's mesh has another number of axes")
+        sbp = x.sbp
+    dst = Layout(placement, normalize_sbp(sbp, placement.ndim))
+    dst.check_shape(x.shape)
+    return dst
+
+
+def _target_of(x: GlobalTensor, dst: Layout) -> _Target:
+    shape = tuple(x.shape)
+    return _Target(dst, boxing.plan(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype))
+
+
+def _target(x: GlobalTensor, placement: Any, sbp: Any) -> _Target:
+    """`to_global(placement, sbp)` resolved for x, remembered for x's key when the arguments hash."""
+    target = _target_of(x, _resolve(x, x.placement if placement is None else placement, sbp))
     try:
-        layout = _LAYOUTS.get((placement, sbp))
-    except TypeError:  # a list of SBPs: unhashable, checked afresh
-        return Layout(placement, normalize_sbp(sbp, placement.ndim))
-    if layout is None:
-        layout = _LAYOUTS[(placement, sbp)] = Layout(placement, normalize_sbp(sbp, placement.ndim))
-    return layout
+        if len(_TARGETS) >= _TARGETS_MAX:
+            _TARGETS.clear()
+        _TARGETS[(x._key, placement, sbp)] = target
+    except TypeError:
+        pass
+    return target
+
+
+def _run_target(x: GlobalTensor, target: _Target) -> GlobalTensor:
+    """x boxed to `target`: always a new tensor (autograd's output must not be its input's shard)."""
+    local = boxing.execute(target.plan, x._local, context.current())
+    if local is x._local:
+        local = local.view_as(local)
+    key = target.key
+    return _wrap(GlobalTensor, local, target.layout, key.shape, key)
 
 
 def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> GlobalTensor:
@@ -133,15 +175,10 @@ def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> Glo
     Without a gradient to record, the plan runs directly: an autograd.Function call costs more than
     a conversion that moves nothing (a B->S slice).
     """
+    target = _target_of(x, dst)
     if grad_dst is None and not (x.requires_grad and torch.is_grad_enabled()):
-        return _boxed(x, dst)
-    return _Convert.apply(x, dst, grad_dst)
-
-
-def _boxed(x: GlobalTensor, dst: Layout) -> GlobalTensor:
-    """x's value in layout `dst`, always a new tensor (autograd's output must not be its input's shard)."""
-    local = boxing.convert_local(x._local, x._layout, dst, tuple(x.shape), context.current())
-    return GlobalTensor(local.view_as(local) if local is x._local else local, dst, x.shape)
+        return _run_target(x, target)
+    return _Convert.apply(x, target, grad_dst)
 
 
 def gradient_layout(x: GlobalTensor, grad_sbp: Any) -> Layout:
@@ -229,9 +266,9 @@ class _Convert(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, dst: Layout, grad_dst: Layout | None) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx, x: GlobalTensor, target: _Target, grad_dst: Layout | None) -> GlobalTensor:  # type: ignore[override]
         ctx.want, ctx.shape = grad_layout(x._layout) if grad_dst is None else grad_dst, tuple(x.shape)
-        return _boxed(x, dst)
+        return _run_target(x, target)
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]

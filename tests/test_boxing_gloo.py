@@ -28,6 +28,9 @@ PAIRS = (
         (gt.placement("cpu", [2, 3]), (B,), SQUARE, (gt.partial("min"), S0), (6, 2)),
         (LINE, (P,), gt.placement("cpu", [[3], [0]]), (S1, B), (4, 5)),
         (gt.placement("cpu", [1]), (B,), gt.placement("cpu", [[0, 2], [3, 1]]), (B, S0), (3, 4)),  # broadcast
+        # all-to-alls whose mesh order is not rank order (torch orders a group by rank)
+        (gt.placement("cpu", [2, 0, 3, 1]), (S0,), gt.placement("cpu", [2, 0, 3, 1]), (S1,), (7, 9)),
+        (gt.placement("cpu", [[3, 1], [0, 2]]), (S1, S0), gt.placement("cpu", [[3, 1], [0, 2]]), (S1, S1), (5, 7)),
     ]
 )
 

@@ -9,6 +9,7 @@ methods only.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -65,6 +66,7 @@ class Communicator:
 
     def __init__(self) -> None:
         self._logs: list[CommLog] = []
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
@@ -115,16 +117,47 @@ class Communicator:
     def all_to_all(self, sends: Sequence[torch.Tensor], group: Group,
                    recv_shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """sends[j] goes to member j; returns what each member sent here (shapes given, uneven allowed)."""
-        i = self._index(group, "all_to_all")
         if len(sends) != len(group) or len(recv_shapes) != len(group):
             raise ValueError(f"all_to_all: need one send and one recv shape per member of {group}")
+        recv_shapes = [tuple(s) for s in recv_shapes]
+        recv_splits = [math.prod(s) for s in recv_shapes]
+        send = torch.cat([t.reshape(-1) for t in sends])
+        recv = self.all_to_all_into(send, [t.numel() for t in sends], send.new_empty(sum(recv_splits)),
+                                    recv_splits, group)
+        return [piece.view(s) for piece, s in zip(recv.split(recv_splits), recv_shapes)]
+
+    def all_to_all_into(self, send: torch.Tensor, send_splits: Sequence[int], recv: torch.Tensor,
+                        recv_splits: Sequence[int], group: Group) -> torch.Tensor:
+        """Flat all-to-all: segment j of `send` goes to member j, segment j of `recv` is filled from it.
+
+        `send` and `recv` are flat contiguous tensors of one dtype, cut into segments of
+        `send_splits` / `recv_splits` elements in group order. The caller packs and unpacks,
+        since it knows the boxes: the executor packs with one copy, or none, where `all_to_all`'s
+        list of pieces would cost a copy each. Returns `recv`.
+        """
+        i = self._index(group, "all_to_all")
+        if len(send_splits) != len(group) or len(recv_splits) != len(group):
+            raise ValueError(f"all_to_all: need one send and one recv split per member of {group}")
+        if sum(send_splits) != send.numel() or sum(recv_splits) != recv.numel():
+            raise ValueError(f"all_to_all: splits {list(send_splits)} / {list(recv_splits)} do not add up to the "
+                             f"buffers' {send.numel()} / {recv.numel()} elements")
         if len(group) == 1:
-            return [sends[0]]
-        dtype = sends[i].dtype
-        out = self._all_to_all(list(sends), group, [tuple(s) for s in recv_shapes])  # backends pack them
-        self._record("all_to_all", group,
-                     sum(nbytes(s, dtype) for j, s in enumerate(recv_shapes) if j != i))
-        return out
+            return recv.copy_(send)
+        self._all_to_all_into(send, send_splits, recv, recv_splits, group)
+        if self._logs:
+            self._record("all_to_all", group, (recv.numel() - recv_splits[i]) * recv.element_size())
+        return recv
+
+    def send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused flat buffer to pack what one collective sends; valid until the next call.
+
+        Collectives complete before returning (on nccl, in stream order), so the next call may
+        overwrite it; reuse spares a fresh allocation, and its page faults, each call.
+        """
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]],
                  into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
@@ -186,7 +219,7 @@ class Communicator:
     def _all_reduce(self, t, group, op):  # pragma: no cover
         raise NotImplementedError
 
-    def _all_to_all(self, sends, group, recv_shapes):  # pragma: no cover
+    def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):  # pragma: no cover
         raise NotImplementedError
 
     def _exchange(self, sends, bufs):  # pragma: no cover - fill bufs[r] with what rank r sends

@@ -39,18 +39,6 @@ class TorchDistCommunicator(Communicator):
         else:
             self.device = torch.device("cpu")
         self._groups: dict[tuple, object] = {}
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
-
-    def _send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reused flat buffer for packing what a collective sends (never returned to callers).
-
-        Collectives here complete before returning (and on nccl run in stream order), so the
-        next call may overwrite it; reuse spares a fresh allocation and its page faults each call.
-        """
-        buf = self._scratch.get(dtype)
-        if buf is None or buf.numel() < numel:
-            buf = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
-        return buf[:numel]
 
     @classmethod
     def init(cls, backend: str, rank: int, world_size: int, init_method: str, timeout: float
@@ -124,22 +112,21 @@ class TorchDistCommunicator(Communicator):
         self._call("all_reduce", group, lambda: dist.all_reduce(out, op=OPS[op], group=self._pg(group)))
         return out
 
-    def _all_to_all(self, sends, group, recv_shapes):
+    def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
         order = sorted(group)
-        send_by, shape_by = dict(zip(group, sends)), dict(zip(group, recv_shapes))
-        in_splits = [send_by[r].numel() for r in order]
-        inp = self._send_buffer(sum(in_splits), sends[0].dtype)
-        start = 0
-        for r, n in zip(order, in_splits):  # one copy packs the (often strided) pieces
-            inp[start:start + n].view(send_by[r].shape).copy_(send_by[r])
-            start += n
-        out_splits = [torch.Size(shape_by[r]).numel() for r in order]
-        out = inp.new_empty(sum(out_splits))
-        even = len(set(in_splits)) == 1 and len(set(out_splits)) == 1  # gloo's even path is faster than alltoallv
+        if list(group) != order:  # torch orders segments by global rank: permute (a rare mesh order)
+            pos = [group.index(r) for r in order]
+            send = torch.cat([send.split(send_splits)[k] for k in pos])
+            send_splits = [send_splits[k] for k in pos]
+            inner = recv.new_empty(recv.numel())
+            self._all_to_all_into(send, send_splits, inner, [recv_splits[k] for k in pos], tuple(order))
+            for k, piece in zip(pos, inner.split([recv_splits[k] for k in pos])):
+                recv.split(recv_splits)[k].copy_(piece)
+            return
+        even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1  # gloo's even path beats alltoallv
         self._call("all_to_all", group, lambda: dist.all_to_all_single(
-            out, inp, None if even else out_splits, None if even else in_splits, group=self._pg(group)))
-        pieces = dict(zip(order, out.split(out_splits)))
-        return [pieces[r].view(shape_by[r]) for r in group]
+            recv, send, None if even else list(recv_splits), None if even else list(send_splits),
+            group=self._pg(group)))
 
     def _exchange(self, sends, bufs):
         ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]

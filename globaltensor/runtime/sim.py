@@ -250,14 +250,14 @@ class SimCommunicator(Communicator):
     def _all_reduce(self, t, group, op):
         return self.world.collective(self.rank, "all_reduce", group, (op, t.dtype, tuple(t.shape)), t)
 
-    def _all_to_all(self, sends, group, recv_shapes):
-        i = group.index(self.rank)
-        out = self.world.collective(self.rank, "all_to_all", group, (sends[i].dtype,), list(sends))
-        for j, (t, shape) in enumerate(zip(out, recv_shapes)):
-            if tuple(t.shape) != shape:
-                raise CollectiveError(f"all_to_all on group {group}: rank {self.rank} expected {shape} "
-                                      f"from rank {group[j]}, got {tuple(t.shape)}")
-        return out
+    def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
+        pieces = list(send.split(list(send_splits)))
+        out = self.world.collective(self.rank, "all_to_all", group, (send.dtype,), pieces)
+        for j, (t, target) in enumerate(zip(out, recv.split(list(recv_splits)))):
+            if t.numel() != target.numel():
+                raise CollectiveError(f"all_to_all on group {group}: rank {self.rank} expected {target.numel()} "
+                                      f"elements from rank {group[j]}, got {t.numel()}")
+            target.copy_(t)
 
     def _exchange(self, sends, bufs):
         for dst, t in sends.items():
