@@ -13,10 +13,17 @@ JSON file under bench/results/.
 
 "raw" is the bare collective on buffers allocated once, working in place
 where torch.distributed does. "floor" is what any conversion must do, since it
-returns a new tensor and leaves its input intact: the same collective into a
-fresh buffer, plus a copy of the input for in-place collectives (all_reduce),
-the pack of strided pieces (S0->S1), and the copy of the piece a rank already
-holds into its result (see `floor_op`).
+returns a new global tensor and leaves its input intact: the same collective
+into a fresh buffer, plus a copy of the input for in-place collectives
+(all_reduce), the pack of strided pieces (S0->S1), the copy of the piece a
+rank already holds into its result, and the tensor-subclass wrapper every
+global tensor is (DTensor's too; see `floor_op`).
+
+Repetitions run the implementations in a fresh random order. Conversions that
+take well under a millisecond are timed `inner` calls at a time (chosen from
+the floor's time, the same on every rank), so that a barrier's jitter does not
+swamp them. Each ratio comes with a ~95% interval (`paired_ratio_ci`): the
+spread of one implementation against itself on this VM is several percent.
 
 Memory: by default the ranks run with glibc told to keep freed memory
 (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_), as jemalloc and tcmalloc, the
@@ -39,9 +46,12 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from common import interleaved_times, paired_ratio, write_results
+from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
 
 S, B, P = gt.split, gt.broadcast, gt.partial_sum
+# torch >= 2.12 renamed the single-tensor collectives (the old names warn)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -90,18 +100,19 @@ def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
     rank, n, src, dst, local, full, name = _operands(case, shape, dtype)
     if name == "S0->B":
         out = torch.empty(shape, dtype=dtype)
-        return lambda: dist.all_gather_into_tensor(out, local)
+        return lambda: all_gather_single(out, local)
     if name == "P->B":
         return lambda: dist.all_reduce(local)
     if name == "P->S0":
         out = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
-        return lambda: dist.reduce_scatter_tensor(out, local)
+        return lambda: reduce_scatter_single(out, local)
     if name == "S0->S1":
         inp = torch.randn(local.numel(), dtype=dtype)
         out = torch.empty(local.numel(), dtype=dtype)
         return lambda: dist.all_to_all_single(out, inp)
     if name == "B->S0":
-        return lambda: full.narrow(0, *dst.shard(shape, rank)[0]).contiguous()
+        start, size = dst.shard(shape, rank)[0]
+        return lambda: full.narrow(0, start, size).contiguous()
     if name == "B->P":
         return lambda: full.clone() if rank == 0 else torch.zeros_like(full)
     if name == "(S0,S1)->(S1,S0)":  # the off-diagonal ranks swap their blocks
@@ -132,31 +143,69 @@ def raw_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
     raise KeyError(name)
 
 
+class Wrapped(torch.Tensor):
+    """The least a global tensor can be: a wrapper subclass holding the local shard (as DTensor is)."""
+
+    __slots__ = ["local"]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # never called: the floor runs no op on it
+        raise NotImplementedError(func)
+
+
+def wrapped(local: torch.Tensor, shape: tuple) -> Wrapped:
+    w = torch.Tensor._make_wrapper_subclass(Wrapped, shape, dtype=local.dtype, device=local.device)
+    w.local = local
+    return w
+
+
 def floor_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
-    """The raw call(s) plus what any conversion must add to return a new tensor and keep its input.
+    """The raw call(s) plus what any conversion must add to return a new global tensor and keep its input.
 
     A fresh result buffer (the collective receives into it), a copy of the
     input where the collective works in place (all_reduce), the pack of
-    strided pieces before an all-to-all, and the copy of the piece a rank
-    already holds into its result.
+    strided pieces before an all-to-all, the copy of the piece a rank
+    already holds into its result, and the wrapper that makes the shard a
+    global tensor.
     """
+    op = _floor_local(case, shape, dtype)
+    return lambda: wrapped(op(), shape)
+
+
+def _floor_local(case: Case, shape: tuple, dtype) -> Callable[[], torch.Tensor]:
+    """floor_op's shard: the result of this rank's part of the conversion."""
     rank, n, src, dst, local, full, name = _operands(case, shape, dtype)
     if name == "S0->B":
-        return lambda: dist.all_gather_into_tensor(torch.empty(shape, dtype=dtype), local)
+        def gather():
+            out = torch.empty(shape, dtype=dtype)
+            all_gather_single(out, local)
+            return out
+        return gather
     if name == "P->B":
-        return lambda: dist.all_reduce(local.clone())
+        def reduce():
+            out = local.clone()
+            dist.all_reduce(out)
+            return out
+        return reduce
     if name == "P->S0":
-        return lambda: dist.reduce_scatter_tensor(torch.empty(dst.local_shape(shape, rank), dtype=dtype), local)
+        def reduce_scatter():
+            out = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
+            reduce_scatter_single(out, local)
+            return out
+        return reduce_scatter
     if name == "S0->S1":
         inp = torch.empty(local.numel(), dtype=dtype)
         rows, cols = local.shape[0], shape[1] // n
 
         def pack_and_send():
             inp.view(n, rows, cols).copy_(local.view(rows, n, cols).transpose(0, 1))
-            dist.all_to_all_single(torch.empty(local.numel(), dtype=dtype), inp)
+            out = torch.empty((n * rows, cols), dtype=dtype)
+            dist.all_to_all_single(out.view(-1), inp)
+            return out
         return pack_and_send
     if name == "B->S0":
-        return lambda: full.narrow(0, *dst.shard(shape, rank)[0])
+        start, size = dst.shard(shape, rank)[0]
+        return lambda: full.narrow(0, start, size)
     if name == "B->P":
         return lambda: full if rank == 0 else torch.zeros_like(full)
     if name == "(S0,S1)->(S1,S0)":
@@ -188,12 +237,22 @@ def floor_op(case: Case, shape: tuple, dtype) -> Callable[[], object]:
         return assemble
     if name == "(P,S1)->(B,S1)":
         g = next(x for x in _groups(src.placement, 0) if x is not None)
-        return lambda: dist.all_reduce(local.clone(), group=g)
+
+        def reduce():
+            out = local.clone()
+            dist.all_reduce(out, group=g)
+            return out
+        return reduce
     if name == "[0,1] S0 -> [2,3] S0":
         peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
         if rank < 2:
-            return lambda: dist.send(local, peer)
-        return lambda: dist.recv(torch.empty(dst.local_shape(shape, rank), dtype=dtype), peer)
+            return lambda: dist.send(local, peer) or local.new_empty(0)
+
+        def receive():
+            out = torch.empty(dst.local_shape(shape, rank), dtype=dtype)
+            dist.recv(out, peer)
+            return out
+        return receive
     raise KeyError(name)
 
 
@@ -224,6 +283,20 @@ def dtensor_op(case: Case, shape: tuple, dtype) -> Callable[[], object] | None:
     return lambda: x.redistribute(mesh, dst)
 
 
+def calls_per_timing(fn: Callable[[], object], target_s: float = 2e-3) -> int:
+    """How many calls to time together so that one timing lasts ~target_s on the slowest rank."""
+    trials = []
+    for _ in range(5):  # the least of several: a rank descheduled once must not set the count
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        trials.append((time.perf_counter() - t0) / 10)
+    per_call = torch.tensor([min(trials)])
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # every rank must run the same number of calls
+    return max(1, min(200, round(target_s / per_call.item())))
+
+
 def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = torch.float32
@@ -246,14 +319,18 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
             impls["dtensor"] = d
         with gt.comm_log() as log:
             g()
-        times = interleaved_times(impls, n_reps, warmup)
+        inner = calls_per_timing(impls["floor"])
+        times = interleaved_times(impls, n_reps, warmup, inner)
         med = {k: statistics.median(v) for k, v in times.items()}
         ratios = {f"globaltensor/{k}": paired_ratio(times, "globaltensor", k) for k in impls if k != "globaltensor"}
+        intervals = {f"globaltensor/{k}": paired_ratio_ci(times, "globaltensor", k)
+                     for k in impls if k != "globaltensor"}
         recv = [0] * n
         dist.all_gather_object(recv, log.recv_bytes)
         lb = plan.lower_bound
         results.append({
-            "case": case.name, "shape": list(shape), "median_s": med, "paired_ratio": ratios, "dtensor_note": why,
+            "case": case.name, "shape": list(shape), "median_s": med, "paired_ratio": ratios,
+            "paired_ratio_ci95": intervals, "calls_per_timing": inner, "dtensor_note": why,
             "recv_bytes_counted": recv, "recv_bytes_plan": plan.recv_bytes[:n],
             "lower_bound": list(lb)[:n] if lb is not None else None,
             "plan": plan.explain(),
@@ -264,8 +341,8 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
 def table(results: list[dict], n: int, mib: float, malloc: str) -> str:
     lines = [f"Boxing on {n} gloo processes, fp32 {mib:g} MiB tensors, malloc {malloc}, medians "
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__})", "",
-             "| conversion | gt ms | raw ms | floor ms | DTensor ms | gt/raw | gt/floor | gt/DTensor | max recv B/rank "
-             "| lower bound |",
+             "| conversion | gt ms | raw ms | floor ms | DTensor ms | gt/raw | gt/floor (95% interval) | gt/DTensor "
+             "| max recv B/rank | lower bound |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["median_s"]
@@ -274,10 +351,11 @@ def table(results: list[dict], n: int, mib: float, malloc: str) -> str:
         q = r["paired_ratio"]
         q_raw, q_d = q["globaltensor/raw"], q.get("globaltensor/dtensor")
         q_floor = q.get("globaltensor/floor", q_raw)
+        lo, hi = r["paired_ratio_ci95"]["globaltensor/floor"]
         lb = "n/a (Partial source)" if r["lower_bound"] is None else (
             f"{max(r['lower_bound'])} ({'met' if r['recv_bytes_counted'] == r['lower_bound'] else 'NOT met'})")
         lines.append(f"| {r['case']} | {g * 1e3:.3f} | {raw * 1e3:.3f} | {floor * 1e3:.3f} | "
-                     f"{'n/a' if d is None else f'{d * 1e3:.3f}'} | {q_raw:.2f} | {q_floor:.2f} | "
+                     f"{'n/a' if d is None else f'{d * 1e3:.3f}'} | {q_raw:.2f} | {q_floor:.2f} ({lo:.2f}-{hi:.2f}) | "
                      f"{'n/a' if q_d is None else f'{q_d:.2f}'} | {max(r['recv_bytes_counted'])} | {lb} |")
     ratios = [r["paired_ratio"]["globaltensor/dtensor"] for r in results if "dtensor" in r["median_s"]]
     if ratios:
@@ -298,7 +376,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4, choices=[2, 4, 8])
     ap.add_argument("--mib", type=float, default=4.0)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="smoke run: 64 KiB, 3 repetitions")
     ap.add_argument("--malloc", choices=["kept", "system"], default="kept",
                     help="kept: glibc keeps freed memory, as jemalloc/tcmalloc do (default); system: glibc's defaults")

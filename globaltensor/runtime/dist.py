@@ -39,6 +39,7 @@ class TorchDistCommunicator(Communicator):
         else:
             self.device = torch.device("cpu")
         self._groups: dict[tuple, object] = {}
+        self._a2a_args: dict[tuple, tuple] = {}
 
     @classmethod
     def init(cls, backend: str, rank: int, world_size: int, init_method: str, timeout: float
@@ -113,20 +114,30 @@ class TorchDistCommunicator(Communicator):
         return out
 
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
-        order = sorted(group)
-        if list(group) != order:  # torch orders segments by global rank: permute (a rare mesh order)
-            pos = [group.index(r) for r in order]
-            send = torch.cat([send.split(send_splits)[k] for k in pos])
-            send_splits = [send_splits[k] for k in pos]
-            inner = recv.new_empty(recv.numel())
-            self._all_to_all_into(send, send_splits, inner, [recv_splits[k] for k in pos], tuple(order))
-            for k, piece in zip(pos, inner.split([recv_splits[k] for k in pos])):
-                recv.split(recv_splits)[k].copy_(piece)
+        key = (group, tuple(send_splits), tuple(recv_splits))
+        args = self._a2a_args.get(key)
+        if args is None:  # worked out once per (group, splits): a compiled plan repeats them
+            even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1  # gloo's even path beats alltoallv
+            args = self._a2a_args[key] = (self._pg(group) if list(group) == sorted(group) else None,
+                                          None if even else list(recv_splits), None if even else list(send_splits))
+        pg, out_splits, in_splits = args
+        if pg is None:  # torch orders segments by global rank: permute (a mesh order that is not rank order)
+            self._all_to_all_permuted(send, send_splits, recv, recv_splits, group)
             return
-        even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1  # gloo's even path beats alltoallv
-        self._call("all_to_all", group, lambda: dist.all_to_all_single(
-            recv, send, None if even else list(recv_splits), None if even else list(send_splits),
-            group=self._pg(group)))
+        try:
+            dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
+        except RuntimeError as e:
+            raise CollectiveError(f"all_to_all on group {group} failed on rank {self.rank}: {e}") from e
+
+    def _all_to_all_permuted(self, send, send_splits, recv, recv_splits, group):
+        order = tuple(sorted(group))
+        pos = [group.index(r) for r in order]
+        sends, recvs = send.split(list(send_splits)), recv.split(list(recv_splits))
+        inner = recv.new_empty(recv.numel())
+        self._all_to_all_into(torch.cat([sends[k] for k in pos]), [send_splits[k] for k in pos], inner,
+                              [recv_splits[k] for k in pos], order)
+        for k, piece in zip(pos, inner.split([recv_splits[k] for k in pos])):
+            recvs[k].copy_(piece)
 
     def _exchange(self, sends, bufs):
         ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
