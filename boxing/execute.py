@@ -190,51 +190,71 @@ def _pad(step, shape, rank, group):
 
 
 def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
+    """A point-to-point route, with what each call needs worked out: message sizes, which messages
+    land in place in the output (a contiguous block of it), and the copies and fills left over."""
     route = step.route(rank)
     if route is None:
         return None
-    return lambda local, comm: _run_route(step, route, local, comm)
+    inside = rank in step.dst.placement
+    regions = route.regions
+    send_boxes = route.sends
+    recv_numels = tuple((peer, sum(numel(b) for b in boxes)) for peer, boxes in route.recvs)
+    bcasts = route.bcasts
+    if inside and len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
+        held = regions[0][2]  # the output is a slice of the input: a view, no copy
+
+        def send_and_slice(local, comm):
+            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None)
+            return slice_box(local, held)
+        return send_and_slice
+    if not inside:
+        def send_only(local, comm):
+            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None)
+            return local.new_empty((0,))
+        return send_only
+    out_shape = route.out_shape
+    meta = torch.empty(out_shape, device="meta")
+    in_place = tuple((peer, boxes[0]) for peer, boxes in route.recvs
+                     if len(boxes) == 1 and slice_box(meta, boxes[0]).is_contiguous())
+    landed = {peer for peer, _ in in_place}
+    splits = {peer: [numel(b) for b in boxes] for peer, boxes in route.recvs}
+    copies = tuple((box, arg) for kind, box, arg in regions if kind == "copy")
+    fills = tuple((box, arg) for kind, box, arg in regions if kind == "fill")
+    pieces = tuple((box, arg) for kind, box, arg in regions if kind == "recv" and arg[0] not in landed)
+
+    def exchange(local, comm):
+        out = local.new_empty(out_shape)
+        into = {peer: slice_box(out, box).view(-1) for peer, box in in_place}
+        got = _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into)
+        for box, held in copies:
+            slice_box(out, box).copy_(slice_box(local, held))
+        for box, op in fills:
+            slice_box(out, box).fill_(identity(op, local.dtype))
+        split = {}
+        for box, (peer, i) in pieces:
+            if peer not in split:
+                msg = got[peer]
+                split[peer] = (msg,) if len(splits.get(peer, ())) <= 1 else msg.split(splits[peer])
+            slice_box(out, box).copy_(split[peer][i].view(sizes(box)))
+        return out
+    return exchange
 
 
-def _run_route(step: Step, route, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    sends = {}
-    for peer, boxes in route.sends:
-        parts = [slice_box(local, b).reshape(-1) for b in boxes]
-        sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
-    recvs = {peer: ((sum(numel(b) for b in boxes),), local.dtype) for peer, boxes in route.recvs}
+def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into) -> dict:
+    """The route's broadcasts, then its sends and receives; what each peer sent (received into `into`'s)."""
     heard = {}
-    for group, src, box, n in route.bcasts:  # every rank runs them in the same (sender) order
+    for group, src, box, n in bcasts:  # every rank runs them in the same (sender) order
         t = slice_box(local, box).reshape(-1) if src == comm.rank else None
         out = comm.broadcast(t, group, src, (n,), local.dtype)
         if src != comm.rank:
             heard[src] = out
-    regions = route.regions
-    inside = comm.rank in step.dst.placement
-    if inside and len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
-        comm.exchange(sends, recvs)
-        return slice_box(local, regions[0][2])  # a pure local slice: a view, no copy
-    out = local.new_empty(route.out_shape) if inside else None
-    into = {}  # a message of one box that is a contiguous block of the output is received in place
-    for peer, boxes in route.recvs if inside else ():
-        target = slice_box(out, boxes[0])
-        if len(boxes) == 1 and target.is_contiguous():
-            into[peer] = target.view(-1)
-    got = comm.exchange(sends, recvs, into)
-    if not inside:
-        return local.new_empty((0,))
-    pieces = {peer: got[peer].split([numel(b) for b in boxes]) for peer, boxes in route.recvs if peer not in into}
-    pieces.update({src: (t,) for src, t in heard.items()})
-    for kind, box, arg in regions:
-        target = slice_box(out, box)
-        if kind == "copy":
-            target.copy_(slice_box(local, arg))
-        elif kind == "recv":
-            peer, i = arg
-            if peer not in into:
-                target.copy_(pieces[peer][i].view(sizes(box)))
-        else:
-            target.fill_(identity(arg, local.dtype))
-    return out
+    sends = {}
+    for peer, boxes in send_boxes:
+        parts = [slice_box(local, b).reshape(-1) for b in boxes]
+        sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if sends or recv_numels:
+        heard.update(comm.exchange(sends, {peer: ((n,), local.dtype) for peer, n in recv_numels}, into))
+    return heard
 
 
 _COMPILE = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,

@@ -92,7 +92,8 @@ class Communicator:
         if shapes[i] != tuple(t.shape):
             raise ValueError(f"all_gather: shapes[{i}]={shapes[i]} but this rank's tensor is {tuple(t.shape)}")
         out = self._all_gather(t.contiguous(), group, shapes)
-        self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
+        if self._logs:  # the byte count is only worked out for a log
+            self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
         return out
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str = "sum") -> torch.Tensor:
@@ -103,7 +104,8 @@ class Communicator:
         if len(group) == 1:
             return chunks[0]
         out = self._reduce_scatter([c.contiguous() for c in chunks], group, op)
-        self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
+        if self._logs:
+            self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
         return out
 
     def all_reduce(self, t: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
@@ -111,7 +113,8 @@ class Communicator:
         if len(group) == 1:
             return t
         out = self._all_reduce(t.contiguous(), group, op)
-        self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
+        if self._logs:
+            self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
         return out
 
     def all_to_all(self, sends: Sequence[torch.Tensor], group: Group,
@@ -181,8 +184,9 @@ class Communicator:
                                  f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
             bufs[r] = buf
         self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs)
-        peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
-        self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
+        if self._logs:
+            peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
+            self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
         return bufs
 
     def broadcast(self, t: torch.Tensor | None, group: Group, src: int,
@@ -194,7 +198,8 @@ class Communicator:
         if len(group) == 1:
             return t
         out = self._broadcast(t.contiguous() if self.rank == src else None, group, src, tuple(shape), dtype)
-        self._record("broadcast", group, 0 if self.rank == src else nbytes(shape, dtype))
+        if self._logs:
+            self._record("broadcast", group, 0 if self.rank == src else nbytes(shape, dtype))
         return out
 
     def all_gather_object(self, obj: Any, group: Group) -> list[Any]:

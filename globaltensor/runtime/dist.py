@@ -140,13 +140,19 @@ class TorchDistCommunicator(Communicator):
             recvs[k].copy_(piece)
 
     def _exchange(self, sends, bufs):
-        ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
-        ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
-
-        def run():
-            for w in dist.batch_isend_irecv(ops):
+        try:
+            if self.backend == "nccl":  # nccl pairs sends and receives only when they are coalesced
+                ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
+                ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
+                works = dist.batch_isend_irecv(ops)
+            else:  # what batch_isend_irecv does for gloo, without building and checking P2POps
+                works = [dist.isend(t, dst) for dst, t in sorted(sends.items())]
+                works += [dist.irecv(t, src) for src, t in sorted(bufs.items())]
+            for w in works:
                 w.wait()
-        self._call("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), run)
+        except RuntimeError as e:
+            peers = tuple(sorted(set(sends) | set(bufs) | {self.rank}))
+            raise CollectiveError(f"send_recv on group {peers} failed on rank {self.rank}: {e}") from e
 
     def _broadcast(self, t, group, src, shape, dtype):
         buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
