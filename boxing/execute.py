@@ -169,9 +169,10 @@ def _slice(step, shape, rank, group):
     old = step.src.shard(shape, rank)
     box = relative(step.dst.shard(shape, rank), old)
     cuts = [(d, start, size) for d, ((start, size), (_, full)) in enumerate(zip(box, old)) if size != full]
-    if len(cuts) == 1:  # the usual B -> S(d): one narrow
+    if len(cuts) == 1:  # the usual B -> S(d): one basic-indexing slice (faster than narrow)
         (d, start, size), = cuts
-        return lambda local, comm: local.narrow(d, start, size)
+        index = slice(start, start + size) if d == 0 else (slice(None),) * d + (slice(start, start + size),)
+        return lambda local, comm: local[index]
     return lambda local, comm: slice_box(local, box)
 
 
