@@ -5,11 +5,12 @@ from typing import Any, Sequence
 
 import torch
 
-from .layout import Layout, normalize_sbp, slice_box
+from .layout import Layout, normalize_sbp
+from .module import module_to_global
 from .placement import Placement
 from .runtime import context
-from .sbp import Partial, Split
-from .tensor import GlobalTensor, _FromLocal, device_for
+from .sbp import Split
+from .tensor import GlobalTensor, _FromLocal, device_for, distribute
 
 
 def _check_placement(placement: Any, fn: str) -> Placement:
@@ -36,7 +37,6 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
         raise ValueError("to_global(grad_sbp): only a GlobalTensor's conversion has a gradient to lay out; "
                          "a full tensor or module becomes a leaf (drop grad_sbp)")
     if isinstance(obj, torch.nn.Module):
-        from .module import module_to_global
         return module_to_global(obj, _check_placement(placement, "to_global"), sbp)
     if sbp is None:
         raise TypeError("to_global(sbp): required for a tensor (gt.split(d), gt.broadcast, gt.partial_sum "
@@ -46,18 +46,7 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
     placement = _check_placement(placement, "to_global")
     layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
     layout.check_shape(obj.shape)
-    comm = context.current()
-    t = obj.detach().to(device_for(placement))
-    box = layout.shard(obj.shape, comm.rank)
-    if box is None:
-        local = t.new_empty((0,))
-    else:
-        # a copy, never the caller's storage: simulated ranks share the objects they are handed
-        local = slice_box(t, box).clone(memory_format=torch.contiguous_format)
-        coord = placement.coord(comm.rank)
-        if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(layout.sbp)):
-            local = torch.zeros_like(local)
-    return GlobalTensor(local, layout, tuple(obj.shape), requires_grad=obj.requires_grad)
+    return distribute(obj, layout, requires_grad=obj.requires_grad)
 
 
 def _check_shape_arg(shape: Any) -> tuple[int, ...]:

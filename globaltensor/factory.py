@@ -5,11 +5,11 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import Layout, normalize_sbp, slice_box
+from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
 from .sbp import Partial
-from .tensor import GlobalTensor, device_for
+from .tensor import GlobalTensor, device_for, distribute
 
 
 def _shape(shape: tuple) -> tuple[int, ...]:
@@ -29,12 +29,10 @@ def _make(fill: Callable[[tuple, dict], torch.Tensor], random: bool, shape: tupl
     layout.check_shape(shape)
     comm = context.current()
     opts = {"dtype": dtype or torch.get_default_dtype(), "device": device_for(placement)}
-    box = layout.shard(shape, comm.rank)
     if random:  # every rank draws the global tensor (same generator state as one device), keeps its shard
-        full = fill(shape, opts)
-        local = full.new_empty((0,)) if box is None else slice_box(full, box).clone()
-    else:
-        local = fill(layout.local_shape(shape, comm.rank) if box is not None else (0,), opts)
+        return distribute(fill(shape, opts), layout, requires_grad)
+    box = layout.shard(shape, comm.rank)
+    local = fill(layout.local_shape(shape, comm.rank) if box is not None else (0,), opts)
     coord = placement.coord(comm.rank)
     if box is not None and any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0
                                for a, s in enumerate(layout.sbp)):

@@ -11,18 +11,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from .placement import Placement
-from .sbp import SBP, SBP_TYPES, Broadcast, Partial, Split
-
-
-def split_range(length: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, size) of piece `index` of `length` cut into `parts` as numpy.array_split does."""
-    base, extra = divmod(length, parts)
-    return index * base + min(index, extra), base + (index < extra)
-
-
-def split_sizes(length: int, parts: int) -> list[int]:
-    base, extra = divmod(length, parts)
-    return [base + (i < extra) for i in range(parts)]
+from .sbp import SBP, SBP_TYPES, Broadcast, Partial, Split, split_range, split_sizes
 
 
 def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:

@@ -31,6 +31,7 @@ from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .placement import Placement
 from .sbp import SBP_TYPES, Broadcast, Partial
+from .tensor import GlobalTensor, distribute
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,6 @@ class _Boundary:
     where: str
 
     def apply(self, x: Any) -> Any:
-        from .tensor import GlobalTensor
         if not isinstance(x, GlobalTensor):
             raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
                             "convert the model's inputs with gt.to_global first")
@@ -116,7 +116,6 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
 
 def _defer_grad_reduction(param: torch.Tensor) -> None:
     """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced."""
-    from .tensor import GlobalTensor
     g = param.grad
     if isinstance(g, GlobalTensor) and g._layout.has_partial:
         lay = g._layout
@@ -146,7 +145,6 @@ def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
 def module_to_global(module: torch.nn.Module, placement: Placement,
                      plan: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
     """Convert `module` in place (and return it); values are unchanged, gradients arrive as GlobalTensors."""
-    from .api import to_global
     if plan is not None and not isinstance(plan, Mapping):
         raise TypeError(f"to_global(plan): expected a dict {{name pattern: sbp or gt.ModuleLayout}}, "
                         f"got {type(plan).__name__}")
@@ -167,7 +165,9 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     continue
                 if id(t) not in done:
                     full = f"{prefix}.{name}" if prefix else name
-                    g = to_global(t.detach(), placement, _sbp_for(full, plan, placement))
+                    layout = Layout(placement, _sbp_for(full, plan, placement))
+                    layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
+                    g = distribute(t, layout)
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
                         if isinstance(t, torch.nn.Parameter) else g
                     if isinstance(t, torch.nn.Parameter) and t.requires_grad:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .runtime.context import current_or_none
+
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -142,7 +144,6 @@ def placement(device_type: str, ranks: Any) -> Placement:
         raise ValueError(f"placement(ranks): duplicate ranks {dup}; each rank may appear once in a mesh")
     if any(s == 0 for s in shape):
         raise ValueError(f"placement(ranks): mesh shape {shape} has an empty axis")
-    from .runtime.context import current_or_none
     comm = current_or_none()
     p = Placement(device_type, shape, flat)
     if comm is not None:

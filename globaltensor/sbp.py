@@ -60,3 +60,16 @@ def partial(op: str = "sum") -> Partial:
 
 broadcast = Broadcast()
 partial_sum = Partial("sum")
+
+
+# -- a Split's pieces: numpy.array_split-balanced, sizes differ by at most one --------------------
+def split_range(length: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of piece `index` of `length` cut into `parts` as numpy.array_split does."""
+    base, extra = divmod(length, parts)
+    return index * base + min(index, extra), base + (index < extra)
+
+
+def split_sizes(length: int, parts: int) -> list[int]:
+    """The sizes of all `parts` pieces of `length`, as numpy.array_split cuts it."""
+    base, extra = divmod(length, parts)
+    return [base + (i < extra) for i in range(parts)]

@@ -199,6 +199,26 @@ def gradient_layout(x: GlobalTensor, grad_sbp: Any) -> Layout:
     return layout
 
 
+def distribute(full: torch.Tensor, layout: Layout, requires_grad: bool = False) -> GlobalTensor:
+    """`full` (the same on every rank) laid out as `layout`, with no communication: a leaf.
+
+    This rank keeps a copy of its shard, never `full`'s storage (simulated ranks share the objects
+    they are handed); a Partial(sum) axis puts the value on its first rank and zeros on the others,
+    Partial(max/min) keeps it everywhere. A rank outside the placement keeps an empty shard.
+    """
+    rank = context.current().rank
+    t = full.detach().to(device_for(layout.placement))
+    box = layout.shard(full.shape, rank)
+    if box is None:
+        local = t.new_empty((0,))
+    else:
+        local = slice_box(t, box).clone(memory_format=torch.contiguous_format)
+        coord = layout.placement.coord(rank)
+        if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(layout.sbp)):
+            local = torch.zeros_like(local)
+    return GlobalTensor(local, layout, tuple(full.shape), requires_grad=requires_grad)
+
+
 def device_for(placement: Placement) -> torch.device:
     comm = context.current()
     if placement.device_type == comm.device.type:

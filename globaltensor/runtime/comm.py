@@ -8,20 +8,16 @@ methods only.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from ..layout import split_sizes
+from ..sbp import split_sizes
+from .failure import CollectiveError
 
 Group = tuple  # of int ranks, in mesh order
-
-
-class CollectiveError(RuntimeError):
-    """A collective that could not complete: mismatch, missing rank, timeout or abort."""
 
 
 @dataclass(frozen=True)
@@ -236,15 +232,3 @@ class Communicator:
     def _all_gather_object(self, obj, group):  # pragma: no cover
         raise NotImplementedError
 
-
-@contextlib.contextmanager
-def comm_log() -> Iterator[CommLog]:
-    """Record this rank's collectives: `with gt.comm_log() as log: ...; log.recv_bytes`."""
-    from .context import current
-    comm = current()
-    log = CommLog()
-    comm._logs.append(log)
-    try:
-        yield log
-    finally:
-        comm._logs.remove(log)

@@ -1,16 +1,22 @@
-"""Which Communicator the calling rank uses.
+"""Which Communicator the calling rank uses, and the log of what it receives.
 
-Simulated ranks are threads, so the communicator is thread-local first; a
-`torchrun` process has one for the whole process, created on first use from
-the usual environment variables; a plain script is a world of one.
+Simulated ranks are threads, so the communicator is thread-local first (`launch`
+binds each simulated rank's); a `torchrun` process has one for the whole process,
+created on first use from the usual environment variables; a plain script is a
+world of one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from typing import Iterator
 
-from .comm import Communicator
+import torch.distributed as dist
 
+from .comm import CommLog, Communicator
+from .dist import TorchDistCommunicator
+from .sim import SimWorld
 
 
 class _Thread(threading.local):
@@ -42,13 +48,10 @@ def set_process(comm: Communicator | None) -> None:
 
 
 def _init_process() -> Communicator:
-    import torch.distributed as dist
     global _process, _alone
     if dist.is_available() and (dist.is_initialized() or "WORLD_SIZE" in os.environ and "RANK" in os.environ):
-        from .dist import TorchDistCommunicator
         _process = TorchDistCommunicator.from_environment()
         return _process
-    from .sim import SimWorld
     _alone = SimWorld(1).communicator(0)
     return _alone
 
@@ -59,3 +62,15 @@ def rank() -> int:
 
 def world_size() -> int:
     return current().world_size
+
+
+@contextlib.contextmanager
+def comm_log() -> Iterator[CommLog]:
+    """Record this rank's collectives: `with gt.comm_log() as log: ...; log.recv_bytes`."""
+    comm = current()
+    log = CommLog()
+    comm._logs.append(log)
+    try:
+        yield log
+    finally:
+        comm._logs.remove(log)

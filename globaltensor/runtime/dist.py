@@ -7,7 +7,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .comm import CollectiveError, Communicator
+from .comm import Communicator
+from .failure import CollectiveError, default_timeout
 
 # torch >= 2.12 renamed the single-tensor collectives; keep older torch working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -54,7 +55,6 @@ class TorchDistCommunicator(Communicator):
     def from_environment(cls) -> "TorchDistCommunicator":
         """Use an initialised default group, or create one from torchrun's environment."""
         if not dist.is_initialized():
-            from .launch import default_timeout
             backend = "nccl" if torch.cuda.is_available() and os.environ.get("GT_BACKEND") != "gloo" else "gloo"
             backend = os.environ.get("GT_BACKEND", backend)
             if backend == "nccl":

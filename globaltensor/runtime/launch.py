@@ -15,36 +15,16 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import context
+from .dist import TorchDistCommunicator
+from .failure import RankError, default_timeout, raise_rank_failure
+from .sim import SimCommunicator, SimWorld
+
 BACKENDS = ("sim", "gloo", "nccl")
-
-
-def default_timeout() -> float:
-    """Seconds a collective may wait for its peers (`GT_TIMEOUT`, default 300)."""
-    return float(os.environ.get("GT_TIMEOUT", "300"))
-
-
-class RankError(RuntimeError):
-    """A rank failed and its exception could not be carried back as itself."""
-
-    def __init__(self, rank: int, message: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-def raise_rank_failure(errors: dict[int, tuple[BaseException, str]]) -> None:
-    """Re-raise the root failure: the lowest rank whose error was not a consequence of another's."""
-    from .comm import CollectiveError
-    primary = [r for r, (e, _) in errors.items() if not isinstance(e, CollectiveError)]
-    rank = min(primary) if primary else min(errors)
-    exc, tb = errors[rank]
-    # an exception from another process lost its frames in pickling: carry them in the note
-    note = f"raised on rank {rank}" + ("" if exc.__traceback__ else f"; its traceback:\n{tb}")
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-    else:  # Python 3.10
-        exc = RankError(rank, f"rank {rank} failed: {exc!r}\n{note}")
-    exc.rank = rank
-    raise exc
 
 
 def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence = (),
@@ -56,15 +36,12 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
         raise ValueError(f"launch(backend): must be one of {BACKENDS}, got {backend!r}")
     if not callable(fn):
         raise TypeError(f"launch(fn): must be callable, got {type(fn).__name__}")
-    from .context import current_or_none
-    if current_or_none() is not None:
+    if context.current_or_none() is not None:
         raise RuntimeError("launch: already inside a launched rank; call fn directly instead of nesting launch")
     timeout = default_timeout() if timeout is None else float(timeout)
     if backend == "sim":
-        from .sim import SimWorld
-        return SimWorld(world_size, timeout).run(fn, tuple(args))
+        return SimWorld(world_size, timeout).run(_as_current(fn, tuple(args)))
     if backend == "nccl":
-        import torch
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
             raise ValueError(f"launch(backend='nccl'): needs {world_size} CUDA devices, "
                              f"found {torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
@@ -72,16 +49,24 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
     return _launch_processes(fn, world_size, backend, tuple(args), timeout)
 
 
+def _as_current(fn: Callable, args: tuple) -> Callable[[SimCommunicator], Any]:
+    """A simulated rank's body: `fn(*args)` with the rank's communicator bound to its thread."""
+    def body(comm: SimCommunicator) -> Any:
+        context.set_thread(comm)
+        try:
+            return fn(*args)
+        finally:
+            context.set_thread(None)
+    return body
+
+
 def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callable, args: tuple,
             timeout: float, results: Any) -> None:
-    from .context import set_process
-    from .dist import TorchDistCommunicator
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks sharing a machine must not oversubscribe it
-        import torch
         torch.set_num_threads(1)
     try:
         comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
-        set_process(comm)
+        context.set_process(comm)
         out = pickle.dumps(fn(*args))  # plain bytes: shared-memory tensors would die with this process
         results.put((rank, True, out, ""))
     except BaseException as e:  # noqa: BLE001 - carried to the caller
@@ -93,7 +78,6 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
             payload = pickle.dumps(RankError(rank, f"rank {rank} failed: {e!r}"))
         results.put((rank, False, payload, tb))
     finally:
-        import torch.distributed as dist
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -102,7 +86,6 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
 
 
 def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, timeout: float) -> list:
-    import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="gt-launch-")

@@ -16,12 +16,13 @@ import time
 import traceback
 from collections import deque
 from functools import reduce
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .comm import CollectiveError, Communicator
+from .comm import Communicator
+from .failure import CollectiveError, default_timeout, raise_rank_failure
 
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -81,7 +82,6 @@ def _complete(rv: _Rendezvous) -> None:
 
 class SimWorld:
     def __init__(self, world_size: int, timeout: float | None = None, device: str = "cpu") -> None:
-        from .launch import default_timeout
         self.world_size = world_size
         self.timeout = default_timeout() if timeout is None else timeout
         self.device = torch.device(device)
@@ -193,23 +193,24 @@ class SimWorld:
             return t
 
     # -- running a program on every rank --------------------------------------
-    def run(self, fn: Callable, args: Sequence = ()) -> list[Any]:
-        from .context import set_thread
+    def run(self, fn: Callable[[SimCommunicator], Any]) -> list[Any]:
+        """`fn(communicator)` on every rank, each in its own thread; the results in rank order.
+
+        `fn` is handed its rank's communicator (`launch` makes it the thread's current one).
+        """
         initial = _capture_rng()
         results: list[Any] = [None] * self.world_size
         errors: dict[int, tuple[BaseException, str]] = {}
 
         def body(rank: int) -> None:
-            set_thread(self.communicator(rank))
             try:
                 with self.cond:
                     self._wait_turn(rank, "the start")
                 _restore_rng(initial)
-                results[rank] = fn(*args)
+                results[rank] = fn(self.communicator(rank))
             except BaseException as e:  # noqa: BLE001 - reported to the caller with its rank
                 errors[rank] = (e, traceback.format_exc())
             finally:
-                set_thread(None)
                 with self.cond:
                     self.status[rank] = "done"
                     if rank in errors and not isinstance(errors[rank][0], CollectiveError):
@@ -230,7 +231,6 @@ class SimWorld:
                         break
         _restore_rng(initial)
         if errors:
-            from .launch import raise_rank_failure
             raise_rank_failure(errors)
         return results
 
