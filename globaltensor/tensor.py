@@ -64,7 +64,8 @@ class GlobalTensor(torch.Tensor):
 
     # -- the layout ----------------------------------------------------------
     @property
-    def layout(self) -> Layout:
+    def global_layout(self) -> Layout:
+        """Placement and nd-SBP together; `x.layout` stays torch's (`torch.strided`)."""
         return self._layout
 
     @property

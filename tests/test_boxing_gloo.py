@@ -42,7 +42,7 @@ def run_pairs():
         x, _ = make(ps, ss, shape, seed=i)
         with gt.comm_log() as log:
             y = x.to_global(pd, ds)
-        plan = boxing.plan(x.layout, y.layout, shape, x.dtype)
+        plan = boxing.plan(x.global_layout, y.global_layout, shape, x.dtype)
         local = y.to_local().numpy().copy() if gt.rank() in pd else None
         out.append((log.recv_bytes, plan.recv_bytes_of(gt.rank()), local))
     return out

@@ -41,8 +41,8 @@ def _convert_body(ps, ss, pd, ds, shape, seed):
     x, _ = make(ps, ss, shape, seed)
     with gt.comm_log() as log:
         y = x.to_global(pd, ds)
-    pl = boxing.plan(x.layout, y.layout, shape, x.dtype)
-    assert y.layout == gt.Layout(pd, ds) and tuple(y.shape) == shape
+    pl = boxing.plan(x.global_layout, y.global_layout, shape, x.dtype)
+    assert y.global_layout == gt.Layout(pd, ds) and tuple(y.shape) == shape
     local = y.to_local()
     return log.recv_bytes, pl.recv_bytes_of(gt.rank()), (local.numpy().copy() if gt.rank() in pd else None)
 

@@ -20,7 +20,7 @@ def _expected(params, rank):
     the plans that are one all-reduce share a collective per bucket (same groups, dtype and op)."""
     kinds, recv, buckets = Counter(), 0, set()
     for p in params:
-        plan = gt.boxing.plan(p.grad.layout, p.layout, tuple(p.shape), p.dtype)
+        plan = gt.boxing.plan(p.grad.global_layout, p.global_layout, tuple(p.shape), p.dtype)
         key = gt.boxing.all_reduce_key(plan)
         for step in plan.steps:
             if step.primitive not in LOCAL_STEPS and (key is None or key not in buckets):
@@ -41,7 +41,7 @@ def _one_step(foreach):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     model(idx, tgt)[1].backward()
     params = list(model.parameters())
-    assert any(q.grad.layout.has_partial for q in params)
+    assert any(q.grad.global_layout.has_partial for q in params)
     with gt.comm_log() as log:
         opt.step()
     got = Counter(e.kind for e in log.events)
