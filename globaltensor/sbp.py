@@ -27,11 +27,17 @@ class Split:
     def __repr__(self) -> str:
         return f"S({self.dim})"
 
+    def __reduce__(self):  # unpickled through the constructor, so its checks run (torch.load too)
+        return (Split, (self.dim,))
+
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
     def __repr__(self) -> str:
         return "B"
+
+    def __reduce__(self):
+        return (Broadcast, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +50,9 @@ class Partial:
 
     def __repr__(self) -> str:
         return "P" if self.op == "sum" else f"P({self.op})"
+
+    def __reduce__(self):
+        return (Partial, (self.op,))
 
 
 SBP = Union[Split, Broadcast, Partial]

@@ -1,6 +1,7 @@
 """GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -80,6 +81,41 @@ class GlobalTensor(torch.Tensor):
         return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
                 f"sbp={self.sbp}, local={self._local})")
 
+    # -- saving and copying --------------------------------------------------
+    def __reduce_ex__(self, proto: int):
+        """What torch.save (and pickle) write: this rank's shard and what makes it global again.
+
+        That is the local shard, the layout, the global shape, requires_grad, the saving rank and
+        the Python state (a parameter's mark); hooks are not saved, as torch never saves them. Each
+        rank saves its own file and loads it back on the same world (`_rebuild_from_shard`).
+        """
+        self._clear_non_serializable_cached_data()
+        return (_rebuild_from_shard, (self._local.detach(), self._layout, tuple(self.shape), self.requires_grad,
+                                      context.current().rank, dict(self.__dict__)))
+
+    def __deepcopy__(self, memo: dict) -> "GlobalTensor":
+        """An independent copy: its own shard storage, the same layout, Python state and gradient.
+
+        Shared objects stay shared through `memo` (tied weights of a deep-copied module stay
+        tied), and post-accumulate-grad hooks come along (a converted module's parameters defer
+        their gradients' reduction with one).
+        """
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("deepcopy: only a leaf GlobalTensor (a parameter, or one made by gt.to_global or "
+                               "the factories) can be deep-copied, as with torch.Tensor; detach() it first")
+        new = _wrap(type(self), copy.deepcopy(self._local, memo), self._layout, tuple(self.shape), self._key,
+                    self.requires_grad)
+        memo[id(self)] = new
+        self._clear_non_serializable_cached_data()
+        new.__dict__ = copy.deepcopy(self.__dict__, memo)
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        for hook in (self._post_accumulate_grad_hooks or {}).values():
+            new.register_post_accumulate_grad_hook(hook)
+        return new
+
     # -- conversions ---------------------------------------------------------
     def to_local(self) -> torch.Tensor:
         """This rank's shard (differentiable); empty on ranks outside the placement."""
@@ -115,6 +151,45 @@ class GlobalTensor(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """The whole global value on every rank of the placement (Partial reduced); empty outside it."""
         return _FullTensor.apply(self)
+
+
+def _piece(layout: Layout, rank: int) -> tuple | None:
+    """Which piece of the global value `rank` holds: its mesh coordinate on every axis that is not
+    Broadcast (a Split's block, a Partial's term); None outside the placement."""
+    coord = layout.placement.coord(rank)
+    if coord is None:
+        return None
+    return tuple(None if isinstance(s, Broadcast) else c for s, c in zip(layout.sbp, coord))
+
+
+def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requires_grad: bool, saved_by: int,
+                        state: dict | None) -> GlobalTensor:
+    """torch.load's way back to a GlobalTensor: the shard lands on the loading rank.
+
+    The world must hold the placement and the loading rank must hold the piece the saving rank
+    held (each rank loads its own file; any rank of a Broadcast axis will do).
+    """
+    rank = context.current().rank
+    where = f"torch.load: a GlobalTensor {layout} of shape {tuple(shape)} saved by rank {saved_by}"
+    try:
+        layout.placement.check_world(context.current().world_size)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}; load it on the world that saved it") from None
+    if _piece(layout, rank) != _piece(layout, saved_by):
+        raise ValueError(f"{where} is loaded on rank {rank}, which holds another piece of it; let each rank "
+                         f"load the file it saved")
+    if tuple(local.shape) != layout.local_shape(shape, rank):
+        raise ValueError(f"{where}: the saved shard has shape {tuple(local.shape)}, not the "
+                         f"{layout.local_shape(shape, rank)} that rank {rank} holds")
+    x = GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+    for name, value in (state or {}).items():  # a parameter's mark, user attributes
+        setattr(x, name, value)
+    return x
+
+
+# torch.load(weights_only=True) may rebuild what a saved GlobalTensor names, with nothing for users to allow
+torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout, Placement, Split, Broadcast,
+                                      Partial])
 
 
 class _Target(NamedTuple):
@@ -221,12 +296,7 @@ def distribute(full: torch.Tensor, layout: Layout, requires_grad: bool = False) 
 
 
 def device_for(placement: Placement) -> torch.device:
-    comm = context.current()
-    if placement.device_type == comm.device.type:
-        return comm.device
-    if placement.device_type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("placement(device_type): 'cuda' but this process has no CUDA device; use 'cpu'")
-    return torch.device(placement.device_type)
+    return context.current().device_for(placement.device_type)
 
 
 def grad_layout(layout: Layout) -> Layout:
