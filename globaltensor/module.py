@@ -91,6 +91,17 @@ class _Boundary:
         except (ValueError, TypeError) as e:
             raise type(e)(f"{self.where}: {e}") from None
 
+    # the hooks are bound methods, not closures, so that a converted module pickles (torch.save(model))
+    def before(self, module: torch.nn.Module, args: tuple) -> tuple:
+        """Forward pre-hook: the first positional input laid out."""
+        if not args:
+            raise TypeError(f"{self.where}: the module was called without a positional input")
+        return (self.apply(args[0]),) + tuple(args[1:])
+
+    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook: the output laid out."""
+        return self.apply(output)
+
 
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     where = f"to_global(plan[{name!r}])"
@@ -101,16 +112,8 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     for b in (inp, out):
         if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):
             raise ValueError(f"{where}: a gradient cannot be laid out as {b.grad} (gradients add up)")
-    pre = None
-    if inp.sbp is not None or inp.grad is not None:
-        def pre(module, args):
-            if not args:
-                raise TypeError(f"{inp.where}: the module was called without a positional input")
-            return (inp.apply(args[0]),) + tuple(args[1:])
-    post = None
-    if out.sbp is not None or out.grad is not None:
-        def post(module, args, output):
-            return out.apply(output)
+    pre = inp.before if inp.sbp is not None or inp.grad is not None else None
+    post = out.after if out.sbp is not None or out.grad is not None else None
     return pre, post
 
 

@@ -220,6 +220,23 @@ def test_state_dict_round_trips_and_loads_into_a_freshly_converted_module(tmp_pa
             assert torch.equal(params[name], params2[name]), name
 
 
+def _whole_module():
+    model, p = _converted_gpt(0)
+    again = torch.load(_saved(model), weights_only=False)  # a pickled module: classes and layout hooks too
+    assert again.head.weight is again.wte.weight
+    idx, _ = _batch(p)
+    with gt.comm_log() as log:
+        want = model(idx).full_tensor()
+    with gt.comm_log() as log_again:
+        got = again(idx).full_tensor()
+    assert [(e.kind, e.group) for e in log.events] == [(e.kind, e.group) for e in log_again.events]
+    return torch.equal(got, want)
+
+
+def test_a_whole_converted_module_pickles():
+    assert all(gt.launch(_whole_module, 4))
+
+
 def _deepcopy_tensor():
     p = gt.placement("cpu", [0, 1, 2])
     x = gt.to_global(torch.arange(5.0), p, gt.split(0)).requires_grad_()
