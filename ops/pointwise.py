@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .registry import B, Ctx, P, Rule, S, aten, is_inplace, overloads, pointwise_dims, register
+from .registry import PMAX, PMIN, B, Ctx, P, Rule, S, aten, is_inplace, overloads, pointwise_dims, register
 
 _PROTOTYPES: dict = {}  # (op, what type promotion reads of its args) -> its outputs on one-element stand-ins
 
@@ -97,7 +97,7 @@ LINEAR = {
     ("add", "sub"): linear(((0, 1),), _all_tensor_operands),
     ("mul",): linear(((0,), (1,))),
     ("div",): linear(((0,),)),
-    ("neg", "clone", "_to_copy", "alias", "detach", "zero", "positive", "real", "conj_physical",
+    ("neg", "clone", "alias", "detach", "zero", "positive", "real", "conj_physical",
      "lift_fresh"): linear(((0,),)),
     ("copy",): linear(((0, 1),), overwrites=True),
     ("lerp",): linear(((0, 1),)),
@@ -115,8 +115,47 @@ NONLINEAR_OPS = (
     "bitwise_and", "bitwise_or", "maximum", "minimum", "clamp", "clamp_min", "clamp_max", "isnan", "isinf",
     "fill", "hardtanh", "leaky_relu", "elu", "softplus", "mish", "square", "nan_to_num", "sgn", "atan2",
     "hardtanh_backward", "leaky_relu_backward", "elu_backward", "softplus_backward",
+    "floor_divide", "remainder", "fmod", "bitwise_xor", "logical_xor",
 )
 
 for names, rule in LINEAR.items():
     register(_ops(*names), rule)
 register(_ops(*NONLINEAR_OPS), NONLINEAR)
+
+
+# -- casts (`.float()`, `.to(dtype)`, `type_as`) and queries of the shard ---------------------------
+def partials_kept(src: torch.dtype, dst: torch.dtype) -> list:
+    """The Partials a cast from `src` to `dst` keeps.
+
+    Sum where the cast is linear up to rounding: to a floating or complex dtype, from anything but
+    bool. Max and min where it is monotone and keeps the identity of an empty shard (-inf, inf): to
+    a floating dtype from a real one. A cast of P(sum) to an integer dtype would truncate each
+    rank's part (1.5 + 1.5 -> 1 + 1), and a cast to bool is neither linear nor monotone.
+    """
+    kept = []
+    if (dst.is_floating_point or dst.is_complex) and src != torch.bool:
+        kept.append(P)
+    if dst.is_floating_point and not src.is_complex:
+        kept += [PMAX, PMIN]
+    return kept
+
+
+def cast_signatures(ctx: Ctx) -> list:
+    x = ctx.args[0]
+    dst = ctx.kwargs.get("dtype") or x.dtype
+    return split_signatures(ctx) + [((p,), (p,)) for p in partials_kept(x.dtype, dst)]
+
+
+def cast_meta(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """`_to_copy` on meta: the dtype asked for, the input's shape (a `device=` asked for is the shard's business)."""
+    x = args[0]
+    return torch.empty(x.shape, dtype=kwargs.get("dtype") or x.dtype, device="meta")
+
+
+def any_layout_no_output(ctx: Ctx) -> list:
+    """An op that answers a Python value about the local shard (`is_pinned`): every layout as it is."""
+    return [((s,), ()) for s in [S(d) for d in range(len(ctx.shapes[0]))] + [P, PMAX, PMIN]]
+
+
+register([aten._to_copy.default], Rule(cast_signatures, meta=cast_meta))
+register([aten.is_pinned.default], Rule(any_layout_no_output))

@@ -1,6 +1,6 @@
 """Communication: one Communicator interface, two backends (simulator, torch.distributed).
 
-Imports flow failure <- comm <- sim, dist <- context <- launch.
+Imports flow failure, comm <- sim, dist <- context <- launch.
 """
 from .comm import CommEvent, CommLog, Communicator
 from .context import comm_log, current, rank, world_size

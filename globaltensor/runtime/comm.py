@@ -15,7 +15,6 @@ from typing import Any, Sequence
 import torch
 
 from ..sbp import split_sizes
-from .failure import CollectiveError
 
 Group = tuple  # of int ranks, in mesh order
 
@@ -62,7 +61,7 @@ class Communicator:
 
     def __init__(self) -> None:
         self._logs: list[CommLog] = []
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._scratch: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> buffer
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
@@ -147,23 +146,39 @@ class Communicator:
             self._record("all_to_all", group, (recv.numel() - recv_splits[i]) * recv.element_size())
         return recv
 
-    def send_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A reused flat buffer to pack what one collective sends; valid until the next call.
+    def device_for(self, device_type: str) -> torch.device:
+        """Where this rank keeps the shards of a placement of `device_type` ("cpu" or "cuda").
+
+        Its own device where the types agree (nccl: cuda:LOCAL_RANK); else the type's current
+        device (the simulator's ranks share one GPU, and a gloo rank may hold cuda tensors).
+        """
+        if device_type == self.device.type:
+            return self.device
+        if device_type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("placement(device_type): 'cuda' but this process has no CUDA device; use 'cpu'")
+        return torch.device(device_type)
+
+    def send_buffer(self, numel: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """A reused flat buffer (on `device`, default this rank's) to pack what one collective sends;
+        valid until the next call.
 
         Collectives complete before returning (on nccl, in stream order), so the next call may
         overwrite it; reuse spares a fresh allocation, and its page faults, each call.
         """
-        buf = self._scratch.get(dtype)
+        key = (dtype, device)
+        buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device or self.device)
         return buf[:numel]
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]],
-                 into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+                 into: dict[int, torch.Tensor] | None = None, device: torch.device | None = None
+                 ) -> dict[int, torch.Tensor]:
         """Point-to-point: send sends[r] to rank r, receive recvs[r] = (shape, dtype) from rank r.
 
         `into[r]`, where given, is a contiguous tensor of that shape and dtype to receive into (a
         view of the caller's output, which then needs no copy); it is what is returned for r.
+        Other receive buffers are made on `device` (default this rank's).
         """
         if self.rank in sends or self.rank in recvs:
             raise ValueError(f"exchange: rank {self.rank} cannot send to or receive from itself")
@@ -174,7 +189,7 @@ class Communicator:
         for r, (shape, dtype) in recvs.items():
             buf = into.get(r)
             if buf is None:
-                buf = torch.empty(tuple(shape), dtype=dtype, device=self.device)
+                buf = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
             elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
                 raise ValueError(f"exchange(into): the buffer for rank {r} must be a contiguous {tuple(shape)} "
                                  f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
