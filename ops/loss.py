@@ -7,12 +7,17 @@ divided by the count of scored targets, itself a P scalar all-reduced once
 class weights the batch-split form still reads the whole (small, integer)
 target, and each rank divides its partial sum by the global total weight.
 With split classes each rank scores only targets in its class range.
+
+mse_loss is elementwise before its reduction: split operands give each rank
+its part of the sum (P), and 'mean' divides that by the global count.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .registry import B, Ctx, Local, P, Rule, S, aten, reduce_partial, register, split_on
+from .registry import B, Ctx, Local, P, Rule, S, aten, pointwise_dims, reduce_partial, register, split_on
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -103,3 +108,48 @@ def _mean_as_sum(func, args, kwargs):
 register([aten.nll_loss_forward.default],
          Rule(forward_signatures, local=forward_local, decompose=_mean_as_sum, decompose_when=_batch_split_mean))
 register([aten.nll_loss_backward.default], Rule(backward_signatures, local=backward_local))
+
+
+# -- mse_loss ------------------------------------------------------------------------------------
+def _broadcast_shape(ctx: Ctx, slots: range) -> tuple:
+    shape = torch.Size()
+    for i in slots:
+        shape = torch.broadcast_shapes(shape, ctx.shapes[i])
+    return tuple(shape)
+
+
+def mse_signatures(ctx: Ctx) -> list:
+    """(input, target): elementwise, so any dim of their broadcast shape may be split. Reduced, a
+    split gives each rank the sum of its squared errors (P); 'mean' divides it by the global count."""
+    out = _broadcast_shape(ctx, range(2))
+    whole = ctx.arg(2, "reduction", MEAN) == NONE
+    sigs = [(tuple(pointwise_dims(s, out, d) for s in ctx.shapes), (S(d) if whole else P,)) for d in range(len(out))]
+    return sigs
+
+
+def mse_backward_signatures(ctx: Ctx) -> list:
+    """(grad, input, target) -> grad_input: split like the forward's elementwise part, the grad of a
+    reduced loss (a scalar) whole; linear in grad, so a P grad passes with the rest whole."""
+    out = ctx.out_shapes[0]
+    sigs = [(tuple(pointwise_dims(s, out, d) for s in ctx.shapes), (S(d),)) for d in range(len(out))]
+    return sigs + [((P, B, B), (P,))]
+
+
+def _mean_over_global(count_of, reduction_arg: int):
+    """A 'mean' kernel on shards: the 'sum' kernel divided by the global element count."""
+    def local(func, args, kwargs, where: Local):
+        reduction = args[reduction_arg] if len(args) > reduction_arg else kwargs.get("reduction", MEAN)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if reduction != MEAN or all(tuple(t.shape) == s for t, s in zip(tensors, where.ctx.shapes)):
+            return func(*args, **kwargs)  # whole operands: torch's own mean
+        args = list(args[:reduction_arg]) + [SUM] + list(args[reduction_arg + 1:])
+        kwargs = {k: v for k, v in kwargs.items() if k != "reduction"}
+        return func(*args, **kwargs) / count_of(where.ctx)
+    return local
+
+
+register([aten.mse_loss.default],
+         Rule(mse_signatures, local=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(2))), 2)))
+register([aten.mse_loss_backward.default],
+         Rule(mse_backward_signatures, local=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(1, 3))),
+                                                               3)))
