@@ -15,8 +15,39 @@ import dispatch_probe
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (1, 2), (2, 1), (3, 1), (1, 3)]
 
 
+class Mesh(tuple):
+    """A mesh shape (a tuple, as MESHES' entries) that also says which ranks of how large a world it
+    covers, in mesh order; the world's other ranks are outside the placement and hold empty shards."""
+
+    ranks: tuple
+    world: int
+
+    def __new__(cls, shape: tuple, ranks=None, world=None) -> "Mesh":
+        m = super().__new__(cls, shape)
+        m.ranks = tuple(range(math.prod(shape))) if ranks is None else tuple(ranks)
+        m.world = len(m.ranks) if world is None else world
+        return m
+
+    def __repr__(self) -> str:
+        return f"Mesh({tuple(self)}, ranks={self.ranks}, world={self.world})"
+
+
+@st.composite
+def meshes(draw, shapes=MESHES, extra_ranks: int = 2):
+    """A mesh of `shapes` on some ranks (in random order) of a world that is, now and then, larger."""
+    shape = draw(st.sampled_from(shapes))
+    n = math.prod(shape)
+    world = n + draw(st.sampled_from([0, 0] + list(range(1, extra_ranks + 1))))
+    return Mesh(shape, draw(st.permutations(range(world)))[:n], world)
+
+
+def world_of(mesh: tuple) -> int:
+    return getattr(mesh, "world", math.prod(mesh))
+
+
 def mesh_placement(mesh: tuple) -> gt.Placement:
-    return gt.placement("cpu", np.arange(math.prod(mesh)).reshape(mesh).tolist())
+    ranks = getattr(mesh, "ranks", range(math.prod(mesh)))
+    return gt.placement("cpu", np.array(ranks).reshape(mesh).tolist())
 
 
 @st.composite
@@ -40,9 +71,10 @@ def _forward_backward(fn, xs, grad, seed):
 
 
 def run_global(fn, inputs, mesh, sbps, grad=True, seed=0):
-    """fn on GlobalTensors laid out as `sbps` on every rank: (outputs, input grads), each full, per rank."""
-    n = math.prod(mesh)
-
+    """fn on GlobalTensors laid out as `sbps` on every rank of `mesh`'s world: per rank, (outputs, input
+    grads) each full (as GlobalTensors' `full_tensor()`, empty outside the placement), the outputs'
+    SBPs, and `outside`: None inside the placement, else what the rank holds as (global shape,
+    dtype, local numel, local dtype) per output and per gradient."""
     def body():
         p = mesh_placement(mesh)
         xs = [gt.to_global(t.detach(), p, s).requires_grad_(grad and t.is_floating_point())
@@ -50,8 +82,15 @@ def run_global(fn, inputs, mesh, sbps, grad=True, seed=0):
         outs = _forward_backward(fn, xs, grad, seed)
         fulls = [o.full_tensor() for o in outs]
         grads = [x.grad.full_tensor() if x.grad is not None else None for x in xs] if grad else []
-        return fulls, grads, [o.sbp for o in outs]
-    return gt.launch(body, n)
+        outside = None
+        if gt.rank() not in p.flat_ranks:
+            held = [(tuple(t.shape), t.dtype, t._local.numel(), t._local.dtype) if isinstance(t, gt.GlobalTensor)
+                    else None for t in outs]
+            held_grads = [None if x.grad is None else (tuple(x.grad.shape), x.grad.dtype, x.grad._local.numel(),
+                                                       x.grad._local.dtype) for x in xs]
+            outside = (held, held_grads)
+        return fulls, grads, [o.sbp for o in outs], outside
+    return gt.launch(body, world_of(mesh))
 
 
 def run_local(fn, inputs, grad=True, seed=0):
@@ -66,13 +105,26 @@ def check(fn, inputs, mesh, sbps, grad=True, **tol):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = run_global(fn, inputs, mesh, sbps, grad)
-    for outs, grads, _ in results:
+    for rank, (outs, grads, _, outside) in enumerate(results):
+        if outside is not None:
+            check_outside(rank, outside, want_out, want_grad)
+            continue
         for o, w in zip(outs, want_out):
             torch.testing.assert_close(o, w, **tol)
         for g, w in zip(grads, want_grad):
             if w is not None:
                 torch.testing.assert_close(g, w, **tol)
     return results[0][2]
+
+
+def check_outside(rank, outside, want_out, want_grad):
+    """A rank outside the placement holds empty shards of the outputs' (and gradients') global shapes and dtypes."""
+    held, held_grads = outside
+    for h, w in list(zip(held, want_out)) + [(h, w) for h, w in zip(held_grads, want_grad) if w is not None]:
+        assert h is not None, f"rank {rank} (outside the placement) got no GlobalTensor"
+        shape, dtype, numel, local_dtype = h
+        assert (shape, dtype) == (tuple(w.shape), w.dtype), f"rank {rank} outside: {shape} {dtype} for {w.shape} {w.dtype}"
+        assert numel == 0 and local_dtype == w.dtype, f"rank {rank} outside holds {numel} elements of {local_dtype}"
 
 
 def chosen_is_cheapest(func, make_args, mesh):

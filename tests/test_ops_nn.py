@@ -6,13 +6,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
-from ops_support import MESHES, check, mesh_placement, sbps_for
+from ops_support import check, meshes, mesh_placement, sbps_for
 
 D = torch.float64
 
 
 @settings(max_examples=12)
-@given(st.sampled_from(MESHES), st.integers(1, 4), st.integers(1, 5), st.integers(2, 6), st.data())
+@given(meshes(), st.integers(1, 4), st.integers(1, 5), st.integers(2, 6), st.data())
 def test_softmax_norms(mesh, b, s, h, data):
     shape = (b, s, h)
     torch.manual_seed(4)
@@ -28,7 +28,7 @@ def test_softmax_norms(mesh, b, s, h, data):
         check(f, [x, w, bias], mesh, [sx, sw, sw])
 
 
-@given(st.sampled_from(MESHES), st.integers(3, 9), st.data())
+@given(meshes(), st.integers(3, 9), st.data())
 def test_embedding_and_cross_entropy(mesh, vocab, data):
     torch.manual_seed(5)
     w = torch.randn(vocab, 4, dtype=D)
@@ -58,7 +58,7 @@ def test_vocab_parallel_embedding_gives_partial_without_communication():
     assert torch.equal(full, torch.arange(10.0).reshape(5, 2)[[0, 4, 2]].unsqueeze(0))
 
 
-@given(st.sampled_from(MESHES), st.integers(1, 3), st.sampled_from([2, 4]), st.integers(1, 6), st.booleans(), st.data())
+@given(meshes(), st.integers(1, 3), st.sampled_from([2, 4]), st.integers(1, 6), st.booleans(), st.data())
 def test_sdpa(mesh, b, nh, s, causal, data):
     shape = (b, nh, s, 4)
     torch.manual_seed(6)

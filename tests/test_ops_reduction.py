@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
-from ops_support import MESHES, check, mesh_placement, sbps_for
+from ops_support import check, meshes, mesh_placement, sbps_for
 
 D = torch.float64
 REDUCE = {
@@ -16,7 +16,7 @@ REDUCE = {
 }
 
 
-@given(st.sampled_from(MESHES), st.lists(st.integers(2, 5), min_size=1, max_size=3), st.sampled_from(sorted(REDUCE)),
+@given(meshes(), st.lists(st.integers(2, 5), min_size=1, max_size=3), st.sampled_from(sorted(REDUCE)),
        st.booleans(), st.data())
 def test_reductions_match_one_device(mesh, shape, name, keep, data):
     dims = sorted(set(data.draw(st.lists(st.integers(0, len(shape) - 1), min_size=1, max_size=2))))
