@@ -122,7 +122,7 @@ def _all_to_all(step, shape, rank, group):
     send_splits, recv_splits, new_shape, total = sends.splits, recvs.splits, sizes(new), sum(recvs.splits)
 
     def all_to_all(local, comm):
-        send = pack(local, comm.send_buffer)
+        send = pack(local, lambda n, dtype: comm.send_buffer(n, dtype, local.device))  # sim: cuda shards, cpu comm
         if unpack is None:  # receive straight into the new shard
             out = local.new_empty(new_shape)
             comm.all_to_all_into(send, send_splits, out.view(-1), recv_splits, group)
@@ -259,7 +259,8 @@ def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into) -> dic
         parts = [slice_box(local, b).reshape(-1) for b in boxes]
         sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
     if sends or recv_numels:
-        heard.update(comm.exchange(sends, {peer: ((n,), local.dtype) for peer, n in recv_numels}, into))
+        heard.update(comm.exchange(sends, {peer: ((n,), local.dtype) for peer, n in recv_numels}, into,
+                                   local.device))
     return heard
 
 

@@ -3,6 +3,8 @@
     python examples/train_gpt.py                         # 4 simulated ranks, 2x2 mesh
     python examples/train_gpt.py --backend gloo --mesh 2x1
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh 2x2
+    python examples/train_gpt.py --device cuda           # the simulated ranks share one GPU
+    torchrun --nproc-per-node 1 examples/train_gpt.py --mesh 1x1 --device cuda   # nccl
 """
 import argparse
 import os
@@ -15,12 +17,12 @@ import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 
-def main(mesh: tuple, steps: int) -> list:
+def main(mesh: tuple, steps: int, device: str = "cpu") -> list:
     warnings.simplefilter("ignore")  # fallback warnings are counted in gt.stats()
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
     torch.manual_seed(0)
     model = GPT(cfg)
-    p = gt.placement("cpu", np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
+    p = gt.placement(device, np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
     gt.to_global(model, p, tp_plan(tensor_axis=1, ndim=2))
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
@@ -42,15 +44,17 @@ def main(mesh: tuple, steps: int) -> list:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="sim", choices=["sim", "gloo"])
+    ap.add_argument("--backend", default="sim", choices=["sim", "gloo", "nccl"])
     ap.add_argument("--mesh", default="2x2", help="data x tensor, e.g. 2x2, 1x2, 2x1")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the placement's device type")
     args = ap.parse_args()
     mesh = tuple(int(s) for s in args.mesh.split("x"))
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        out = main(mesh, args.steps)
+        out = main(mesh, args.steps, args.device)
         if gt.rank() == 0:
             print("\n".join(out))
     else:
-        print(f"rank 0 of a {args.mesh} mesh ({args.backend}):")
-        print("\n".join(gt.launch(main, mesh[0] * mesh[1], backend=args.backend, args=(mesh, args.steps))[0]))
+        print(f"rank 0 of a {args.mesh} mesh ({args.backend}, {args.device}):")
+        out = gt.launch(main, mesh[0] * mesh[1], backend=args.backend, args=(mesh, args.steps, args.device))
+        print("\n".join(out[0]))

@@ -198,6 +198,8 @@ class SimWorld:
 
         `fn` is handed its rank's communicator (`launch` makes it the thread's current one).
         """
+        if torch.cuda.is_available():  # started now, so that every rank starts from CUDA's generator state too
+            torch.cuda.init()
         initial = _capture_rng()
         results: list[Any] = [None] * self.world_size
         errors: dict[int, tuple[BaseException, str]] = {}
@@ -207,7 +209,10 @@ class SimWorld:
                 with self.cond:
                     self._wait_turn(rank, "the start")
                 _restore_rng(initial)
-                results[rank] = fn(self.communicator(rank))
+                # backward in this thread: autograd runs CUDA work in its own device thread, which has no
+                # rank (no communicator) and which the ranks would share (one rank's collective blocks all)
+                with torch.autograd.set_multithreading_enabled(False):
+                    results[rank] = fn(self.communicator(rank))
             except BaseException as e:  # noqa: BLE001 - reported to the caller with its rank
                 errors[rank] = (e, traceback.format_exc())
             finally:
