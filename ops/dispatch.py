@@ -619,7 +619,8 @@ def _execute(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list, dec
         result = _kernel(func, dec.rule, largs, lkwargs, Local(ctx, dec.targets, dec.out_layouts, comm.rank))
         flat, rebuild = _flatten_out(result)
     else:
-        flat = [None if s is None else torch.empty((0,), dtype=d, device=comm.device)
+        device = comm.device_for(dec.placement.device_type)  # the sim's ranks hold cuda shards with a cpu comm
+        flat = [None if s is None else torch.empty((0,), dtype=d, device=device)
                 for s, d in zip(ctx.out_shapes, dec.out_dtypes)]
         rebuild = _flatten_out(tuple(flat) if len(flat) != 1 else flat[0])[1]
     if dec.inplace:
@@ -664,7 +665,7 @@ def _run_fallback(func: Any, args: tuple, kwargs: dict, cls: type, tensors: list
 def _fallback_outside(func, args, kwargs, cls, tensors, bcast):
     largs, lkwargs = map_tensors(args, kwargs, lambda t, i: _meta(t, t.shape))
     flat, rebuild = _flatten_out(func(*largs, **lkwargs))
-    device = context.current().device
+    device = context.current().device_for(bcast.placement.device_type)
     return rebuild([None if f is None else cls(torch.empty((0,), dtype=f.dtype, device=device), bcast, tuple(f.shape))
                     for f in flat])
 
