@@ -22,6 +22,7 @@ instead of one collective per parameter (`dispatch.defer_reduction`).
 from __future__ import annotations
 
 import fnmatch
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -103,6 +104,67 @@ class _Boundary:
         return self.apply(output)
 
 
+class _EnterInBackward(torch.autograd.Function):
+    """Identity on a module's output; its backward starts the module's backward: the named scope."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
+        dispatch.enter_named()
+        return grad
+
+
+class _LeaveInBackward(torch.autograd.Function):
+    """Identity on a module's input; its backward ends the module's backward."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
+        dispatch.leave_named()
+        return grad
+
+
+class _Armed(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_ARMED = _Armed()  # per thread (simulated rank): whether each open module call marked its backward
+
+
+@dataclass(frozen=True)
+class _NamedModule:
+    """A module whose boundary layouts the user named: convert them, and run its forward and backward in
+    the named scope, where the cost model takes Partial outputs as the plan's (`ops/scope.py`)."""
+    inp: Optional[_Boundary]
+    out: Optional[_Boundary]
+
+    # bound methods, not closures, so that a converted module pickles (torch.save(model))
+    def before(self, module: torch.nn.Module, args: tuple) -> tuple:
+        if self.inp is not None:
+            args = self.inp.before(module, args)
+        dispatch.enter_named()
+        x = args[0] if args else None
+        armed = isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled()
+        _ARMED.stack.append(armed)
+        return (_LeaveInBackward.apply(x),) + tuple(args[1:]) if armed else args
+
+    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        dispatch.leave_named()
+        armed = _ARMED.stack.pop() if _ARMED.stack else False
+        if self.out is not None:
+            output = self.out.after(module, args, output)
+        if armed and isinstance(output, GlobalTensor) and output.requires_grad:
+            output = _EnterInBackward.apply(output)
+        return output
+
+
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     where = f"to_global(plan[{name!r}])"
     inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
@@ -112,9 +174,9 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     for b in (inp, out):
         if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):
             raise ValueError(f"{where}: a gradient cannot be laid out as {b.grad} (gradients add up)")
-    pre = inp.before if inp.sbp is not None or inp.grad is not None else None
-    post = out.after if out.sbp is not None or out.grad is not None else None
-    return pre, post
+    named = _NamedModule(inp if inp.sbp is not None or inp.grad is not None else None,
+                         out if out.sbp is not None or out.grad is not None else None)
+    return named.before, named.after
 
 
 def _defer_grad_reduction(param: torch.Tensor) -> None:

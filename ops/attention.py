@@ -46,7 +46,13 @@ def skip_empty(func, args, kwargs, where):
     return tuple(tensors[0].new_zeros(o.shape, dtype=o.dtype) for o in func(*meta, **mkw))
 
 
+def _dropout_key(backward: bool):
+    """The signatures read whether dropout is on (the decision cache keys on that, not on p)."""
+    i = 3 + (3 if backward else 0)
+    return lambda args, kwargs: bool(args[i] if len(args) > i else kwargs.get("dropout_p", 0.0))
+
+
 register([aten._scaled_dot_product_flash_attention_for_cpu.default],
-         Rule(attention_signatures(False), local=skip_empty))
+         Rule(attention_signatures(False), local=skip_empty, scalar_key=_dropout_key(False)))
 register([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
-         Rule(attention_signatures(True), local=skip_empty))
+         Rule(attention_signatures(True), local=skip_empty, scalar_key=_dropout_key(True)))

@@ -70,7 +70,14 @@ def _fills_zero(ctx: Ctx) -> bool:
     return not hasattr(v, "shape") and v == 0
 
 
-def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None, overwrites: bool = False) -> Rule:
+def _fill_value_key(args: tuple, kwargs: dict) -> bool:
+    """masked_fill's decision reads whether its fill is zero (a Partial may pass then)."""
+    v = args[2] if len(args) > 2 else kwargs.get("value")
+    return not hasattr(v, "shape") and v == 0
+
+
+def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None, overwrites: bool = False,
+           scalar_key: Optional[Callable[[tuple, dict], Any]] = None) -> Rule:
     def signatures(ctx: Ctx) -> list:
         sigs = split_signatures(ctx)
         if when is None or when(ctx):
@@ -79,7 +86,7 @@ def linear(groups: tuple, when: Optional[Callable[[Ctx], bool]] = None, overwrit
                 if max(g) < n:
                     sigs.append((tuple(P if i in g else B for i in range(n)), (P,) * len(ctx.out_shapes)))
         return sigs
-    return Rule(signatures, overwrites=overwrites, meta=elementwise_meta)
+    return Rule(signatures, overwrites=overwrites, meta=elementwise_meta, scalar_key=scalar_key)
 
 
 NONLINEAR = Rule(split_signatures, meta=elementwise_meta)
@@ -102,7 +109,7 @@ LINEAR = {
     ("copy",): linear(((0, 1),), overwrites=True),
     ("lerp",): linear(((0, 1),)),
     ("where",): linear(((1, 2),)),
-    ("masked_fill",): linear(((0,),), _fills_zero),
+    ("masked_fill",): linear(((0,),), _fills_zero, scalar_key=_fill_value_key),
     ("addcmul",): linear(((0, 1), (0, 2))),
     ("addcdiv",): linear(((0, 1),)),
     ("threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward"):

@@ -6,7 +6,8 @@ op itself); it only needs writing where a shard must know where it sits
 (view sizes, vocab offsets). `decompose` marks ops that are run as several
 other dispatched ops (the `_foreach_*` family) rather than as one kernel;
 with `decompose_when`, only for the input layouts it accepts (a softmax over
-a split dim), the signatures deciding the others. `meta` may stand in for
+a split dim), the signatures deciding the others. `scalar_key` says what the
+signatures read of float arguments (see `ops/keys.py`). `meta` may stand in for
 torch's meta kernel when a decision infers output shapes and dtypes (torch's
 elementwise meta kernels are Python references, slow on a cache miss).
 """
@@ -81,6 +82,9 @@ class Rule:
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
     overwrites: bool = False  # writes every element of its target (copy_): may relayout a fresh target
     meta: Optional[Callable[..., Any]] = None  # meta(func, args, kwargs): func's outputs on meta tensors, faster
+    # what the signatures read of the op's float arguments (masked_fill: is the fill zero); the decision
+    # cache keys on it. Floats are otherwise not part of a decision (a learning rate changes every step)
+    scalar_key: Optional[Callable[[tuple, dict], Any]] = None
 
 
 RULES: dict[Any, Rule] = {}

@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor.ops import dispatch
+import dispatch_probe
 from ops_support import MESHES, chosen_is_cheapest, mesh_placement, sbps_for
 
 aten = torch.ops.aten
@@ -58,7 +58,7 @@ def test_each_family_chooses_a_cheapest_signature(case):
     def decomposed():
         args = make_args(mesh_placement(mesh))
         func(*args)
-        dec = dispatch.decision_for(func, args, {}, gt.GlobalTensor)
+        dec = dispatch_probe.decision_for(func, args)
         return dec.kind
 
     kinds = set(gt.launch(decomposed, math.prod(mesh)))

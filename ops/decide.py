@@ -1,0 +1,306 @@
+"""Deciding one call: which nd signature, so which layouts the inputs are boxed to and the outputs take.
+
+A rule lists 1-D signatures per mesh axis; an nd signature picks one per axis.
+The chosen one costs least, where the cost of a choice is everything it makes
+the program pay: the boxing of its inputs, plus what its outputs still owe.
+A Partial output owes its cheapest reduction (making an output Partial is
+never free: it only moves the collective later, often onto a bigger tensor),
+and an in-place op owes the boxing of its result back into its target's
+layout (so it may compute where its operands are, the ZeRO update: on the
+`S(0)` shard, then one all-gather of the new parameter). Cost is the most
+bytes any rank receives, then the number of collectives.
+
+An op without a rule, or whose meta kernel cannot say its output shapes
+(data-dependent), or for which no signature checks out, falls back: every
+input Broadcast, run replicated, outputs Broadcast. That too is a decision,
+run by the same program (`ops/program.py`).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .. import boxing
+from ..layout import Layout
+from ..sbp import Broadcast, Partial, Split
+from .registry import RULES, Ctx, Local, Rule, is_inplace
+from .scope import in_named
+
+MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: str                         # "kernel", "decompose" or "fallback"
+    rule: Optional[Rule]
+    ctx: Optional[Ctx]
+    placement: Any
+    sources: tuple                    # per tensor slot: the layout it arrives in
+    targets: tuple                    # per tensor slot: the layout it is boxed to
+    out_layouts: tuple                # per flattened output (None for a None output)
+    out_shapes: Optional[tuple]       # per flattened output; None: known only after running (data-dependent)
+    out_dtypes: tuple                 # per flattened output
+    inplace: bool
+    writeback: bool                   # in-place op computed elsewhere and boxed back into its target
+
+    @property
+    def boxes(self) -> bool:
+        """Whether some input needs boxing."""
+        return any(s != t for s, t in zip(self.sources, self.targets))
+
+
+def meta_like(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=t.dtype, device="meta")
+
+
+def map_tensors(args: tuple, kwargs: dict, fn: Callable) -> tuple[tuple, dict]:
+    """Rebuild args/kwargs with every tensor (also inside lists) replaced by fn(tensor, slot index)."""
+    c = [0]
+
+    def m(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            c[0] += 1
+            return fn(a, c[0] - 1)
+        if isinstance(a, (list, tuple)):
+            return type(a)(m(x) for x in a)
+        return a
+    new_args = tuple(m(a) for a in args)
+    return new_args, {k: m(v) for k, v in kwargs.items()}
+
+
+def flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:
+    """An op's tensor outputs as a list, and how to put a list of the same length back in their place."""
+    if isinstance(out, torch.Tensor):
+        return [out], lambda xs: xs[0]
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        kind = type(out)
+        return list(out), lambda xs: kind(xs)
+    return [], lambda xs: out
+
+
+def placement_of(func: Any, tensors: list, cls: type) -> Any:
+    places = {t._layout.placement for t in tensors if isinstance(t, cls)}
+    if len(places) > 1:
+        raise ValueError(
+            f"{func}: inputs live on different placements {sorted(map(repr, places))}; move them to one with "
+            "x.to_global(placement, sbp) first (operators never pick a placement for you)")
+    return places.pop()
+
+
+def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Decision:
+    """The decision for this call; `tensors` are its tensor arguments in order (GlobalTensor or plain)."""
+    placement = placement_of(func, tensors, cls)
+    bcast = Layout(placement, (Broadcast(),) * placement.ndim)
+    srcs = tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
+    rule = RULES.get(func)
+    inplace = is_inplace(func)
+    if rule is not None and rule.decompose is not None and rule.decompose_when is None:
+        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
+    try:
+        meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_like(t, t.shape))
+        outs, _ = flatten_out(func(*meta_args, **meta_kwargs) if rule is None or rule.meta is None else
+                              rule.meta(func, meta_args, meta_kwargs))
+    except Exception:
+        outs = None  # no meta kernel (data-dependent output): only a replicated run can say
+    if outs is None or rule is None:
+        return _fallback(func, placement, srcs, outs, inplace)
+    # the context keeps meta stand-ins, not the call's tensors: a cached decision must not pin them
+    ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
+              tuple(None if o is None else tuple(o.shape) for o in outs), meta_args, meta_kwargs, placement.shape)
+    if rule.decompose is not None and rule.decompose_when(ctx, srcs):
+        return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False)
+    chosen = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
+    if chosen is None:
+        return _fallback(func, placement, srcs, outs, inplace)
+    targets, out_layouts = chosen
+    return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
+                    tuple(None if o is None else o.dtype for o in outs), inplace,
+                    inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0]))
+
+
+def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inplace: bool) -> Decision:
+    bcast = Layout(placement, (Broadcast(),) * placement.ndim)
+    if outs is None:
+        out_layouts, out_shapes, out_dtypes = None, None, None
+    else:
+        out_layouts = tuple(None if o is None else bcast for o in outs)
+        out_shapes = tuple(None if o is None else tuple(o.shape) for o in outs)
+        out_dtypes = tuple(None if o is None else o.dtype for o in outs)
+    return Decision("fallback", None, None, placement, srcs, (bcast,) * len(srcs), out_layouts, out_shapes,
+                    out_dtypes, inplace, inplace and srcs[0] != bcast)
+
+
+def axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:
+    """The rule's 1-D signatures (all-Broadcast added), checked for arity."""
+    sigs = list(dict.fromkeys((tuple(i), tuple(o)) for i, o in rule.signatures(ctx)))
+    bcast = ((Broadcast(),) * n_in, (Broadcast(),) * n_out)
+    if bcast not in sigs:
+        sigs.append(bcast)
+    for ins, outs in sigs:
+        if len(ins) != n_in or len(outs) != n_out:
+            raise AssertionError(f"{ctx.func}: rule gave signature {ins}->{outs} for {n_in} inputs/{n_out} outputs")
+    return sigs
+
+
+@lru_cache(maxsize=8192)
+def conversion_cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Optional[tuple]:
+    """(bytes received per rank, collectives) of boxing src -> dst; None if no such conversion exists."""
+    if src == dst:
+        return (), 0
+    try:
+        p = boxing.plan(src, dst, shape, dtype)
+    except ValueError:  # no such conversion (P(sum) cannot become P(max))
+        return None
+    return tuple(p.recv_bytes), sum(s.latency for s in p.steps)
+
+
+@lru_cache(maxsize=8192)
+def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> tuple:
+    """What a Partial output still owes: its cheapest conversion to any layout without Partial.
+
+    Every axis may change, not only the Partial ones, as the input boxing the alternatives pay may
+    (the planner slices first and reduces a smaller piece): so reducing now and reducing later are
+    weighed alike, and slicing an input only to make a smaller Partial is no saving.
+    """
+    if not layout.has_partial:
+        return (), 0
+    choices = [Broadcast()] + [Split(d) for d in range(len(shape))]
+    best = None
+    for sbp in itertools.product(*[choices] * layout.placement.ndim):
+        dst = Layout(layout.placement, sbp)
+        try:
+            dst.check_shape(shape)
+        except ValueError:
+            continue
+        cost = conversion_cost(layout, dst, shape, dtype)
+        if cost is not None and (best is None or (max(cost[0], default=0), cost[1]) <
+                                 (max(best[0], default=0), best[1])):
+            best = cost
+    return best if best is not None else ((), 0)
+
+
+def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
+                   inplace: bool) -> tuple:
+    """(most bytes a rank receives, bytes all ranks receive, collectives, collectives now) of one
+    choice: boxing its inputs and what its outputs owe.
+
+    An in-place op owes the conversion of its result into its target's layout; any other op owes, for
+    each Partial output, the cheapest reduction (except inside a module whose boundary layouts the user
+    named: see `ops/scope.py`). Infinite when some conversion does not exist. On equal
+    bytes and collectives, the choice that communicates later wins: a Partial passed on may meet a
+    consumer that takes it as it is (a linear op, the gradient bucket) and never pay.
+    """
+    seen: set = set()  # one tensor in two slots boxed to one layout is boxed once (addcmul_(g, g))
+    bills = []
+    for s, t, x in zip(srcs, targets, tensors):
+        if (id(x), t) not in seen:
+            seen.add((id(x), t))
+            bills.append(conversion_cost(s, t, tuple(x.shape), x.dtype))
+    if any(b is None for b in bills):
+        return (float("inf"), 0, 0, 0)
+    now = sum(n for _, n in bills)
+    if inplace:
+        bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
+    elif not in_named():
+        bills += [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
+                  for j, lay in enumerate(out_layouts) if lay is not None]
+    if any(b is None for b in bills):
+        return (float("inf"), 0, 0, 0)
+    per_rank: list = []
+    for vec, _ in bills:
+        if len(per_rank) < len(vec):
+            per_rank += [0] * (len(vec) - len(per_rank))
+        for r, b in enumerate(vec):
+            per_rank[r] += b
+    return (max(per_rank, default=0), sum(per_rank), sum(n for _, n in bills), now)
+
+
+def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, inplace: bool,
+            outs: list) -> Optional[tuple]:
+    """(targets, out layouts) of the cheapest valid nd signature (one 1-D signature per mesh axis).
+
+    A signature is only taken if the local kernel, run on meta shards of every
+    rank, yields exactly the shards its output layouts describe.
+    """
+    n_in, n_out = len(tensors), len(outs)
+    cands = axis_candidates(ctx, rule, n_in, n_out)
+    combos = list(itertools.islice(itertools.product(*[cands] * placement.ndim), MAX_COMBOS))
+
+    def layouts(combo: tuple) -> tuple:
+        targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
+        out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
+                            for j in range(n_out))
+        return targets, out_layouts
+
+    def cost(targets: tuple, out_layouts: tuple) -> tuple:
+        return signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
+
+    def owes_nothing(targets: tuple, out_layouts: tuple) -> bool:
+        if targets != srcs:
+            return False
+        if inplace:
+            return out_layouts[0] == srcs[0]
+        return in_named() or not any(lay is not None and lay.has_partial for lay in out_layouts)
+
+    # a combo that boxes nothing and owes nothing costs (0, 0): the first valid one wins without
+    # planning any conversion (boxing searches are most of a cache miss)
+    for combo in combos:
+        targets, out_layouts = layouts(combo)
+        if owes_nothing(targets, out_layouts) and _valid(ctx, rule, targets, out_layouts, placement):
+            return targets, out_layouts
+    def rank(k: int) -> tuple:
+        """Cost first; on ties an in-place op keeps computing in its target (a reduced Partial operand is
+        remembered for the next op that reads it, a written-back result is not), then fewer collectives
+        now, then more inputs kept as they are, then the rule's order."""
+        targets, out_layouts = layouts(combos[k])
+        (most, total, latency, now) = cost(targets, out_layouts)
+        moved = inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0])
+        return (most, total, latency, moved, now, sum(s != t for s, t in zip(srcs, targets)), k)
+
+    for (c, *_, k) in sorted(rank(k) for k in range(len(combos))):
+        if c == float("inf"):
+            break
+        targets, out_layouts = layouts(combos[k])
+        if _valid(ctx, rule, targets, out_layouts, placement):
+            return targets, out_layouts
+    return None
+
+
+def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:
+    """Whether the local kernel, run on meta shards, yields on every rank the shards `out_layouts` describe.
+
+    Ranks whose input and expected output shard shapes are alike are checked once.
+    """
+    for lay, shape in zip(out_layouts, ctx.out_shapes):
+        if lay is not None:
+            try:
+                lay.check_shape(shape)
+            except ValueError:
+                return False
+    ins = [t.local_shapes(s) for t, s in zip(targets, ctx.shapes)]
+    want = [w.local_shapes(s) for w, s in zip(out_layouts, ctx.out_shapes) if w is not None]
+    first: dict = {}  # distinct (input shapes..., expected output shapes...) -> a rank index showing it
+    for k, combo in enumerate(zip(*ins, *want)):
+        first.setdefault(combo, k)
+    n_in = len(ins)
+    for combo, k in first.items():
+        shapes, expect = combo[:n_in], iter(combo[n_in:])
+        try:
+            largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: meta_like(t, shapes[i]))
+            where = Local(ctx, targets, out_layouts, placement.flat_ranks[k])
+            if rule.local is None:
+                got = rule.meta(ctx.func, largs, lkwargs) if rule.meta is not None else ctx.func(*largs, **lkwargs)
+            else:
+                got = rule.local(ctx.func, largs, lkwargs, where)
+            got, _ = flatten_out(got)
+        except Exception:
+            return False
+        for g, lay in zip(got, out_layouts):
+            if lay is not None and (g is None or tuple(g.shape) != next(expect)):
+                return False
+    return True
+

@@ -1,0 +1,133 @@
+"""How an input's shard reaches the layout a decision wants.
+
+Mostly one boxing plan; a Partial input is reduced once per target while it
+is unchanged (several ops of an optimizer step read the same gradient), and
+gradients noted by `defer_reduction` are reduced together, one collective per
+bucket, as DDP does.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Sequence
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import boxing
+from ..layout import Layout
+from ..runtime import context
+from ..sbp import Broadcast
+
+_REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor -> {target layout: (versions, reduced local)}
+_PENDING = weakref.WeakKeyDictionary()  # Communicator -> {Partial GlobalTensor: expected target} (defer_reduction)
+_CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
+
+
+def box(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]) -> torch.Tensor:
+    """Convert one local shard to `dst` (plans are cached by boxing)."""
+    if src == dst:
+        return local
+    return boxing.convert_local(local, src, dst, tuple(shape), context.current())
+
+
+def _versions(t: Any) -> tuple:
+    return (t._version, id(t._local), t._local._version)
+
+
+def box_global(t: Any, dst: Layout) -> torch.Tensor:
+    """Box a GlobalTensor's shard; a Partial one is reduced once per target while it is unchanged.
+
+    So the several ops of one optimizer step that read a Partial gradient
+    reduce it once. "Unchanged" is the GlobalTensor's own version counter:
+    the local shard's counter is no witness, because kernels run inside
+    `__torch_dispatch__` run below autograd's ADInplaceOrView key, so
+    in-place ops on shards (an optimizer updating a parameter) never bump
+    it; the wrapper's counter is bumped by every in-place op through the
+    dispatcher and shared with its views and detached aliases. The shard's
+    own counter and identity are checked too, for writes that bypass the
+    dispatcher (`to_local()` views, a replaced shard). Only Partial sources
+    are remembered: re-reducing is what costs, and other conversions would
+    only pin memory (a ZeRO-3 all-gathered weight) for no saved bytes.
+    A gradient noted by `defer_reduction` is reduced together with the other pending ones.
+    """
+    src = t._layout
+    if src == dst:
+        return t._local
+    if not src.has_partial:
+        return box(t._local, src, dst, t.shape)
+    memo = _memo_of(t)
+    now = _versions(t)
+    hit = memo.get(dst)
+    if hit is not None and hit[0] == now:
+        return hit[1]
+    pending = _PENDING.get(context.current())
+    if pending and t in pending:
+        if pending.pop(t) == dst:
+            _flush(pending, t, dst)
+            hit = memo.get(dst)
+            if hit is not None and hit[0] == now:
+                return hit[1]
+    out = box(t._local, src, dst, t.shape)
+    memo[dst] = (now, out)
+    return out
+
+
+def _memo_of(t: Any) -> dict:
+    """The reductions remembered for GlobalTensor `t`: {target layout: (versions, reduced local)}."""
+    memo = _REDUCED.get(t)
+    if memo is None:
+        memo = _REDUCED[t] = {}
+    return memo
+
+
+def defer_reduction(t: Any, dst: Layout) -> None:
+    """Note a fresh Partial gradient whose reduction to `dst` should share a collective with others.
+
+    Called by the gradient hooks of converted modules, in backward order (the same on every rank).
+    The first time `box_global` is asked for a pending tensor in its expected layout, every pending
+    one is reduced at once, one all-reduce per bucket (`boxing.execute_many`), and the results wait
+    in the memo of reductions under the usual version check. A tensor asked for in another layout
+    leaves the list and takes the normal path, so a wrong guess only costs the bucketing.
+    """
+    comm = context.current()
+    pending = _PENDING.get(comm)
+    if pending is None:
+        pending = _PENDING[comm] = WeakIdKeyDictionary()
+    pending[t] = dst
+
+
+def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
+    """Reduce `t` (just taken off the list) and the pending tensors whose plan is one all-reduce; clear the list.
+
+    Other plans are left to the normal path, which runs them only if asked.
+    """
+    entries = [(t, dst)] + list(pending.items())
+    pending.clear()
+    plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
+    keep = [i for i, p in enumerate(plans) if boxing.all_reduce_key(p) is not None]
+    outs = boxing.execute_many([plans[i] for i in keep], [entries[i][0]._local for i in keep],
+                               context.current())
+    for i, out in zip(keep, outs):
+        u, d = entries[i]
+        _memo_of(u)[d] = (_versions(u), out)
+
+
+def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:
+    got = comm.all_gather_object(t.detach().cpu(), tuple(placement.flat_ranks))
+    for r, other in zip(placement.flat_ranks, got):
+        if other.shape != t.shape or not torch.equal(other, t.detach().cpu()):
+            raise ValueError(
+                f"{func}: a plain tensor argument (shape {tuple(t.shape)}) differs between rank "
+                f"{placement.flat_ranks[0]} and rank {r}; plain tensors mixed with GlobalTensors are taken as "
+                "Broadcast and must be equal on every rank (make it with gt.to_global/gt.from_local instead)")
+
+
+def local_of(func: Any, t: torch.Tensor, dst: Layout, cls: type, placement: Any, comm: Any) -> torch.Tensor:
+    """One input's shard in the layout a decision wants (plain tensors are taken as Broadcast)."""
+    if isinstance(t, cls):
+        return box_global(t, dst)
+    if _CHECK["replicated"]:
+        _check_plain(func, t, placement, comm)
+    src = Layout(placement, (Broadcast(),) * placement.ndim)
+    return t if dst == src else box(t, src, dst, t.shape)

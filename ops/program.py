@@ -1,0 +1,210 @@
+"""A decision compiled into the one program that runs every call with its key.
+
+Everything that does not depend on the values is worked out once: where the
+tensor arguments sit, which need boxing (a decision knows their source
+layouts), the output wrappers, the kernel. The same program serves the first
+call and every cache hit, flat and nested arguments, kernels, decompositions
+and replicated fallbacks, ranks inside the placement and ranks outside it
+(which hold empty shards of the right dtype and compute nothing: pipeline
+stages are exactly that).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..layout import Layout
+from ..runtime import context
+from ..sbp import Broadcast
+from .decide import Decision, flatten_out, map_tensors
+from .inputs import box, local_of
+from .registry import Local
+from .stats import STATS, note_fallback
+
+_FRESH = WeakIdKeyDictionary()  # shards of outputs that hold no values yet (rule.fresh)
+
+Program = Callable[[tuple, dict], Any]
+
+
+def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: type) -> Program:
+    """The program for every call whose key matches this one's (same structure, layouts, shapes, dtypes)."""
+    flat = not any(isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and
+                   any(isinstance(e, torch.Tensor) for e in v) for v in kwargs.values()) and \
+        not any(isinstance(a, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in a) for a in args)
+    slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)) if flat else None
+
+    def tensors_of(args: tuple, kwargs: dict) -> list:
+        if slots is not None:
+            return [args[i] for i in slots]
+        found: list = []
+        map_tensors(args, kwargs, lambda t, i: found.append(t))
+        return found
+
+    rule = dec.rule
+    if dec.kind == "decompose":
+        adopt = rule.overwrites
+
+        def decomposed(args: tuple, kwargs: dict) -> Any:
+            if adopt and _adopt(tensors_of(args, kwargs), cls):
+                return args[0]
+            return rule.decompose(func, args, kwargs)
+        decomposed.decision = dec  # type: ignore[attr-defined]
+        return decomposed
+
+    fallback = dec.kind == "fallback"
+    name = str(func)
+    placement, targets, out_layouts, inplace, writeback = (dec.placement, dec.targets, dec.out_layouts,
+                                                          dec.inplace, dec.writeback)
+    members = frozenset(placement.flat_ranks)
+    kernel = getattr(func, "_op", func)  # the C++ op under OpOverload.__call__: one Python frame less
+    local_hook = None if rule is None else rule.local
+    overwrites = rule is not None and rule.overwrites
+    fresh = rule is not None and rule.fresh
+    from_global = [isinstance(t, cls) for t in _tensor_list(args, kwargs)]
+    direct = tuple(k for k, (g, s, t) in enumerate(zip(from_global, dec.sources, targets)) if g and s == t)
+    work = tuple((k, targets[k]) for k in range(len(targets)) if k not in direct)
+    boxed = dec.boxes
+    known = dec.out_shapes is not None
+    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
+                     for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
+    wrap_one = wrappers[0] if len(wrappers) == 1 else None
+    where: dict = {}  # rank -> Local, built only where the rule has a local hook
+
+    def program(args: tuple, kwargs: dict) -> Any:
+        tensors = tensors_of(args, kwargs)
+        if overwrites and _adopt(tensors, cls):
+            return tensors[0]
+        if fallback:
+            note_fallback(name)
+        comm = context.current()
+        rank = comm.rank
+        if rank not in members:
+            return _outside(func, dec, args, kwargs, tensors, cls, comm, wrappers)
+        locs = [None] * len(tensors)
+        for k in direct:
+            locs[k] = tensors[k]._local
+        if work:
+            if boxed:
+                STATS["boxed"][name] += 1
+            for k, dst in work:
+                locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
+        if writeback:
+            locs[0] = locs[0].clone()
+        if slots is not None:
+            largs = list(args)
+            for i, loc in zip(slots, locs):
+                largs[i] = loc
+        else:
+            largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
+        if local_hook is None:
+            result = kernel(*largs, **kwargs)
+        else:
+            loc = where.get(rank)
+            if loc is None:
+                loc = where[rank] = Local(dec.ctx, targets, out_layouts, rank)
+            result = local_hook(func, tuple(largs), kwargs, loc)
+        if inplace:
+            target = tensors[0]
+            if writeback:
+                target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
+            return target
+        if wrap_one is not None and isinstance(result, torch.Tensor):
+            out = wrap_one(result)
+        else:
+            outs, rebuild = flatten_out(result)
+            if known:
+                out = rebuild([None if o is None or w is None else w(o) for o, w in zip(outs, wrappers)])
+            else:
+                out = _wrap_discovered(outs, rebuild, dec, cls, comm, members)
+        if fresh:
+            for o in flatten_out(result)[0]:
+                _FRESH[o] = True
+        return out
+
+    program.decision = dec  # type: ignore[attr-defined]
+    return program
+
+
+def _tensor_list(args: tuple, kwargs: dict) -> list:
+    found: list = []
+    map_tensors(args, kwargs, lambda t, i: found.append(t))
+    return found
+
+
+def _outside(func: Any, dec: Decision, args: tuple, kwargs: dict, tensors: list, cls: type, comm: Any,
+             wrappers: tuple) -> Any:
+    """A rank outside the placement: empty shards of the right dtypes, no computing, no collectives."""
+    device = comm.device_for(dec.placement.device_type)  # the sim's ranks hold cuda shards with a cpu comm
+    if dec.inplace:
+        return tensors[0]
+    if dec.out_shapes is None:  # data-dependent: the ranks inside tell the shapes (see _wrap_discovered)
+        lay = _broadcast(dec.placement)
+        metas = _shared_metas(None, comm)
+        return _as_returned(func, [None if m is None else cls(torch.empty((0,), dtype=m[1], device=device),
+                                                              lay, m[0]) for m in metas])
+    if not dec.out_layouts:  # a Python value (is_pinned, a scalar): computed on the empty shards
+        largs, lkwargs = map_tensors(args, kwargs, lambda t, i: t._local if isinstance(t, cls) else t)
+        try:
+            return func(*largs, **lkwargs)
+        except Exception as e:
+            raise ValueError(f"{func}: rank {comm.rank} is outside the placement {dec.placement} of its inputs, "
+                             "where the value exists; compute it on the ranks of the placement "
+                             f"(if gt.rank() in x.placement) or move x there first ({e})") from None
+    empties = []
+    for w, dtype in zip(wrappers, dec.out_dtypes):
+        if w is None:
+            empties.append(None)
+            continue
+        local = torch.empty((0,), dtype=dtype, device=device)
+        if dec.rule is not None and dec.rule.fresh:
+            _FRESH[local] = True
+        empties.append(w(local))
+    return _as_returned(func, empties)
+
+
+def _as_returned(func: Any, outs: list) -> Any:
+    """Outputs put together as the op's schema returns them (one tensor, a tuple or a list)."""
+    returns = func._schema.returns
+    if len(returns) == 1:
+        kind = str(returns[0].type)
+        if kind in ("Tensor", "Optional[Tensor]"):
+            return outs[0]
+        if kind.startswith("List") or kind.endswith("[]"):
+            return list(outs)
+    return tuple(outs)
+
+
+def _broadcast(placement: Any) -> Layout:
+    return Layout(placement, (Broadcast(),) * placement.ndim)
+
+
+def _shared_metas(metas: Any, comm: Any) -> list:
+    """(shape, dtype) per output as the first rank of the placement has them, told to every rank."""
+    got = comm.all_gather_object(metas, tuple(range(comm.world_size)))
+    return next(g for g in got if g is not None)
+
+
+def _wrap_discovered(outs: list, rebuild: Callable, dec: Decision, cls: type, comm: Any, members: frozenset) -> Any:
+    """Outputs whose shapes only the run could tell (a replicated fallback of a data-dependent op)."""
+    if comm.world_size > len(members):  # ranks outside wait for the shapes
+        metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs]
+        _shared_metas(metas if comm.rank == dec.placement.flat_ranks[0] else None, comm)
+    lay = _broadcast(dec.placement)
+    return rebuild([None if o is None else cls(o, lay, tuple(o.shape)) for o in outs])
+
+
+def _adopt(tensors: list, cls: type) -> bool:
+    """`fresh.copy_(src)` where `fresh` was never written (new_empty*, empty_like) takes src's layout.
+
+    Autograd's gradient accumulation is `steal(grad)` or `grad.new_empty_strided(..).copy_(grad)`
+    depending on reference counts, which may differ between ranks; with this both give the same layout.
+    """
+    dst, src = tensors[0], tensors[1]
+    if not (isinstance(dst, cls) and isinstance(src, cls) and dst._local in _FRESH) or \
+            dst.shape != src.shape or dst._layout.placement != src._layout.placement:
+        return False
+    del _FRESH[dst._local]
+    dst._set_layout(src._local.to(dst.dtype, copy=True), src._layout)
+    return True

@@ -1,0 +1,33 @@
+"""Where the user named the layouts: inside such a module, a Partial output is not charged.
+
+A module plan entry `ModuleLayout(output=B, input_grad=B)` says how the
+module's output and input gradient are laid out, Megatron style: the user has
+decided which reduction a Partial inside will get (the row-parallel output's
+all-reduce). The cost model then takes Partial outputs as the user's plan
+(free, as Megatron's pattern has them) instead of charging each one its
+cheapest reduction, which is for code nobody laid out (a ZeRO layout, a MoE
+layer). The depth is per thread (a simulated rank is a thread) and is part of
+the decision key.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class _Depth(threading.local):
+    value = 0
+
+
+_DEPTH = _Depth()
+
+
+def enter_named() -> None:
+    _DEPTH.value += 1
+
+
+def leave_named() -> None:
+    _DEPTH.value = max(0, _DEPTH.value - 1)
+
+
+def in_named() -> bool:
+    return _DEPTH.value > 0
