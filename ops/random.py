@@ -68,9 +68,21 @@ def new_like(keep):
     return signatures
 
 
-register([aten.new_zeros.default], Rule(new_like(lambda s: s)))
-register([aten.new_empty.default, aten.new_empty_strided.default], Rule(new_like(lambda s: s), fresh=True))
-register([aten.new_ones.default, aten.new_full.default], Rule(new_like(_no_partial)))
+def new_like_local(func, args, kwargs, where: Local):
+    """The size argument is global; the shard is this rank's piece of it (a split x gives a split output)."""
+    size = list(where.out_shape(0))
+    if func == aten.new_empty_strided.default:
+        stride = [1] * len(size)
+        for d in range(len(size) - 2, -1, -1):
+            stride[d] = stride[d + 1] * max(size[d + 1], 1)
+        return func(args[0], size, stride, *args[3:], **kwargs)
+    return func(args[0], size, *args[2:], **kwargs)
+
+
+register([aten.new_zeros.default], Rule(new_like(lambda s: s), local=new_like_local))
+register([aten.new_empty.default, aten.new_empty_strided.default],
+         Rule(new_like(lambda s: s), fresh=True, local=new_like_local))
+register([aten.new_ones.default, aten.new_full.default], Rule(new_like(_no_partial), local=new_like_local))
 register([aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
           aten.random_.default, aten.random_.to],
          Rule(any_layout(lambda s: s), local=random_inplace_local))

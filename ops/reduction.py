@@ -65,3 +65,31 @@ register([aten.amax.default, aten.max.default], Rule(reduction(PMAX).signatures,
 register([aten.amin.default, aten.min.default], Rule(reduction(PMIN).signatures, local=extreme_local("min")))
 register([aten.max.dim, aten.min.dim], reduction(None, n_out=2))
 register([aten.argmax.default, aten.argmin.default], reduction(None))
+
+
+# -- scans and counts ----------------------------------------------------------------------------
+def scan_signatures(ctx: Ctx) -> list:
+    """cumsum: a split of another dim passes; the scanned dim is taken whole. Linear: P passes."""
+    n = len(ctx.shapes[0])
+    dim = ctx.named("dim") % max(n, 1)
+    dtype = ctx.kwargs.get("dtype")
+    linear = dtype is None or dtype.is_floating_point or dtype.is_complex  # an int cast of P would truncate
+    return [((S(d),), (S(d),)) for d in range(n) if d != dim] + ([((P,), (P,))] if linear else [])
+
+
+def _histc_range(args: tuple, kwargs: dict) -> bool:
+    lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+    hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+    return lo < hi
+
+
+def histc_signatures(ctx: Ctx) -> list:
+    """A split input anywhere: each rank counts its own elements, the counts add up (P). With
+    min == max torch takes the range from the data, which a shard does not know: taken whole."""
+    if not _histc_range(ctx.args, ctx.kwargs):
+        return []
+    return [((S(d),), (P,)) for d in range(len(ctx.shapes[0]))]
+
+
+register([aten.cumsum.default], Rule(scan_signatures))
+register([aten.histc.default], Rule(histc_signatures, scalar_key=_histc_range))

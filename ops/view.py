@@ -11,7 +11,7 @@ import math
 from typing import Callable, Sequence
 
 from ..layout import split_sizes
-from .registry import B, Ctx, Local, P, Rule, S, aten, register
+from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
 
 
 def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:
@@ -146,3 +146,36 @@ def sized_backward(func, args, kwargs, where: Local):
 
 register([aten.slice_backward.default], dim_map_rule(backward_map(False), sized_backward))
 register([aten.select_backward.default], dim_map_rule(backward_map(True), sized_backward))
+
+
+# -- padding and flipping ------------------------------------------------------------------------
+def padded_dims(ctx: Ctx) -> set:
+    """Dims constant_pad_nd changes (pad lists (before, after) pairs from the last dim backwards)."""
+    pad, n = ctx.arg(1, "pad"), len(ctx.shapes[0])
+    return {n - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+
+
+def _pad_value(args: tuple, kwargs: dict):
+    return args[2] if len(args) > 2 else kwargs.get("value", 0)
+
+
+def pad_signatures(ctx: Ctx) -> list:
+    """A dim that is not padded keeps its split. A padded (or, with negative pads, cut) split dim
+    would need pieces of other sizes than a balanced split's, so it is taken whole. Padding is
+    linear when the fill is 0 (P passes); max and min of a fill every rank writes is that fill."""
+    padded = padded_dims(ctx)
+    sigs = [((S(d),), (S(d),)) for d in range(len(ctx.shapes[0])) if d not in padded]
+    if _pad_value(ctx.args, ctx.kwargs) == 0:
+        sigs.append(((P,), (P,)))
+    return sigs + [((PMAX,), (PMAX,)), ((PMIN,), (PMIN,))]
+
+
+def flip_signatures(ctx: Ctx) -> list:
+    n = len(ctx.shapes[0])
+    flipped = {_d(d, n) for d in ctx.arg(1, "dims")}
+    return [((S(d),), (S(d),)) for d in range(n) if d not in flipped] + [((p,), (p,)) for p in (P, PMAX, PMIN)]
+
+
+register([aten.constant_pad_nd.default],
+         Rule(pad_signatures, scalar_key=lambda args, kwargs: _pad_value(args, kwargs) == 0))
+register([aten.flip.default], Rule(flip_signatures))

@@ -57,3 +57,43 @@ def test_row_times_col_needs_no_boxing():
         return y.sbp, log.recv_bytes
     sbp, received = gt.launch(body, 4)[0]
     assert sbp == (gt.split(0), gt.partial_sum) and received == 0
+
+
+@st.composite
+def grouped_cases(draw):
+    """torch's CPU grouped GEMM takes float32 with 16-byte strides: k and n multiples of 4 (shards need not be)."""
+    mesh = draw(meshes())
+    g, m, k, n = draw(st.integers(1, 4)), draw(st.integers(1, 9)), draw(st.sampled_from([4, 8])), draw(
+        st.sampled_from([4, 8]))
+    batched = draw(st.booleans())
+    shapes = [(g, m, k), (g, k, n)] if batched else [(m, k), (g, k, n), (g,)]
+    sbps = [draw(sbps_for(mesh, s, partial=i < 2)) for i, s in enumerate(shapes)]
+    cuts = sorted(draw(st.lists(st.integers(0, m), min_size=g - 1, max_size=g - 1)))
+    return mesh, shapes, sbps, torch.tensor(cuts + [m], dtype=torch.int32)
+
+
+@given(grouped_cases())
+def test_grouped_mm_matches_one_device(case):
+    mesh, shapes, sbps, offs = case
+    torch.manual_seed(2)
+    a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
+    if len(shapes) == 2:
+        check(lambda a, b: torch._grouped_mm(a, b), [a, b], mesh, sbps, rtol=1e-4, atol=1e-5)
+    else:
+        check(lambda a, b, o: torch._grouped_mm(a, b, offs=o), [a, b, offs], mesh, sbps, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_split_grouped_mm_moves_nothing():
+    """Experts S(0), tokens whole: each rank computes its experts' rows (P); the weight gradient stays S(0)."""
+    offs = torch.tensor([3, 3, 7, 8], dtype=torch.int32)
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x = gt.to_global(torch.randn(8, 4), p, gt.broadcast).requires_grad_()
+        w = gt.to_global(torch.randn(4, 4, 8), p, gt.split(0)).requires_grad_()
+        o = gt.to_global(offs, p, gt.broadcast)
+        with gt.comm_log() as log:
+            y = torch._grouped_mm(x, w, offs=o)
+            y.backward(gt.to_global(torch.ones(8, 8), p, gt.broadcast))
+        return y.sbp, w.grad.sbp, x.grad.sbp, log.recv_bytes
+    assert gt.launch(body, 2)[0] == ((gt.partial_sum,), (gt.split(0),), (gt.partial_sum,), 0)

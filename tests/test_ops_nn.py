@@ -76,3 +76,29 @@ def test_sdpa_heads_split_is_free():
             o.sum().backward()
         return o.sbp, q.grad.sbp, log.recv_bytes
     assert gt.launch(body, 2)[0] == ((gt.split(1),), (gt.split(1),), 0)
+
+
+@given(meshes(), st.lists(st.integers(1, 5), min_size=1, max_size=3), st.sampled_from(["none", "sum", "mean"]),
+       st.data())
+def test_mse_loss(mesh, shape, reduction, data):
+    shape = tuple(shape)
+    torch.manual_seed(7)
+    x, y = torch.randn(shape, dtype=D), torch.randn(shape, dtype=D)
+    sx, sy = data.draw(sbps_for(mesh, shape, partial=True)), data.draw(sbps_for(mesh, shape, partial=True))
+    check(lambda x, y: F.mse_loss(x, y, reduction=reduction) * 2, [x, y], mesh, [sx, sy])
+
+
+def test_batch_split_mse_mean_is_partial_without_communication():
+    def body():
+        p = mesh_placement((2,))
+        x = gt.to_global(torch.arange(10.0).reshape(5, 2), p, gt.split(0)).requires_grad_()
+        y = gt.to_global(torch.ones(5, 2), p, gt.split(0))
+        with gt.comm_log() as log:
+            loss = F.mse_loss(x, y)
+        loss.backward()
+        return loss.sbp, log.recv_bytes, loss.full_tensor(), x.grad.sbp, x.grad.full_tensor()
+    sbp, received, loss, gsbp, grad = gt.launch(body, 2)[0]
+    x = torch.arange(10.0).reshape(5, 2)
+    assert sbp == (gt.partial_sum,) and received == 0 and gsbp == (gt.split(0),)
+    torch.testing.assert_close(loss, F.mse_loss(x, torch.ones(5, 2)))
+    torch.testing.assert_close(grad, 2 * (x - 1) / 10)

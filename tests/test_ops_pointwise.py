@@ -21,6 +21,7 @@ BINARY = {
     "masked_fill": lambda a, b: a.masked_fill(b > 0, 0.0).masked_fill(b < -1, -3.0),
     "gelu_mix": lambda a, b: F.gelu(a) * torch.sigmoid(b) + torch.relu(a - b).exp() - (a >= b).to(D),
     "maximum": lambda a, b: torch.maximum(a, b).tanh(),
+    "floor_divide": lambda a, b: torch.floor_divide(a.detach() * 3, b.detach().abs() + 0.5) + torch.remainder(a, 0.7) * b,
 }
 
 
@@ -146,3 +147,46 @@ def test_chosen_signature_is_cheapest(case):
     chosen, best, n = chosen_is_cheapest(
         aten.mul.Tensor, lambda p: (gt.to_global(a, p, sa), gt.to_global(b, p, sb)), tuple(mesh))
     assert chosen == best and n >= 1
+
+
+CASTS = {
+    "float_double": lambda x: x.float().double() * 2,
+    "to_int": lambda x: ((x * 3).to(torch.int64) + 1, x * 1),
+    "type_as_bool": lambda x: (x.type_as(torch.ones(1, dtype=torch.float32)), x.to(torch.bool)),
+    "half_sum": lambda x: x.to(torch.float16).sum(-1),
+}
+
+
+@given(meshes(), st.lists(st.integers(1, 5), min_size=1, max_size=3), st.sampled_from(sorted(CASTS)), st.data())
+def test_casts_match_one_device(mesh, shape, name, data):
+    """Casts keep any split; a P input stays P only into a floating dtype (the parts round, so a low-precision
+    dtype's tolerance)."""
+    sbp = data.draw(sbps_for(mesh, tuple(shape), partial=True))
+    torch.manual_seed(9)
+    x = torch.randn(shape, dtype=D)
+    check(CASTS[name], [x], mesh, [sbp], rtol=2e-3 if name == "half_sum" else 1e-6, atol=1e-2 if name == "half_sum"
+          else 1e-6)
+
+
+def test_casts_keep_partial_only_where_linear_or_monotone():
+    def body():
+        p = mesh_placement((2,))
+        r = gt.rank()
+        s = gt.from_local(torch.tensor([1.5, -2.5]), p, gt.partial_sum)
+        m = gt.from_local(torch.tensor([1.5, -2.5]) * (r + 1), p, gt.partial("max"))
+        return ((s.double().sbp, s.to(torch.int64).sbp, m.half().sbp, m.to(torch.int32).sbp),
+                s.to(torch.int64).full_tensor(), m.to(torch.int32).full_tensor())
+    sbps, ints, maxes = gt.launch(body, 2)[0]
+    assert sbps == ((gt.partial_sum,), (gt.broadcast,), (gt.partial("max"),), (gt.broadcast,))
+    assert torch.equal(ints, torch.tensor([3, -5])) and torch.equal(maxes, torch.tensor([3, -2], dtype=torch.int32))
+
+
+def test_is_pinned_is_answered_locally_on_every_rank():
+    def body():
+        p = gt.placement("cpu", [[2, 0]])  # rank 1 of 3 is outside
+        x = gt.to_global(torch.randn(4, 3), p, (gt.partial_sum, gt.split(0)))
+        with gt.comm_log() as log:
+            pinned = x.is_pinned()
+        return pinned, log.recv_bytes
+    assert gt.launch(body, 3) == [(False, 0)] * 3
+    assert "aten.is_pinned.default" not in gt.stats()["fallback"]

@@ -50,3 +50,24 @@ def test_factories(mesh, data):
     for inside, got in gt.launch(body, world_of(mesh)):
         for (full, numel), b in zip(got, (want, torch.zeros(6, 5), torch.ones(6, 5), torch.ones(6, 5))):
             assert torch.equal(full, b) if inside else numel == 0 and full.numel() == 0 and full.dtype == b.dtype
+
+
+@given(meshes(), st.data())
+def test_new_of_its_own_size_keeps_the_layout_and_moves_nothing(mesh, data):
+    """x.new_*(x.shape): autograd accumulates a gradient either by stealing it or with
+    `new_empty_strided(..).copy_(grad)`, depending on reference counts that differ between ranks; so
+    these must never communicate (a split x once made new_empty_strided box it, on some ranks only: a hang)."""
+    shape = (3, 2)
+    sbp = data.draw(sbps_for(mesh, shape, partial=True))
+
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(torch.randn(shape), p, sbp)
+        with gt.comm_log() as log:
+            outs = [x.new_empty_strided(shape, (2, 1)), x.new_empty(shape), x.new_zeros(shape), x.new_ones(shape)]
+        return len(log.events), [o.sbp for o in outs], gt.rank() in p.flat_ranks, [_held(o) for o in outs[2:]]
+    for events, sbps, inside, ((zeros, _), (ones, _)) in gt.launch(body, world_of(mesh)):
+        assert events == 0 and sbps[:3] == [sbp] * 3
+        assert sbps[3] == tuple(gt.broadcast if isinstance(s, gt.Partial) else s for s in sbp)
+        if inside:
+            assert torch.equal(zeros, torch.zeros(shape)) and torch.equal(ones, torch.ones(shape))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
@@ -18,6 +19,9 @@ VIEWS = {
     "chunk_stack": lambda x: torch.stack(x.chunk(2, dim=2), dim=0),
     "slice_select": lambda x: x[:, 1:, :].select(0, 0) + x[-1, 1:],
     "t": lambda x: x[0].t() @ x[0],
+    "pad_zero": lambda x: F.pad(x, (1, 2)),
+    "pad_value": lambda x: F.pad(x, (0, 0, 2, 1), value=0.5),
+    "pad_crop": lambda x: F.pad(x, (-1, 1, 0, 0, 1, 0)),
 }
 
 
@@ -50,3 +54,16 @@ def test_split_a_view_cannot_carry_is_boxed_and_counted():
     for r in gt.launch(body, 2):
         assert torch.equal(r, torch.arange(15.0))
     assert gt.stats()["boxed"].get("aten.view.default", 0) >= 2
+
+
+def test_pad_keeps_the_splits_of_dims_it_does_not_pad():
+    def body():
+        p = mesh_placement((2, 2))
+        x = gt.to_global(torch.randn(4, 5, 6), p, (gt.split(0), gt.split(1)))
+        with gt.comm_log() as log:
+            y = F.pad(x, (1, 2))                   # zeros
+            z = F.pad(x, (0, 1), value=1.0)        # a constant
+            w = F.pad(x, (-1, -2))                 # a crop
+        return [t.sbp for t in (y, z, w)], log.recv_bytes, y.full_tensor().shape
+    sbps, received, shape = gt.launch(body, 4)[0]
+    assert sbps == [(gt.split(0), gt.split(1))] * 3 and received == 0 and shape == (4, 5, 9)
