@@ -24,19 +24,24 @@ from .stats import _WARNED, reset_stats, stats
 MAX_PROGRAMS = 16384
 _PROGRAMS: dict[tuple, Program] = {}
 _NO_KWARGS: dict = {}
+_KEYING: dict = {}  # op -> (its rule's scalar_key, whether floats key by value)
 _NAMED = object()  # key mark: decided inside a module whose boundary layouts the user named (ops/scope.py)
 
 
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     """Entry point from GlobalTensor.__torch_dispatch__."""
-    rule = RULES.get(func)
-    key = call_key(func, args, kwargs, cls, None if rule is None else rule.scalar_key, rule is None)
+    keying = _KEYING.get(func)
+    if keying is None:
+        rule = RULES.get(func)
+        keying = _KEYING[func] = (None, True) if rule is None else (rule.scalar_key, False)
+    key = call_key(func, args, kwargs, cls, *keying)
     if _DEPTH.value:
         key += (_NAMED,)
+    kwargs = kwargs or _NO_KWARGS
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _compile(key, func, args, kwargs or _NO_KWARGS, cls)
-    return program(args, kwargs or _NO_KWARGS)
+        program = _compile(key, func, args, kwargs, cls)
+    return program(args, kwargs)
 
 
 def _compile(key: tuple, func: Any, args: tuple, kwargs: dict, cls: type) -> Program:

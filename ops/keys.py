@@ -66,7 +66,13 @@ def call_key(func: Any, args: tuple, kwargs: Optional[dict], cls: type,
     """The decision key of `func(*args, **kwargs)`; see the module docstring for what enters it."""
     key: list = [func]
     for a in args:
-        _add(key, a, cls, floats_by_value)
+        t = type(a)
+        if t is cls:
+            key.append(a._key)
+        elif t is int or t is bool:
+            key.append(a)
+        else:
+            _add(key, a, cls, floats_by_value)
     if kwargs:
         for k, v in kwargs.items():
             key.append(k)

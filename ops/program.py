@@ -72,8 +72,13 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
     where: dict = {}  # rank -> Local, built only where the rule has a local hook
 
+    # positions of the tensor slots (flat calls): the common call is rebuilt without a tensor list
+    direct_at = tuple(slots[k] for k in direct) if slots is not None else ()
+    work_at = tuple((slots[k], dst) for k, dst in work) if slots is not None else ()
+    needs_tensors = overwrites or inplace or slots is None
+
     def program(args: tuple, kwargs: dict) -> Any:
-        tensors = tensors_of(args, kwargs)
+        tensors = tensors_of(args, kwargs) if needs_tensors else None
         if overwrites and _adopt(tensors, cls):
             return tensors[0]
         if fallback:
@@ -81,22 +86,25 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         comm = context.current()
         rank = comm.rank
         if rank not in members:
-            return _outside(func, dec, args, kwargs, tensors, cls, comm, wrappers)
-        locs = [None] * len(tensors)
-        for k in direct:
-            locs[k] = tensors[k]._local
-        if work:
-            if boxed:
-                STATS["boxed"][name] += 1
-            for k, dst in work:
-                locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
-        if writeback:
-            locs[0] = locs[0].clone()
+            return _outside(func, dec, args, kwargs, tensors_of(args, kwargs), cls, comm, wrappers)
+        if boxed:
+            STATS["boxed"][name] += 1
         if slots is not None:
             largs = list(args)
-            for i, loc in zip(slots, locs):
-                largs[i] = loc
+            for i in direct_at:
+                largs[i] = args[i]._local
+            for i, dst in work_at:
+                largs[i] = local_of(func, args[i], dst, cls, placement, comm)
+            if writeback:
+                largs[slots[0]] = largs[slots[0]].clone()
         else:
+            locs = [None] * len(tensors)
+            for k in direct:
+                locs[k] = tensors[k]._local
+            for k, dst in work:
+                locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
+            if writeback:
+                locs[0] = locs[0].clone()
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
         if local_hook is None:
             result = kernel(*largs, **kwargs)

