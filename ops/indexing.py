@@ -21,7 +21,7 @@ index).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -34,9 +34,9 @@ def _dim(ctx: Ctx) -> int:
 
 def _same_size_dims(ctx: Ctx, slots: tuple, skip: int) -> list:
     """Dims other than `skip` where the tensors in `slots` all have the same size (they may be split alike)."""
-    n = len(ctx.shapes[slots[0]])
-    return [d for d in range(n) if d != skip and all(len(ctx.shapes[i]) == n and ctx.shapes[i][d] == ctx.shapes[slots[0]][d]
-                                                    for i in slots)]
+    first = ctx.shapes[slots[0]]
+    return [d for d in range(len(first)) if d != skip and all(len(ctx.shapes[i]) == len(first) and
+                                                              ctx.shapes[i][d] == first[d] for i in slots)]
 
 
 def _spare_row(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _write_back(func: Any, args: tuple, out: torch.Tensor) -> torch.Tensor:
 
 # -- gather / scatter ------------------------------------------------------------------------------
 def gather_signatures(ctx: Ctx) -> list:
-    """(self, index) -> out: split alike on equal-sized dims other than dim; index split anywhere with
+    """(self, index) -> out: split alike on equal-sized dims other than dim; index split along dim with
     self whole; self split along dim (reads held elsewhere give 0: P); P/P(max)/P(min) self."""
     dim = _dim(ctx)
     sigs = [((S(d), S(d)), (S(d),)) for d in _same_size_dims(ctx, (0, 1), dim)]
@@ -279,9 +279,9 @@ def index_add_local(func, args, kwargs, where: Local):
 register([aten.gather.default], Rule(gather_signatures, local=gather_local))
 register([aten.scatter.src, aten.scatter_.src], Rule(scatter_signatures(False, False), local=scatter_local))
 register([aten.scatter.value, aten.scatter_.value],
-         Rule(scatter_signatures(False, True), local=scatter_local,
-              scalar_key=lambda args, kwargs: _scatter_value_is_zero(args, kwargs)))
-register([aten.scatter_add.default, aten.scatter_add_.default], Rule(scatter_signatures(True, False), local=scatter_local))
+         Rule(scatter_signatures(False, True), local=scatter_local, scalar_key=_scatter_value_is_zero))
+register([aten.scatter_add.default, aten.scatter_add_.default],
+         Rule(scatter_signatures(True, False), local=scatter_local))
 register([aten.index.Tensor, aten._unsafe_index.Tensor], Rule(index_signatures, local=index_local))
 register([aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
           aten._unsafe_index_put.default], Rule(index_put_signatures, local=index_put_local))

@@ -8,7 +8,7 @@ whole (the data-dependent choice needs all of it). Their backward is a
 """
 from __future__ import annotations
 
-from .registry import Ctx, Rule, S, aten, overloads, register
+from .registry import Ctx, Rule, S, overloads, register
 
 
 def along_dim_signatures(ctx: Ctx) -> list:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
-from ops_support import check, mesh_placement, meshes, sbps_for, world_of
+from ops_support import check, mesh_placement, meshes, sbps_for
 
 aten = torch.ops.aten
 D = torch.float64

@@ -21,7 +21,8 @@ BINARY = {
     "masked_fill": lambda a, b: a.masked_fill(b > 0, 0.0).masked_fill(b < -1, -3.0),
     "gelu_mix": lambda a, b: F.gelu(a) * torch.sigmoid(b) + torch.relu(a - b).exp() - (a >= b).to(D),
     "maximum": lambda a, b: torch.maximum(a, b).tanh(),
-    "floor_divide": lambda a, b: torch.floor_divide(a.detach() * 3, b.detach().abs() + 0.5) + torch.remainder(a, 0.7) * b,
+    "floor_divide": lambda a, b: torch.floor_divide(a.detach() * 3, b.detach().abs() + 0.5) + torch.remainder(a, 0.7)
+    * b,
 }
 
 
