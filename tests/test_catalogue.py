@@ -1,6 +1,6 @@
 """A catalogue of single-device models: each converts with `gt.to_global`, trains 3 AdamW steps on
 1x2, 2x1 and 2x2 (data x tensor) meshes with no op falling back to replicated execution, and
-matches the same program on one device (fp64).
+matches the same program on one device (fp64); some also on a world with a rank outside the mesh.
 
 The plans split things: the batch is `S(0)` on the data axis, and on the tensor axis weights are
 Megatron-style column (`S(0)` of a Linear's [out, in] weight and its bias) and row (`S(1)`)
@@ -124,14 +124,19 @@ CATALOGUE = {  # name -> (build, plan, the data's layout, meshes)
 
 
 # -- training -------------------------------------------------------------------------------------
-def train(name: str, mesh=None):
+def train(name: str, mesh=None, ranks=None):
+    """Losses and final parameters; on a mesh (of `ranks`, default 0..n-1) the full values, which a rank
+    outside the placement does not have: it reports what it holds instead (numel of its shards)."""
     build, plan, data_sbp, _ = CATALOGUE[name]
     torch.manual_seed(0)
     model, data, loss_of = build()
     model = model.to(D)
     data = tuple(t.to(D) if t.is_floating_point() else t for t in data)
+    inside = True
     if mesh is not None:
-        placement = gt.placement("cpu", np.arange(math.prod(mesh)).reshape(mesh).tolist())
+        ranks = list(range(math.prod(mesh))) if ranks is None else ranks
+        placement = gt.placement("cpu", np.array(ranks).reshape(mesh).tolist())
+        inside = gt.rank() in ranks
         gt.to_global(model, placement, plan)
         data = tuple(gt.to_global(t, placement, data_sbp) for t in data)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -141,8 +146,9 @@ def train(name: str, mesh=None):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append((loss.full_tensor() if mesh else loss).item())
-    params = {n: (p.full_tensor() if mesh else p).detach() for n, p in model.named_parameters()}
+        losses.append((loss.full_tensor() if mesh else loss).item() if inside else loss._local.numel())
+    params = {n: (p.full_tensor() if mesh else p).detach() if inside else p._local.numel()
+              for n, p in model.named_parameters()}
     return losses, params
 
 
@@ -167,5 +173,23 @@ def test_model_trains_as_on_one_device_without_fallback(name, mesh):
     for losses, params in results:
         np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=1e-9)
         assert params.keys() == want_params.keys()
+        for n, p in params.items():
+            torch.testing.assert_close(p, want_params[n], rtol=1e-6, atol=1e-8, msg=n)
+
+
+@pytest.mark.parametrize("name", ["gpt_tp", "transformer_moe", "pad_cast"])
+def test_model_trains_with_a_rank_outside_the_placement(name):
+    """A 1x2 mesh on ranks [2, 0] of a 3-rank world: rank 1 holds empty shards all along, takes part in
+    nothing it need not, and the ranks inside train as one device does."""
+    want_losses, want_params = reference(name)
+    gt.reset_stats()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = gt.launch(train, 3, args=(name, (1, 2), [2, 0]))
+    assert gt.stats()["fallback"] == {}
+    outside_losses, outside_params = results[1]
+    assert outside_losses == [0] * STEPS and set(outside_params.values()) == {0}
+    for losses, params in (results[0], results[2]):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-6, atol=1e-9)
         for n, p in params.items():
             torch.testing.assert_close(p, want_params[n], rtol=1e-6, atol=1e-8, msg=n)
