@@ -57,3 +57,21 @@ def test_split_off_the_dim_moves_nothing_and_histc_counts_shards():
     sbps, received = gt.launch(body, 4)[0]
     split = (gt.split(0), gt.split(2))
     assert sbps == [split] * 5 + [(gt.partial_sum, gt.partial_sum)] and received == 0
+
+
+def test_backward_with_a_split_off_the_dim_moves_nothing():
+    """The backward (new_zeros + scatter along dim, flip + cumsum) keeps the split too."""
+    fns = {"topk": lambda x: x.topk(2, dim=1).values, "sort": lambda x: x.sort(1).values,
+           "median": lambda x: x.median(1).values, "cumsum": lambda x: x.cumsum(1)}
+
+    def body():
+        p = mesh_placement((2,))
+        out = {}
+        for name, f in fns.items():
+            x = gt.to_global(torch.randn(6, 5, dtype=D), p, gt.split(0)).requires_grad_()
+            with gt.comm_log() as log:
+                y = f(x)
+                y.backward(torch.ones_like(y))
+            out[name] = (log.recv_bytes, x.grad.sbp)
+        return out
+    assert gt.launch(body, 2)[0] == {name: (0, (gt.split(0),)) for name in fns}
