@@ -11,7 +11,7 @@ reduction rules.
 """
 from __future__ import annotations
 
-from .registry import B, Ctx, P, Rule, S, aten, reduce_partial, register, split_on
+from .registry import B, Ctx, P, Rule, S, aten, overloads, reduce_partial, register, split_on
 
 
 def softmax_signatures(ctx: Ctx) -> list:
@@ -51,6 +51,9 @@ def _split_softmax_backward(func, args, kwargs):
 
 register([aten._softmax.default, aten._log_softmax.default],
          Rule(softmax_signatures, decompose=_split_softmax, decompose_when=_dim_split))
+# softmax that gives 0 on rows that are all -inf (SDPA's math path, taken with dropout or a mask): the
+# decomposition above would give NaN there, so a split dim is taken whole
+register(overloads("_safe_softmax"), Rule(softmax_signatures))
 register([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default],
          Rule(softmax_signatures, decompose=_split_softmax_backward, decompose_when=_dim_split))
 

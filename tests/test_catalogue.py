@@ -5,6 +5,8 @@ matches the same program on one device (fp64); some also on a world with a rank 
 The plans split things: the batch is `S(0)` on the data axis, and on the tensor axis weights are
 Megatron-style column (`S(0)` of a Linear's [out, in] weight and its bias) and row (`S(1)`)
 splits, vocab-parallel embeddings and expert-parallel (`S(0)` on the expert dim) MoE weights.
+torch's test Transformer keeps its default dropout (0.1, also inside attention): random ops draw
+what one device draws, whatever the layout.
 """
 from __future__ import annotations
 
@@ -52,8 +54,7 @@ NANOGPT_PLAN = {"transformer.wte.weight": COL, "*.attn.c_proj.weight": ROW, "*.m
 
 def torch_transformer(num_experts: int = 0):
     def build():
-        args = ModelArgs(n_layers=1, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0,
-                         num_experts=num_experts)
+        args = ModelArgs(n_layers=1, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, num_experts=num_experts)
         model = Transformer(args)
 
         def loss(m, tokens, targets):

@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 import globaltensor as gt
 from ops_support import check, meshes, mesh_placement, sbps_for
 
+aten = torch.ops.aten
 D = torch.float64
 
 
@@ -21,6 +22,7 @@ def test_softmax_norms(mesh, b, s, h, data):
     sw = data.draw(sbps_for(mesh, (h,)))
     fns = {
         "softmax": lambda x, w, b: F.softmax(x, -1) * w + F.log_softmax(x, 1).sum(1, keepdim=True),
+        "safe_softmax": lambda x, w, b: aten._safe_softmax.default(x.masked_fill(x > 1.0, float("-inf")), 1) * w,
         "layer_norm": lambda x, w, b: F.layer_norm(x, (h,), w, b),
         "rms_norm": lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w + b,
     }
