@@ -123,7 +123,7 @@ def check_outside(rank, outside, want_out, want_grad):
     for h, w in list(zip(held, want_out)) + [(h, w) for h, w in zip(held_grads, want_grad) if w is not None]:
         assert h is not None, f"rank {rank} (outside the placement) got no GlobalTensor"
         shape, dtype, numel, local_dtype = h
-        assert (shape, dtype) == (tuple(w.shape), w.dtype), f"rank {rank} outside: {shape} {dtype}, not {w.shape} {w.dtype}"
+        assert (shape, dtype) == (tuple(w.shape), w.dtype), f"rank {rank} outside: {shape} {dtype}, not {w.shape}"
         assert numel == 0 and local_dtype == w.dtype, f"rank {rank} outside holds {numel} elements of {local_dtype}"
 
 
