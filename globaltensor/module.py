@@ -104,30 +104,19 @@ class _Boundary:
         return self.apply(output)
 
 
-class _EnterInBackward(torch.autograd.Function):
-    """Identity on a module's output; its backward starts the module's backward: the named scope."""
+class _ScopeMark(torch.autograd.Function):
+    """Identity at a module boundary whose backward enters (at the output) or leaves (at the input) the
+    named scope: the module's backward runs between the two, as its forward ran between the hooks."""
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx, x: GlobalTensor, enter: bool) -> GlobalTensor:  # type: ignore[override]
+        ctx.enter = enter
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
-        dispatch.enter_named()
-        return grad
-
-
-class _LeaveInBackward(torch.autograd.Function):
-    """Identity on a module's input; its backward ends the module's backward."""
-
-    @staticmethod
-    def forward(ctx, x: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
-        dispatch.leave_named()
-        return grad
+        (dispatch.enter_named if ctx.enter else dispatch.leave_named)()
+        return grad, None
 
 
 class _Armed(threading.local):
@@ -153,7 +142,7 @@ class _NamedModule:
         x = args[0] if args else None
         armed = isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled()
         _ARMED.stack.append(armed)
-        return (_LeaveInBackward.apply(x),) + tuple(args[1:]) if armed else args
+        return (_ScopeMark.apply(x, False),) + tuple(args[1:]) if armed else args
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         dispatch.leave_named()
@@ -161,7 +150,7 @@ class _NamedModule:
         if self.out is not None:
             output = self.out.after(module, args, output)
         if armed and isinstance(output, GlobalTensor) and output.requires_grad:
-            output = _EnterInBackward.apply(output)
+            output = _ScopeMark.apply(output, True)
         return output
 
 

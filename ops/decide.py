@@ -119,7 +119,12 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> De
     targets, out_layouts = chosen
     return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
                     tuple(None if o is None else o.dtype for o in outs), inplace,
-                    inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0]))
+                    _writes_back(inplace, srcs, targets, out_layouts))
+
+
+def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple) -> bool:
+    """Whether an in-place op computes outside its target's layout and boxes the result back into it."""
+    return inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0])
 
 
 def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inplace: bool) -> Decision:
@@ -230,14 +235,10 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
     cands = axis_candidates(ctx, rule, n_in, n_out)
     combos = list(itertools.islice(itertools.product(*[cands] * placement.ndim), MAX_COMBOS))
 
-    def layouts(combo: tuple) -> tuple:
-        targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in))
-        out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
-                            for j in range(n_out))
-        return targets, out_layouts
-
-    def cost(targets: tuple, out_layouts: tuple) -> tuple:
-        return signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
+    laid = [(tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in)),
+             tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
+                   for j in range(n_out)))
+            for combo in combos]
 
     def owes_nothing(targets: tuple, out_layouts: tuple) -> bool:
         if targets != srcs:
@@ -246,27 +247,26 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
             return out_layouts[0] == srcs[0]
         return in_named() or not any(lay is not None and lay.has_partial for lay in out_layouts)
 
-    # a combo that boxes nothing and owes nothing costs (0, 0): the first valid one wins without
+    # a choice that boxes nothing and owes nothing costs nothing: the first valid one wins without
     # planning any conversion (boxing searches are most of a cache miss)
-    for combo in combos:
-        targets, out_layouts = layouts(combo)
+    for targets, out_layouts in laid:
         if owes_nothing(targets, out_layouts) and _valid(ctx, rule, targets, out_layouts, placement):
             return targets, out_layouts
+
     def rank(k: int) -> tuple:
         """Cost first; on ties an in-place op keeps computing in its target (a reduced Partial operand is
         remembered for the next op that reads it, a written-back result is not), then fewer collectives
         now, then more inputs kept as they are, then the rule's order."""
-        targets, out_layouts = layouts(combos[k])
-        (most, total, latency, now) = cost(targets, out_layouts)
-        moved = inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0])
-        return (most, total, latency, moved, now, sum(s != t for s, t in zip(srcs, targets)), k)
+        targets, out_layouts = laid[k]
+        most, total, latency, now = signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
+        return (most, total, latency, _writes_back(inplace, srcs, targets, out_layouts), now,
+                sum(s != t for s, t in zip(srcs, targets)), k)
 
-    for (c, *_, k) in sorted(rank(k) for k in range(len(combos))):
-        if c == float("inf"):
+    for most, *_, k in sorted(rank(k) for k in range(len(laid))):
+        if most == float("inf"):
             break
-        targets, out_layouts = layouts(combos[k])
-        if _valid(ctx, rule, targets, out_layouts, placement):
-            return targets, out_layouts
+        if _valid(ctx, rule, *laid[k], placement):
+            return laid[k]
     return None
 
 

@@ -30,6 +30,11 @@ _NAMED = object()  # key mark: decided inside a module whose boundary layouts th
 
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     """Entry point from GlobalTensor.__torch_dispatch__."""
+    kwargs = kwargs or _NO_KWARGS
+    return _program_for(func, args, kwargs, cls)(args, kwargs)
+
+
+def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
     keying = _KEYING.get(func)
     if keying is None:
         rule = RULES.get(func)
@@ -37,11 +42,10 @@ def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     key = call_key(func, args, kwargs, cls, *keying)
     if _DEPTH.value:
         key += (_NAMED,)
-    kwargs = kwargs or _NO_KWARGS
     program = _PROGRAMS.get(key)
     if program is None:
         program = _compile(key, func, args, kwargs, cls)
-    return program(args, kwargs)
+    return program
 
 
 def _compile(key: tuple, func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
@@ -57,14 +61,7 @@ def _compile(key: tuple, func: Any, args: tuple, kwargs: dict, cls: type) -> Pro
 
 def decision_of(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Decision:
     """The decision the dispatcher takes for this call (cached, or made now): kind, targets, output layouts."""
-    rule = RULES.get(func)
-    key = call_key(func, args, kwargs, cls, None if rule is None else rule.scalar_key, rule is None)
-    if _DEPTH.value:
-        key += (_NAMED,)
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = _compile(key, func, args, kwargs or _NO_KWARGS, cls)
-    return program.decision  # type: ignore[attr-defined]
+    return _program_for(func, args, kwargs or _NO_KWARGS, cls).decision  # type: ignore[attr-defined]
 
 
 def cache_size() -> int:
@@ -79,6 +76,7 @@ def check_replicated(enabled: bool = True) -> None:
 
 def clear_cache() -> None:
     _PROGRAMS.clear()
+    _KEYING.clear()
 
 
 __all__ = ["run", "decision_of", "cache_size", "check_replicated", "clear_cache", "stats", "reset_stats",

@@ -72,16 +72,22 @@ def gather_signatures(ctx: Ctx) -> list:
     return sigs + [((p, B), (p,)) for p in (P, PMAX, PMIN)]
 
 
-def gather_local(func, args, kwargs, where: Local):
+def read_along_dim(func, args, kwargs, where: Local):
+    """gather / index_select of a self split along `dim`: entries held elsewhere read 0 (the output is P)."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
     start, size = where.in_box(0)[dim]
     full = where.ctx.shapes[0][dim]
     if size == full:
         return func(*args, **kwargs)
-    if size == 0:
-        return x.new_zeros(index.shape)
+    if x.numel() == 0:
+        return x.new_zeros(where.out_shape(0))
     local, inside = _local_rows(index, start, size, full, 0)
-    return func(x, dim, local, *args[3:], **kwargs).masked_fill(~inside, 0)
+    out = func(x, dim, local, *args[3:], **kwargs)
+    if inside.dim() != out.dim():  # index_select: one index per row of dim
+        shape = [1] * out.dim()
+        shape[dim] = -1
+        inside = inside.reshape(shape)
+    return out.masked_fill(~inside, 0)
 
 
 def scatter_signatures(accumulates: bool, value_arg: bool):
@@ -108,7 +114,8 @@ def _scatter_value_is_zero(args: tuple, kwargs: dict) -> bool:
     return not isinstance(v, torch.Tensor) and v == 0
 
 
-def scatter_local(func, args, kwargs, where: Local):
+def write_along_dim(func, args, kwargs, where: Local):
+    """scatter / index_add into a self split along `dim`: writes for rows held elsewhere land in a spare row."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
     start, size = where.in_box(0)[dim]
     full = where.ctx.shapes[0][dim]
@@ -240,21 +247,6 @@ def index_select_signatures(ctx: Ctx) -> list:
     return sigs + [((p, B), (p,)) for p in (P, PMAX, PMIN)]
 
 
-def index_select_local(func, args, kwargs, where: Local):
-    x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
-    start, size = where.in_box(0)[dim]
-    full = where.ctx.shapes[0][dim]
-    if size == full:
-        return func(*args, **kwargs)
-    if x.numel() == 0:
-        return x.new_zeros(where.out_shape(0))
-    local, inside = _local_rows(index, start, size, full, 0)
-    out = func(x, dim, local, *args[3:], **kwargs)
-    shape = [1] * out.dim()
-    shape[dim] = -1
-    return out.masked_fill(~inside.reshape(shape), 0)
-
-
 def index_add_signatures(ctx: Ctx) -> list:
     """(self, index, source) -> out: other dims split alike in self and source; self split along dim
     (additions for other rows go to a spare row); P self and source; a split index with source split
@@ -265,25 +257,14 @@ def index_add_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def index_add_local(func, args, kwargs, where: Local):
-    x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
-    start, size = where.in_box(0)[dim]
-    full = where.ctx.shapes[0][dim]
-    if size == full:
-        return func(*args, **kwargs)
-    local, _ = _local_rows(index, start, size, full, size)
-    out = func(_spare_row(x, dim), dim, local, *args[3:], **kwargs)
-    return _write_back(func, args, out.narrow(dim, 0, size))
-
-
-register([aten.gather.default], Rule(gather_signatures, local=gather_local))
-register([aten.scatter.src, aten.scatter_.src], Rule(scatter_signatures(False, False), local=scatter_local))
+register([aten.gather.default], Rule(gather_signatures, local=read_along_dim))
+register([aten.scatter.src, aten.scatter_.src], Rule(scatter_signatures(False, False), local=write_along_dim))
 register([aten.scatter.value, aten.scatter_.value],
-         Rule(scatter_signatures(False, True), local=scatter_local, scalar_key=_scatter_value_is_zero))
+         Rule(scatter_signatures(False, True), local=write_along_dim, scalar_key=_scatter_value_is_zero))
 register([aten.scatter_add.default, aten.scatter_add_.default],
-         Rule(scatter_signatures(True, False), local=scatter_local))
+         Rule(scatter_signatures(True, False), local=write_along_dim))
 register([aten.index.Tensor, aten._unsafe_index.Tensor], Rule(index_signatures, local=index_local))
 register([aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
           aten._unsafe_index_put.default], Rule(index_put_signatures, local=index_put_local))
-register([aten.index_select.default], Rule(index_select_signatures, local=index_select_local))
-register([aten.index_add.default, aten.index_add_.default], Rule(index_add_signatures, local=index_add_local))
+register([aten.index_select.default], Rule(index_select_signatures, local=read_along_dim))
+register([aten.index_add.default, aten.index_add_.default], Rule(index_add_signatures, local=write_along_dim))

@@ -30,17 +30,12 @@ Program = Callable[[tuple, dict], Any]
 
 def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: type) -> Program:
     """The program for every call whose key matches this one's (same structure, layouts, shapes, dtypes)."""
-    flat = not any(isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and
-                   any(isinstance(e, torch.Tensor) for e in v) for v in kwargs.values()) and \
-        not any(isinstance(a, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in a) for a in args)
-    slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)) if flat else None
+    every = _tensor_list(args, kwargs)
+    top = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    slots = top if len(top) == len(every) else None  # all tensors are positional: rebuilt by position
 
     def tensors_of(args: tuple, kwargs: dict) -> list:
-        if slots is not None:
-            return [args[i] for i in slots]
-        found: list = []
-        map_tensors(args, kwargs, lambda t, i: found.append(t))
-        return found
+        return [args[i] for i in slots] if slots is not None else _tensor_list(args, kwargs)
 
     rule = dec.rule
     if dec.kind == "decompose":
@@ -62,8 +57,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     local_hook = None if rule is None else rule.local
     overwrites = rule is not None and rule.overwrites
     fresh = rule is not None and rule.fresh
-    from_global = [isinstance(t, cls) for t in _tensor_list(args, kwargs)]
-    direct = tuple(k for k, (g, s, t) in enumerate(zip(from_global, dec.sources, targets)) if g and s == t)
+    direct = tuple(k for k, (x, s, t) in enumerate(zip(every, dec.sources, targets))
+                   if isinstance(x, cls) and s == t)
     work = tuple((k, targets[k]) for k in range(len(targets)) if k not in direct)
     boxed = dec.boxes
     known = dec.out_shapes is not None

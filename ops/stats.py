@@ -34,7 +34,7 @@ def _user_stacklevel() -> int:
     frame, level = sys._getframe(1), 1
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if not (name.startswith("globaltensor") or name.startswith("torch") or name == __name__):
+        if not name.startswith(("globaltensor", "torch")):
             return level
         frame, level = frame.f_back, level + 1
     return 2
