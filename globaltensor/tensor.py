@@ -14,6 +14,7 @@ from .runtime import context
 from .sbp import Broadcast, Partial, Split
 
 _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
+_TENSOR_DATA = torch.Tensor.data  # torch's descriptor, which GlobalTensor.data wraps
 
 
 def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any,
@@ -80,6 +81,38 @@ class GlobalTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
                 f"sbp={self.sbp}, local={self._local})")
+
+    # -- module dtype/device changes and host copies ---------------------------
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`x.data = y` swaps shard, layout and metadata together.
+
+        `nn.Module._apply` (`m.double()`, `m.half()`, `m.to(dtype)`, `m.to(device)`) assigns the converted
+        tensor to `param.data`; torch's own setter would change only the wrapper's dtype and device and
+        leave the shard as it was (a float64 parameter holding a float32 shard). The parameter object stays
+        the same, so tied weights stay tied and optimizers keep their references.
+        """
+        if not isinstance(new, GlobalTensor):
+            raise TypeError(f"GlobalTensor.data: assign a GlobalTensor (got {type(new).__name__}); lay a full "
+                            "tensor out first with gt.to_global(t, x.placement, x.sbp)")
+        _TENSOR_DATA.__set__(self, new)
+        self._local, self._layout, self._key = new._local, new._layout, new._key
+
+    def tolist(self) -> Any:
+        """The global value as nested Python lists (a collective: every rank of the world calls it).
+
+        torch refuses `tolist()` on tensor subclasses; a GlobalTensor's value is `full_tensor()`'s, so
+        that is what is copied to the host (empty on a rank outside the placement).
+        """
+        return self.full_tensor().tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The global value as a numpy array, via `full_tensor()` (a collective, as `tolist()`)."""
+        return self.full_tensor().detach().numpy(force=force)
 
     # -- saving and copying --------------------------------------------------
     def __reduce_ex__(self, proto: int):

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .device import device_changes, move_device
 from .registry import PMAX, PMIN, B, Ctx, P, Rule, S, aten, is_inplace, overloads, pointwise_dims, register
 
 _PROTOTYPES: dict = {}  # (op, what type promotion reads of its args) -> its outputs on one-element stand-ins
@@ -164,5 +165,6 @@ def any_layout_no_output(ctx: Ctx) -> list:
     return [((s,), ()) for s in [S(d) for d in range(len(ctx.shapes[0]))] + [P, PMAX, PMIN]]
 
 
-register([aten._to_copy.default], Rule(cast_signatures, meta=cast_meta))
+register([aten._to_copy.default], Rule(cast_signatures, meta=cast_meta, decompose=move_device,
+                                       decompose_when=device_changes))
 register([aten.is_pinned.default], Rule(any_layout_no_output))
