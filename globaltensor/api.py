@@ -75,6 +75,14 @@ def _discover_shape(local: torch.Tensor, layout: Layout) -> tuple[int, ...]:
         shape.append(sum(by_rank[r][d] for r in p.flat_ranks
                          if all(c == 0 for a, c in enumerate(p.coord(r)) if a not in axes)))
     bad = {r: s for r, s in by_rank.items() if layout.local_shape(shape, r) != s}
+    if bad and not any(isinstance(s, Split) for s in layout.sbp):
+        held: dict = {}
+        for r, s in by_rank.items():
+            held.setdefault(s, []).append(r)
+        raise ValueError(f"from_local(local): with sbp {layout.sbp} every rank holds the whole tensor, so every "
+                         "rank's local must have one shape, but " +
+                         "; ".join(f"ranks {rs} hold {s}" for s, rs in held.items()) +
+                         " (a tensor whose size depends on the rank is a split: use gt.split(d))")
     if bad:
         raise ValueError(f"from_local(local): shard shapes {by_rank} are not the array_split shards of any "
                          f"global shape under sbp {layout.sbp} (ranks {sorted(bad)} disagree with {tuple(shape)})")
@@ -85,8 +93,10 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
                shape: Sequence[int] | None = None) -> GlobalTensor:
     """Build a GlobalTensor from each rank's shard (differentiable).
 
-    Without `shape`, a split layout (or a placement that leaves ranks out) learns
-    the global shape with one small collective, so uneven shards just work.
+    Without `shape`, the ranks exchange their shards' shapes with one small collective:
+    a split layout learns its global shape (uneven shards just work) and ranks whose
+    shards do not fit one global shape (Broadcast locals of different shapes) fail,
+    named. With `shape`, each rank checks its own shard against it and nothing is exchanged.
     """
     if isinstance(local, GlobalTensor) or not isinstance(local, torch.Tensor):
         raise TypeError(f"from_local(local): expected a plain torch.Tensor shard, got {type(local).__name__}")
@@ -94,9 +104,8 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
     layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
     comm = context.current()
     inside = placement.coord(comm.rank) is not None
-    if shape is None:
-        needs = any(isinstance(s, Split) for s in layout.sbp) or placement.size != comm.world_size
-        shape = _discover_shape(local, layout) if needs else tuple(local.shape)
+    if shape is None:  # shapes are exchanged even without a split: ranks that disagree fail here, not later
+        shape = _discover_shape(local, layout)
     else:
         shape = _check_shape_arg(shape)
         layout.check_shape(shape, "from_local(sbp)")

@@ -89,6 +89,8 @@ def test_bad_input_inside_ranks(fn, kind, arg):
     assert info.value.rank == 0  # every rank sees the error; the lowest rank is reported
 
 
-def test_broadcast_shards_of_different_ndim_is_an_error_only_when_discovered():
-    # B over the whole world needs no discovery: each rank trusts its shape (as DTensor does)
-    on_ranks(_shard_ndims_differ)
+def test_broadcast_shards_of_different_ndim_is_an_error():
+    # shapes are exchanged for B too (issue 17 item 6): ranks that disagree fail instead of each
+    # rank going on with its own global shape
+    with pytest.raises(ValueError, match="different numbers of dims"):
+        on_ranks(_shard_ndims_differ)
