@@ -42,6 +42,16 @@ def main(mesh: tuple, steps: int, device: str = "cpu") -> list:
     return lines
 
 
+def parse_mesh(text: str) -> tuple:
+    """`--mesh DATAxTENSOR` as (data, tensor); an argparse error names the argument and the accepted form."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        hint = f"; {text} ranks as a 1-D mesh is {text}x1 (data) or 1x{text} (tensor)" if text.isdigit() else ""
+        raise argparse.ArgumentTypeError(f"expected DATAxTENSOR, two positive ints joined by 'x' (2x2, 1x2, 2x1), "
+                                         f"got {text!r}{hint}")
+    return int(parts[0]), int(parts[1])
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="sim", choices=["sim", "gloo", "nccl"])
@@ -49,7 +59,15 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the placement's device type")
     args = ap.parse_args()
-    mesh = tuple(int(s) for s in args.mesh.split("x"))
+    try:
+        mesh = parse_mesh(args.mesh)
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"argument --mesh: {e}")
+    if args.steps < 1:
+        ap.error(f"argument --steps: expected a positive int, got {args.steps}")
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != mesh[0] * mesh[1]:
+        ap.error(f"argument --mesh: {args.mesh} has {mesh[0] * mesh[1]} ranks but torchrun started "
+                 f"{os.environ.get('WORLD_SIZE')} (--nproc-per-node); make them agree")
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         out = main(mesh, args.steps, args.device)
         if gt.rank() == 0:
