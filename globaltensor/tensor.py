@@ -9,6 +9,7 @@ import torch
 from .layout import Layout, normalize_sbp, slice_box
 from .placement import Placement
 from . import boxing
+from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .runtime import context
 from .sbp import Broadcast, Partial, Split
@@ -148,6 +149,19 @@ class GlobalTensor(torch.Tensor):
         for hook in (self._post_accumulate_grad_hooks or {}).values():
             new.register_post_accumulate_grad_hook(hook)
         return new
+
+    # -- torch.distributed.checkpoint: DCP's _Checkpointable protocol, as DTensor's (see chunks.py) --
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        """The chunk this rank writes: each element once, one replica per Broadcast axis."""
+        return _chunks.write_items(fqn, self._local, self._layout, tuple(self.shape))
+
+    def __create_chunk_list__(self) -> list:
+        """The chunk this rank holds: a load reads only the saved chunks overlapping it (resharding)."""
+        return _chunks.chunk_list(self._local, self._layout, tuple(self.shape))
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        """The local shard behind a chunk: written from on save, copied into in place on load."""
+        return _chunks.tensor_shard(self._local, self._layout, tuple(self.shape), index)
 
     # -- conversions ---------------------------------------------------------
     def to_local(self) -> torch.Tensor:
