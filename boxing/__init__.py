@@ -3,7 +3,7 @@
     plan = gt.boxing.plan(src_layout, dst_layout, shape, dtype)   # cached, pure data
     plan.steps, plan.recv_bytes, plan.lower_bound, print(plan.explain())
     local = gt.boxing.execute(plan, local, comm)                 # every rank, same order
-    locals = gt.boxing.execute_many(plans, locals, comm)         # one all-reduce per bucket of such plans
+    locals = gt.boxing.execute_many(plans, locals, comm)         # one collective per bucket of such plans
 
 Cost is the total of bytes received over all ranks (DESIGN.md's convention per
 primitive), then latency terms (one per collective; a point-to-point step
@@ -14,9 +14,9 @@ bound. Partial sources are reduced on the source placement (innermost mesh
 axis first when ops differ) before data crosses to another placement.
 """
 from .cost import lower_bound
-from .execute import all_reduce_key, convert_local, execute, execute_many
+from .execute import all_reduce_key, bucket_key, convert_local, execute, execute_many
 from .plan import Plan, RankRoute, Step
 from .search import plan
 
-__all__ = ["plan", "Plan", "Step", "RankRoute", "execute", "execute_many", "all_reduce_key", "convert_local",
+__all__ = ["plan", "Plan", "Step", "RankRoute", "execute", "execute_many", "all_reduce_key", "bucket_key", "convert_local",
            "lower_bound"]

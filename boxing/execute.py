@@ -8,6 +8,7 @@ collectives and a few slices.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -53,30 +54,43 @@ def all_reduce_key(plan: Plan) -> Optional[tuple]:
 
     Plans with equal keys reduce over the same rank groups, so their shards can share one collective.
     """
-    if len(plan.steps) != 1 or plan.steps[0].primitive != "all_reduce":
+    key = bucket_key(plan)
+    return None if key is None or key[0] != "all_reduce" else key[1:]
+
+
+_BUCKETED = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def bucket_key(plan: Plan) -> Optional[tuple]:
+    """(primitive, placement, mesh axis, dtype, op) when `plan` is exactly one all-reduce, all-gather or
+    reduce-scatter, else None. Plans with equal keys run over the same rank groups: one collective can
+    carry all their shards (a gradient bucket, a module's parameters gathered at once)."""
+    if len(plan.steps) != 1 or plan.steps[0].primitive not in _BUCKETED:
         return None
     step = plan.steps[0]
-    return step.src.placement, step.axis, plan.dtype, step.op
+    return step.primitive, step.src.placement, step.axis, plan.dtype, step.op
 
 
 def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
                  ) -> list[torch.Tensor]:
-    """`execute` for several shards, with the plans that are one all-reduce on a common key coalesced.
+    """`execute` for several shards, with the plans that are one collective on a common key coalesced.
 
-    Each such group is packed into one flat buffer and reduced by ONE collective (DDP's gradient
-    bucket); the communicator records the buffer's real bytes. Other plans run one by one. Every
-    rank must pass the same plans in the same order; groups run in order of first appearance.
+    Each such bucket is packed into one flat buffer and moved by ONE collective (DDP's gradient
+    bucket, FSDP's per-module all-gather and reduce-scatter); the communicator records the
+    buffer's real bytes, which are the sum of the plans' bytes (uneven shards included: each
+    member's piece is its own size). Other plans run one by one. Every rank must pass the same
+    plans in the same order; buckets run in order of first appearance.
     """
     out: list = [None] * len(plans)
-    groups: dict[tuple, list[int]] = {}
+    buckets: dict[tuple, list[int]] = {}
     for i, p in enumerate(plans):
-        key = all_reduce_key(p)
+        key = bucket_key(p)
         _check_world(p, comm)
         if key is None:
             out[i] = execute(p, locals_[i], comm)
         else:
-            groups.setdefault(key, []).append(i)
-    for (placement, axis, _, op), members in groups.items():
+            buckets.setdefault(key, []).append(i)
+    for (primitive, placement, axis, _, op), members in buckets.items():
         if len(members) == 1:
             out[members[0]] = execute(plans[members[0]], locals_[members[0]], comm)
             continue
@@ -84,11 +98,46 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
             for i in members:
                 out[i] = locals_[i].new_empty((0,))
             continue
-        flat = torch.cat([locals_[i].reshape(-1) for i in members])
-        flat = comm.all_reduce(flat, placement.group(comm.rank, axis), op)
-        for i, piece in zip(members, flat.split([locals_[i].numel() for i in members])):
-            out[i] = piece.view(locals_[i].shape)
+        group = placement.group(comm.rank, axis)
+        run = _BUCKET_RUNS[primitive]
+        for i, o in zip(members, run([plans[i] for i in members], [locals_[i] for i in members],
+                                     group, op, comm)):
+            out[i] = o
     return out
+
+
+def _all_reduce_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
+    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), group, op)
+    return [piece.view(t.shape) for t, piece in zip(locals_, flat.split([t.numel() for t in locals_]))]
+
+
+def _all_gather_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
+    """One all-gather of every shard back to back; each member's piece holds its shards in plan order."""
+    shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in plans]
+    numels = [[math.prod(s) for s in per] for per in shapes]  # [plan][member]
+    got = comm.all_gather(torch.cat([t.reshape(-1) for t in locals_]), group,
+                          [(sum(n[j] for n in numels),) for j in range(len(group))])
+    splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
+    return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(len(group))],
+                      dim=p.steps[0].src.sbp[p.steps[0].axis].dim) for i, p in enumerate(plans)]
+
+
+def _reduce_scatter_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
+    """One reduce-scatter: the chunk for member j holds, back to back, each shard's part for j."""
+    boxes = []
+    for p in plans:
+        step = p.steps[0]
+        old = step.src.shard(p.shape, comm.rank)
+        boxes.append([relative(step.dst.shard(p.shape, r), old) for r in group])
+    chunks = [torch.cat([slice_box(t, b[j]).reshape(-1) for t, b in zip(locals_, boxes)])
+              for j in range(len(group))]
+    mine = comm.reduce_scatter(chunks, group, op)
+    me = group.index(comm.rank)
+    return [piece.view(sizes(b[me])) for b, piece in zip(boxes, mine.split([numel(b[me]) for b in boxes]))]
+
+
+_BUCKET_RUNS = {"all_reduce": _all_reduce_bucket, "all_gather": _all_gather_bucket,
+                "reduce_scatter": _reduce_scatter_bucket}
 
 
 def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],

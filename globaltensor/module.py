@@ -33,11 +33,13 @@ from .ops import dispatch
 from .placement import Placement
 from .sbp import SBP_TYPES, Broadcast, Partial
 from .tensor import GlobalTensor, distribute
+from .zero import ParamGroup, compute_layout
 
 
 @dataclass(frozen=True)
 class ModuleLayout:
-    """Layouts at a module's boundary: each an nd-SBP (one entry per mesh axis) or None (leave alone).
+    """Layouts at a module's boundary and of its parameters while it runs; each an nd-SBP (one entry
+    per mesh axis) or None (leave alone).
 
     `input`/`output`: the layout the module's first positional argument is converted to before
     `forward`, and the layout its output is converted to after. `input_grad`/`output_grad`: the
@@ -45,15 +47,38 @@ class ModuleLayout:
     forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
     axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
     SBP stands for a 1-D mesh's tuple.
+
+    `params`: the compute layout of the module's parameters (recursively, except those of
+    submodules with their own `params`): stored as the plan's nd-SBP says, they take this layout
+    while the module runs, gathered together, and their gradients come back to the stored layout
+    together (ZeRO / FSDP: `globaltensor/zero.py`). `reshard_after_forward`: free the gathered
+    copies after the forward and gather again for the backward (ZeRO-3), or keep them (ZeRO-2).
+    `param_dtype`: the dtype they are gathered and used in (mixed precision; the module's floating
+    inputs are cast to it); `reduce_dtype`: the dtype their gradients are reduced in.
     """
     input: Any = None
     input_grad: Any = None
     output: Any = None
     output_grad: Any = None
+    params: Any = None
+    reshard_after_forward: bool = True
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad")):
-            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad")
+        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")):
+            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params")
+        for name in ("param_dtype", "reduce_dtype"):
+            d = getattr(self, name)
+            if d is not None and (not isinstance(d, torch.dtype) or not d.is_floating_point):
+                raise TypeError(f"ModuleLayout({name}=): {d!r} is not a floating dtype; give e.g. torch.bfloat16 "
+                                "or None (keep the parameters' dtype)")
+            if d is not None and self.params is None:
+                raise ValueError(f"ModuleLayout({name}=): needs params= (the layout the parameters are used in, "
+                                 "e.g. params=gt.broadcast)")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise TypeError(f"ModuleLayout(reshard_after_forward=): expected True (ZeRO-3) or False (ZeRO-2), "
+                            f"got {self.reshard_after_forward!r}")
 
 
 def _hint(spec: Any, ndim: int, arg: str) -> Optional[tuple]:
@@ -156,6 +181,8 @@ class _NamedModule:
 
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     where = f"to_global(plan[{name!r}])"
+    if all(getattr(hint, f) is None for f in ("input", "input_grad", "output", "output_grad")):
+        return None, None  # only parameters: the cost model's scope is not the user's to name here
     inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
                     f"{where} on the input")
     out = _Boundary(_hint(hint.output, ndim, f"{where}.output"),
@@ -175,6 +202,66 @@ def _defer_grad_reduction(param: torch.Tensor) -> None:
         lay = g._layout
         dispatch.defer_reduction(g, Layout(lay.placement, tuple(
             Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)))
+
+
+def _matched_hints(module: torch.nn.Module, plan: Mapping[str, Any]) -> dict:
+    """{module: (name, pattern, ModuleLayout)}: per module the first pattern that matches it, where a
+    pattern applies to the outermost modules it matches ("blocks.*" is each block, not also each
+    block's layers, as FSDP wraps each block)."""
+    out: dict = {}
+    taken: dict[str, list] = {}  # pattern -> names of the modules it matched
+    for prefix, mod in module.named_modules():
+        for pattern, hint in plan.items():
+            if not isinstance(hint, ModuleLayout) or not fnmatch.fnmatchcase(prefix, pattern):
+                continue
+            if any(m == "" or prefix.startswith(m + ".") for m in taken.get(pattern, ())):
+                continue
+            taken.setdefault(pattern, []).append(prefix)
+            out.setdefault(mod, (prefix, pattern, hint))
+            break
+    return out
+
+
+def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) -> dict:
+    """{module: ParamGroup} for the modules whose hint names `params`: each gathers its parameters,
+    recursively, except those under a submodule that gathers its own."""
+    owners = {mod: (name, pattern, hint) for mod, (name, pattern, hint) in hints.items() if hint.params is not None}
+    groups = {}
+    for mod, (name, pattern, hint) in owners.items():
+        where = f"to_global(plan[{pattern!r}].params)"
+        if isinstance(hint.params, Layout):
+            if hint.params.placement != placement:
+                raise ValueError(f"{where}: the compute layout's placement {hint.params.placement} differs from "
+                                 f"the stored placement {placement}; parameters are gathered within their "
+                                 "placement: give an nd-SBP (e.g. gt.broadcast) instead")
+            spec: Any = hint.params.sbp
+        else:
+            spec = hint.params
+        sbp = _hint(spec, placement.ndim, where)
+        if any(isinstance(s, Partial) for s in sbp if s is not None):
+            raise ValueError(f"{where}: parameters cannot be used Partial ({sbp}); give Broadcast or a split")
+        params: list = []
+        index: dict[int, int] = {}
+        slots = []
+        stack = [mod]
+        while stack:  # the module's own parameters and those of submodules without their own group
+            m = stack.pop()
+            for pname, p in m._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append(p)
+                slots.append((m, pname, index[id(p)]))
+            stack.extend(c for c in m.children() if c not in owners)
+        compute = []
+        for p in params:
+            lay = compute_layout(p._layout, sbp, where)
+            lay.check_shape(tuple(p.shape), f"{where} for a parameter of {name or 'the root module'!r}")
+            compute.append(lay)
+        groups[mod] = ParamGroup(f"{where} on {name or 'the root module'!r}", tuple(params), tuple(slots),
+                                 tuple(compute), hint.reshard_after_forward, hint.param_dtype, hint.reduce_dtype)
+    return groups
 
 
 def _sbp_for(name: str, plan: Mapping[str, Any], placement: Placement) -> tuple:
@@ -204,12 +291,8 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                         f"got {type(plan).__name__}")
     plan = plan or {}
     _check_plan(module, plan)
-    hooks = {}
-    for prefix, mod in module.named_modules():
-        for pattern, hint in plan.items():
-            if isinstance(hint, ModuleLayout) and fnmatch.fnmatchcase(prefix, pattern):
-                hooks[mod] = _layout_hooks(pattern, hint, placement.ndim)
-                break
+    hints = _matched_hints(module, plan)
+    hooks = {mod: _layout_hooks(pattern, hint, placement.ndim) for mod, (_, pattern, hint) in hints.items()}
     done: dict[int, torch.Tensor] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
@@ -230,10 +313,15 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in mod.__dict__.pop("_gt_layout_hooks", ()):
             handle.remove()
-    for mod, (pre, post) in hooks.items():
+    groups = _param_groups(module, hints, placement)
+    for mod in set(hooks) | set(groups):
+        pre, post = hooks.get(mod, (None, None))
         handles = []
         if pre is not None:
             handles.append(mod.register_forward_pre_hook(pre))
+        if mod in groups:
+            handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
+            handles.append(mod.register_forward_hook(groups[mod].after))
         if post is not None:
             handles.append(mod.register_forward_hook(post))
         mod.__dict__["_gt_layout_hooks"] = handles

@@ -1,0 +1,219 @@
+"""ZeRO as placement: a module's parameters are stored in one layout and computed in another.
+
+A parameter stored `S(0)` over the data axis has an `S(0)` gradient and an `S(0)` optimizer state
+(torch.optim makes it with `zeros_like`), so the update runs on the shard with unchanged optimizers.
+While the module that owns it runs, it takes its compute layout (usually Broadcast): every parameter
+of the module is converted at once, one collective per bucket (`boxing.execute_many`), as FSDP
+gathers per module. The conversion is an autograd function whose backward is its dual: the
+gradients, in whatever layout the module's backward leaves them (Partial over the data axis, as
+data parallelism makes them), are converted into the stored layout, again one collective per
+bucket: the reduce-scatter. It runs when the last of the module's gradients is ready, which is
+when autograd calls it.
+
+ZeRO-3 (`reshard_after_forward=True`) frees the gathered copies when the forward leaves the module
+and gathers them again when the backward enters it. Autograd keeps the tensors it saved, but their
+shards' storage is what is freed (resized to nothing, as FSDP2 does) and later refilled in place,
+so the saved tensors and their views see the data again without a saved-tensor hook. ZeRO-2 keeps
+the gathered copies until the module's backward has reduced the gradients. Either way nothing
+gathered outlives the backward.
+
+A compute dtype (`param_dtype`) casts the shard before the gather, so the gather moves the smaller
+dtype and the module computes in it (fp32 stored, bf16 used: mixed precision); its floating inputs
+are cast too. Gradients are reduced in `reduce_dtype` (default: as they come) and stored in the
+parameter's dtype.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from . import boxing
+from .layout import Layout
+from .runtime import context
+from .tensor import GlobalTensor
+
+
+@dataclass(frozen=True, eq=False)
+class ParamGroup:
+    """The parameters one module gathers: its own, recursively, except those of submodules that
+    gather their own. `slots` are the (module, attribute) places they are read from (a tied
+    parameter has several), `compute` their layouts while the module runs."""
+    where: str
+    params: tuple
+    slots: tuple                      # (module, name, index into params)
+    compute: tuple                    # per parameter: the Layout it takes while the module runs
+    reshard_after_forward: bool
+    param_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+
+    # hooks are bound methods, not closures, so that a converted module pickles and deep-copies
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """Forward pre-hook: gather, and read the gathered parameters from the module's slots."""
+        call = _Call(self)
+        params = [p for p in self.params]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            gathered = _Gather.apply(call, *params)
+        else:
+            gathered = call.gather()
+        for mod, name, i in self.slots:
+            mod._parameters[name] = gathered[i]
+        _OPEN.stack.append(call)
+        if self.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
+        return args, kwargs
+
+    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
+        and marks the output so that its backward gathers them again first."""
+        call = _OPEN.stack.pop()
+        for mod, name, i in self.slots:
+            mod._parameters[name] = self.params[i]
+        if not call.tracked:      # no backward will come for these: nothing to keep
+            call.free()
+        elif self.reshard_after_forward:
+            call.free()
+            output = _mark_outputs(output, call)
+        return output
+
+
+class _Open(threading.local):
+    def __init__(self) -> None:
+        self.stack: list = []
+
+
+_OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered
+
+
+class _Call:
+    """One call of a gathering module: its gathered shards, freed and refilled in place."""
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+        self.locals: list = []        # gathered shard per parameter
+        self.owned: list = []         # whether that shard is a copy of ours to free (not the stored one)
+        self.freed = False
+        self.tracked = False          # an autograd function holds this call (a backward will come)
+
+    def _gathered_locals(self) -> list:
+        g = self.group
+        shards = []
+        for p in g.params:
+            local = p._local
+            if g.param_dtype is not None and local.dtype != g.param_dtype:
+                local = local.to(g.param_dtype)
+            shards.append(local)
+        plans = [boxing.plan(p._layout, c, tuple(p.shape), s.dtype)
+                 for p, c, s in zip(g.params, g.compute, shards)]
+        return boxing.execute_many(plans, shards, context.current())
+
+    def gather(self) -> list:
+        """The parameters in their compute layouts, as GlobalTensors on the gathered shards."""
+        g = self.group
+        self.locals = self._gathered_locals()
+        self.owned = [_storage(out) != _storage(p._local) for out, p in zip(self.locals, g.params)]
+        return [GlobalTensor(out, c, tuple(p.shape)) for out, c, p in zip(self.locals, g.compute, g.params)]
+
+    def free(self) -> None:
+        """Release the gathered copies' memory; tensors saved for backward keep only metadata."""
+        if self.freed:
+            return
+        for t, owned in zip(self.locals, self.owned):
+            if owned:
+                t.untyped_storage().resize_(0)
+        self.freed = True
+
+    def regather(self) -> None:
+        """Gather again into the freed shards (ZeRO-3's backward all-gather)."""
+        if not self.freed:
+            return
+        for t, new, owned in zip(self.locals, self._gathered_locals(), self.owned):
+            if owned:
+                t.untyped_storage().resize_(new.numel() * new.element_size())
+                t.copy_(new)
+        self.freed = False
+
+    def reduce(self, grads: tuple) -> list:
+        """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`)."""
+        g = self.group
+        which = [i for i, gr in enumerate(grads) if gr is not None]
+        locals_, plans = [], []
+        for i in which:
+            gr, p = grads[i], g.params[i]
+            if not isinstance(gr, GlobalTensor):
+                raise TypeError(f"{g.where}: the gradient of a gathered parameter is a plain tensor; "
+                                "every op on a GlobalTensor should give GlobalTensors")
+            local = gr._local
+            if g.reduce_dtype is not None and local.dtype != g.reduce_dtype:
+                local = local.to(g.reduce_dtype)
+            locals_.append(local)
+            plans.append(boxing.plan(gr._layout, p._layout, tuple(p.shape), local.dtype))
+        outs = boxing.execute_many(plans, locals_, context.current())
+        result: list = [None] * len(grads)
+        for i, out in zip(which, outs):
+            p = g.params[i]
+            result[i] = GlobalTensor(out.to(p.dtype), p._layout, tuple(p.shape))
+        return result
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Gather(torch.autograd.Function):
+    """Stored parameters -> compute layouts; backward: their gradients -> stored layouts."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *params: GlobalTensor) -> tuple:  # type: ignore[override]
+        ctx.call = call
+        call.tracked = True
+        return tuple(call.gather())
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        call = ctx.call
+        out = call.reduce(grads)
+        call.free()  # the module's backward is done: nothing gathered outlives it
+        return (None, *out)
+
+
+class _Regather(torch.autograd.Function):
+    """Identity on a ZeRO-3 module's output whose backward gathers the module's parameters again
+    before any of the module's own backward runs (which reads them from the saved tensors)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, call: _Call) -> torch.Tensor:  # type: ignore[override]
+        ctx.call = call
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
+        ctx.call.regather()
+        return grad, None
+
+
+def _mark_outputs(output: Any, call: _Call) -> Any:
+    if isinstance(output, torch.Tensor):
+        return _Regather.apply(output, call) if output.requires_grad else output
+    if isinstance(output, (tuple, list)):
+        return type(output)(_mark_outputs(o, call) for o in output)
+    if isinstance(output, dict):
+        return {k: _mark_outputs(v, call) for k, v in output.items()}
+    return output
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def compute_layout(stored: Layout, hint: tuple, where: str) -> Layout:
+    """The compute layout a `params=` hint gives a parameter stored in `stored` (None keeps an axis)."""
+    return Layout(stored.placement, tuple(s if h is None else h for h, s in zip(hint, stored.sbp)))
