@@ -131,3 +131,44 @@ def tp_plan(tensor_axis: int, ndim: int) -> dict:
 def dp_batch(data_axis: int, ndim: int) -> tuple:
     """Data parallelism: the batch split on mesh axis `data_axis`, whole on the others."""
     return tuple(Split(0) if a == data_axis else Broadcast() for a in range(ndim))
+
+
+def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, reshard_after_forward: bool = True,
+              param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> dict:
+    """ZeRO on mesh axis `data_axis` (FSDP's grouping: each block, and the rest at the root), alone or
+    composed with `tp_plan` on `tensor_axis` (FSDP + TP).
+
+    Every parameter is stored split over the data axis on the first dim that tensor parallelism leaves
+    whole (so the data split never nests inside the tensor split, which would not be one all-gather),
+    and used Broadcast on the data axis while its module runs. A parameter that tensor parallelism
+    splits on its only dim (a column-parallel bias) stays Broadcast on the data axis: its gradient is
+    all-reduced with its module's bucket, as data parallelism does. `reshard_after_forward=False` is
+    ZeRO-2; `param_dtype`/`reduce_dtype` are mixed precision.
+    """
+    tp = {} if tensor_axis is None else tp_plan(tensor_axis, ndim)
+    use = tuple(Broadcast() if a == data_axis else None for a in range(ndim))
+    hint = ModuleLayout(params=use, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                        reduce_dtype=reduce_dtype)
+
+    def stored(tensor_split: Split | None, dims: int):
+        free = [d for d in range(dims) if tensor_split is None or d != tensor_split.dim]
+        data = Split(free[0]) if free else Broadcast()
+        return tuple(data if a == data_axis else (tensor_split or Broadcast()) if a == tensor_axis else Broadcast()
+                     for a in range(ndim))
+
+    plan: dict = {}
+    for pattern, value in tp.items():  # tensor-parallel parameters: the data split on another dim
+        if isinstance(value, ModuleLayout):
+            continue
+        split = value[tensor_axis]
+        plan[pattern] = stored(split if isinstance(split, Split) else None, 1 if pattern.endswith("bias") else 2)
+    if tensor_axis is not None:  # patterns like "*.attn.q.*" cover weight and bias: split them by name
+        for pattern in [p for p in plan if p.endswith(".*")]:
+            split = tp[pattern][tensor_axis]
+            plan[pattern[:-1] + "weight"] = stored(split, 2)
+            plan[pattern[:-1] + "bias"] = stored(split, 1)
+            del plan[pattern]
+    plan["*"] = stored(None, 1)
+    plan.update({k: v for k, v in tp.items() if isinstance(v, ModuleLayout)})
+    plan.update({"": hint, "blocks.*": hint})
+    return plan

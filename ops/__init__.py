@@ -1,7 +1,8 @@
 """globaltensor.ops: SBP signature rules (one file per op family) and the one dispatcher."""
 from . import registry  # noqa: F401  (rules register themselves on import, below)
 from . import attention, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
-from . import indexing, sorting  # noqa: F401
+from . import indexing, norm, sorting  # noqa: F401
+from . import batchnorm, datadependent, scalar, variance  # noqa: F401
 from .dispatch import check_replicated, clear_cache, reset_stats, stats
 
 __all__ = ["stats", "reset_stats", "check_replicated", "clear_cache"]
