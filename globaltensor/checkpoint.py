@@ -23,22 +23,26 @@ DCP's metadata classes and nothing else), so loading never runs arbitrary pickle
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import random
 import struct
+import warnings
 from concurrent.futures import Future
-from typing import Any, Iterable
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._nested_dict import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from . import chunks
 from .layout import Layout
@@ -47,6 +51,10 @@ from .runtime import context
 from .runtime.comm import Communicator
 from .sbp import split
 from .tensor import GlobalTensor
+
+# DCP warns on every call without a process group; on the simulator that is by design
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last; a directory without it is no checkpoint
 
@@ -76,11 +84,12 @@ class SavePlanner(DefaultSavePlanner):
         super().__init__(*args, **kwargs)
         self._comm = context.current()  # the rank that made the planner: async_save's thread is none
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
         if _own_coordination() is not None and context.current() is not self._comm:
             raise RuntimeError("dcp.async_save on the simulator: the save would run in a thread that is no "
                                "simulated rank; use globaltensor.checkpoint.save (synchronous there)")
-        super().set_up_planner(*args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> SavePlan:
         with chunks.coordinated():
@@ -166,26 +175,38 @@ class FileSystemReader(dcp.FileSystemReader):
 
 # -- one call on either backend -------------------------------------------------------------
 
-def save(state_dict: dict[str, Any], path: str | os.PathLike, *, async_save: bool = False,
-         process_group: Any = None) -> Any:
+def save(state_dict: dict[str, Any], path: str | os.PathLike, *, async_save: bool = False) -> Any:
     """`dcp.save` (or `dcp.async_save`) of `state_dict` into the directory `path`, on any backend.
 
-    Returns DCP's metadata, or with `async_save` a Future (DCP's, under a process group: wait
-    on it before the next save and before exiting). The simulator saves synchronously (DCP's
-    background thread would be no simulated rank) and returns a finished Future.
+    Returns DCP's metadata, or with `async_save` a Future: wait on it (`.result()`) before the
+    next save and before exiting. Under a process group the upload runs in DCP's background
+    thread on a gloo group of its own (`dist.new_group`, made once, on every rank), so its
+    collectives never interleave with the training's on the default group; staging copies the
+    state first, so training may go on and change the parameters at once. The simulator saves
+    synchronously (DCP's background thread would be no simulated rank) and returns a done Future.
     """
     path = os.fspath(path)
-    kwargs = dict(checkpoint_id=path, planner=SavePlanner(), storage_writer=FileSystemWriter(path))
-    if _own_coordination() is not None or not (dist.is_available() and dist.is_initialized()):
-        kwargs["no_dist"] = True
-    if async_save and "no_dist" not in kwargs:
-        return dcp.async_save(state_dict, process_group=process_group, **kwargs)
-    md = dcp.save(state_dict, process_group=process_group, **kwargs)
+    kwargs: dict[str, Any] = dict(checkpoint_id=path, planner=SavePlanner(), storage_writer=FileSystemWriter(path))
+    under_dist = dist.is_available() and dist.is_initialized()
+    if async_save and under_dist:
+        return dcp.async_save(state_dict, process_group=_async_group(), **kwargs)
+    with _unwrapped():
+        md = dcp.save(state_dict, no_dist=not under_dist, **kwargs)
     if not async_save:
         return md
     done: Future = Future()
     done.set_result(md)
     return done
+
+
+_ASYNC_GROUP: Any = None
+
+
+def _async_group() -> Any:
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:
+        _ASYNC_GROUP = dist.new_group(backend="gloo")
+    return _ASYNC_GROUP
 
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
@@ -196,31 +217,40 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, strict: bool = 
     missing keys), raising an error that names the key or the path.
     """
     path = os.fspath(path)
-    reader = FileSystemReader(path)
+    _check_against(state_dict, read_metadata(path).state_dict_metadata, path, strict)
+    with _unwrapped():
+        dcp.load(state_dict, checkpoint_id=path, storage_reader=FileSystemReader(path),
+                 planner=LoadPlanner(allow_partial_load=not strict),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+    return state_dict
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """DCP raises a `CheckpointException`, a BaseException that `except Exception` misses, holding
+    each failed rank's error; re-raise the lowest rank's error itself (DCP's report chained)."""
+    try:
+        yield
+    except CheckpointException as e:
+        errors = [exc for _, (exc, _) in sorted(e.failures.items()) if isinstance(exc, Exception)]
+        if not errors:
+            raise
+        raise errors[0] from e
+
+
+def read_metadata(path: str | os.PathLike) -> dcp_metadata.Metadata:
+    """The checkpoint's metadata (keys, global shapes, chunks), read safely; a clear error where
+    `path` is not a checkpoint."""
+    path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, METADATA)):
         what = "does not exist" if not os.path.exists(path) else f"has no {METADATA} file"
         raise FileNotFoundError(f"load: {path!r} is not a torch.distributed.checkpoint directory: it {what} "
                                 "(an interrupted save never writes it)")
-    _check_against(state_dict, reader.read_metadata().state_dict_metadata, path, strict)
-    no_dist = _own_coordination() is not None or not (dist.is_available() and dist.is_initialized())
-    dcp.load(state_dict, checkpoint_id=path, storage_reader=reader,
-             planner=LoadPlanner(allow_partial_load=not strict), no_dist=no_dist)
-    return state_dict
-
-
-def _flat_items(state_dict: dict[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for k, v in state_dict.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            yield from _flat_items(v, f"{key}.")
-        elif isinstance(v, (list, tuple)) and v and all(isinstance(e, (torch.Tensor, dict)) for e in v):
-            yield from _flat_items({str(i): e for i, e in enumerate(v)}, f"{key}.")
-        else:
-            yield key, v
+    return FileSystemReader(path).read_metadata()
 
 
 def _check_against(state_dict: dict[str, Any], saved: dict[str, Any], path: str, strict: bool) -> None:
-    for key, value in _flat_items(state_dict):
+    for key, value in flatten_state_dict(state_dict)[0].items():  # DCP's own keys
         md = saved.get(key)
         if md is None:
             if strict:
@@ -245,93 +275,45 @@ def latest(root: str | os.PathLike) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
-# -- optimizer state and RNG, as tensors ----------------------------------------------------
+# -- a training run: model, optimizer, step and RNG ------------------------------------------
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name (as torch's `get_state_dict`), for DCP.
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) -> dict[str, Any]:
+    """What resuming needs, as DCP state: torch's `get_state_dict` of model and optimizer
+    (parameter-name keys; AdamW's exp_avg/exp_avg_sq keep their parameter's layout, so they are
+    saved and resharded as the parameter is), the step and this rank's RNG states, all tensors.
 
-    Each state tensor keeps its parameter's layout, so it is saved chunk by chunk and resharded
-    on load like the parameter itself. An optimizer that has not stepped yet gets its state made
-    first (zeros, step 0: what its first step would start from), so that there is something to
-    load into.
+    An optimizer that has not stepped gets its state made by `get_state_dict` (one step at
+    learning rate 0 on zero gradients, which leaves AdamW's parameters bitwise as they were),
+    so a fresh run has something to load into.
     """
-    names = {id(p): n for n, p in model.named_parameters()}
-    _init_state(optimizer)
-    state: dict[str, Any] = {}
-    for p, s in optimizer.state.items():
-        if id(p) not in names:
-            raise ValueError("optimizer_state_dict: the optimizer holds a parameter that is not the model's")
-        state[names[id(p)]] = dict(s)
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]
-    return {"state": state, "param_groups": _groups_as_tensors(groups)}
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd, "step": torch.tensor(step, dtype=torch.int64), "rng": rng_state()}
 
 
-def load_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                              state_dict: dict[str, Any]) -> None:
-    """Put `optimizer_state_dict`'s (loaded) result back into the optimizer."""
-    params = dict(model.named_parameters())
-    for name, s in state_dict["state"].items():
-        target = optimizer.state[params[name]]
-        for k, v in s.items():
-            if isinstance(target.get(k), torch.Tensor) and target[k] is not v:
-                target[k].copy_(v)
-            else:
-                target[k] = v
-    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        for k, v in saved.items():
-            if k != "params":
-                group[k] = _from_tensor(v, group.get(k))
+def save_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
+                  async_save: bool = False) -> Any:
+    """Save `training_state` into `path` (see `save` for `async_save`)."""
+    return save(training_state(model, optimizer, step), path, async_save=async_save)
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make the state a fresh optimizer's first step would make, without stepping: zeroed grads
-    and a zero learning rate would still move AdamW's weights through weight decay rounding."""
-    if all(p in optimizer.state for g in optimizer.param_groups for p in g["params"]):
-        return
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if p not in optimizer.state and p.requires_grad:
-                if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-                    s = optimizer.state[p]
-                    s["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if g.get("amsgrad"):
-                        s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                else:
-                    raise NotImplementedError(f"optimizer_state_dict: {type(optimizer).__name__} has no state yet; "
-                                              "take a step first (only Adam/AdamW state is made here)")
+def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load what `save_training` wrote into `model` and `optimizer`, each in its own layout, restore
+    this rank's RNG states, and return the step to continue from.
 
-
-def _groups_as_tensors(groups: list[dict]) -> list[dict]:
-    """Hyper-parameters as 0-d tensors where they are numbers: a checkpoint of tensors only."""
-    out = []
-    for g in groups:
-        out.append({k: _as_tensor(v) for k, v in g.items() if k != "params" and _as_tensor(v) is not None})
-    return out
-
-
-def _as_tensor(v: Any) -> torch.Tensor | None:
-    if isinstance(v, bool):
-        return torch.tensor(v)
-    if isinstance(v, int):
-        return torch.tensor(v, dtype=torch.int64)
-    if isinstance(v, float):
-        return torch.tensor(v, dtype=torch.float64)
-    if isinstance(v, tuple) and all(isinstance(e, float) for e in v):
-        return torch.tensor(v, dtype=torch.float64)
-    return None  # None values, strings: not state (foreach, fused, differentiable flags are settings)
-
-
-def _from_tensor(v: Any, like: Any) -> Any:
-    if not isinstance(v, torch.Tensor):
-        return v
-    if isinstance(like, tuple):
-        return tuple(v.tolist())
-    if isinstance(like, torch.Tensor):
-        return v
-    return v.item()
+    Model and optimizer reshard freely; the RNG states are per rank, so they are restored only
+    on the world size that saved them (elsewhere a warning says that they were not).
+    """
+    state = training_state(model, optimizer)
+    saved = read_metadata(path).state_dict_metadata.get("rng.torch")
+    if saved is not None and tuple(saved.size) != tuple(state["rng"]["torch"].shape):
+        warnings.warn(f"load_training: {os.fspath(path)!r} was saved by {saved.size[0]} ranks, this world has "
+                      f"{state['rng']['torch'].shape[0]}: RNG states not restored", stacklevel=2)
+        del state["rng"]
+    load(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if "rng" in state:
+        set_rng_state(state["rng"])
+    return int(state["step"])
 
 
 def rng_state() -> dict[str, GlobalTensor]:
@@ -386,5 +368,5 @@ def _set_python_state(t: torch.Tensor) -> None:
     random.setstate((v[0], tuple(v[1:-2]), _bits_f64(v[-1]) if v[-2] else None))
 
 
-__all__ = ["SavePlanner", "FileSystemWriter", "LoadPlanner", "FileSystemReader", "save", "load", "latest",
-           "optimizer_state_dict", "load_optimizer_state_dict", "rng_state", "set_rng_state", "METADATA"]
+__all__ = ["SavePlanner", "FileSystemWriter", "LoadPlanner", "FileSystemReader", "save", "load", "read_metadata", "latest",
+           "training_state", "save_training", "load_training", "rng_state", "set_rng_state", "METADATA"]
