@@ -27,6 +27,7 @@ import torch
 from .. import boxing
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Split
+from .errors import data_dependent, kernel_error
 from .registry import RULES, Ctx, Local, Rule, is_inplace
 from .scope import in_named
 
@@ -104,8 +105,12 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> De
         meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_like(t, t.shape))
         outs, _ = flatten_out(func(*meta_args, **meta_kwargs) if rule is None or rule.meta is None else
                               rule.meta(func, meta_args, meta_kwargs))
-    except Exception:
+    except Exception as e:
+        if not data_dependent(e):  # a wrong call (shapes that do not fit): the kernel's error, at once
+            raise kernel_error(func, e, tensors, cls) from None
         outs = None  # no meta kernel (data-dependent output): only a replicated run can say
+    if outs is None and rule is not None and rule.decompose is not None:  # e.g. x[mask]: a mask to indices
+        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
     if outs is None or rule is None:
         return _fallback(func, placement, srcs, outs, inplace)
     # the context keeps meta stand-ins, not the call's tensors: a cached decision must not pin them

@@ -362,3 +362,36 @@ def test_adamw_step_of_broadcast_param_with_split_state_is_reduce_scatter_plus_a
 def test_adamw_zero1_with_fewer_rows_than_ranks():
     test_adamw_step_of_broadcast_param_with_split_state_is_reduce_scatter_plus_all_gather.hypothesis.inner_test(
         case=(3, 1), cols=2, foreach=False)
+
+
+# -- 5. torch.cat of a split and a Broadcast tensor (issue 17 item 7) --------------------------------
+
+def _cat_split_with_broadcast(shape: tuple, dim: int):
+    n, r = gt.world_size(), gt.rank()
+    p = gt.placement("cpu", list(range(n)))
+    torch.manual_seed(7)
+    a_full, b_full = torch.randn(shape), torch.randn(shape)
+    a, b = gt.to_global(a_full, p, gt.split(0)), gt.to_global(b_full, p, gt.broadcast)
+    with gt.comm_log() as log:
+        c = torch.cat([a, b], dim)
+    torch.testing.assert_close(c.full_tensor(), torch.cat([a_full, b_full], dim))
+    return c.sbp, c._local.numel(), log.recv_bytes, all_gather_elems(shape, n, r) * F32
+
+
+@given(n=st.integers(2, 4), rows_=st.integers(1, 9), cols=st.integers(1, 6), dim=st.sampled_from([0, 1]))
+@example(n=2, rows_=8, cols=6, dim=0)
+def test_cat_of_split_and_broadcast_owes_no_reduction(n, rows_, cols, dim):
+    """`torch.cat([a S(0), b B])` once chose (P, P): right values, but a full-size shard on every rank
+    and a reduction owed. Now the whole bill decides: nothing Partial comes out, and no rank receives
+    more than gathering `a` (the plain way: a's missing rows, (N - N_r) M x 4 bytes)."""
+    for r, (sbp, _, got, gather_a) in enumerate(_launch(_cat_split_with_broadcast, n, (rows_, cols), dim)):
+        assert not any(isinstance(s, gt.Partial) for s in sbp), f"rank {r}: {sbp}"
+        assert got <= gather_a, f"n={n}, [{rows_}, {cols}] dim {dim}, rank {r}: {got} bytes > {gather_a}"
+
+
+def test_cat_of_split_and_broadcast_along_the_split_dim_keeps_the_other_dim_split():
+    """The issue's program: [8, 6] tensors on 2 ranks, cat along dim 0 (a's split dim): the result is
+    S(1), half of it on each rank, from one all-to-all of a (a quarter of a, 48 bytes) and a free slice
+    of b; the gather of a would receive 96 bytes and leave the whole on every rank."""
+    for sbp, local_numel, got, gather_a in _launch(_cat_split_with_broadcast, 2, (8, 6), 0):
+        assert sbp == (gt.split(1),) and local_numel == 16 * 3 and got == 48 < gather_a == 96

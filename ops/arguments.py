@@ -1,0 +1,19 @@
+"""An op's arguments by their schema names, for decompositions and rules that read several of them."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def named_args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """{argument name: value} over the op's whole schema: given positionally, by keyword, or defaulted.
+
+    Overloads place the same argument differently (`var.dim(self, dim, unbiased, keepdim)`,
+    `var.correction(self, dim, *, correction, keepdim)`), so reading by position misreads one of them.
+    """
+    out = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        else:
+            out[a.name] = kwargs.get(a.name, a.default_value)
+    return out

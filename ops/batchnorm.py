@@ -1,0 +1,96 @@
+"""Batch norm: statistics are reductions over the batch (and spatial) dims, which may be split.
+
+Evaluation normalises with the running statistics, elementwise per channel: any split passes, and a
+channel split takes the per-channel tensors split alike. Training computes the batch statistics, so
+it is decomposed: mean and biased variance over every dim but the channel dim, each made whole once
+(a [channels]-sized all-reduce when the batch is split; nothing when channels are split), then the
+running statistics updated in place where they live (unbiased variance, as torch), so every rank
+keeps the same running statistics as one device. The backward is decomposed the same way: two
+per-channel sums (the weight and bias gradients, Partial when the batch is split) and an elementwise
+gradient of the input.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from .arguments import named_args
+from .registry import B, Ctx, Rule, S, aten, register
+
+
+def _channel_view(t: Any, nd: int) -> Any:
+    """A per-channel [C] tensor viewed to broadcast against an [N, C, ...] input."""
+    return aten.view.default(t, [1, -1] + [1] * (nd - 2))
+
+
+def _stat_dims(nd: int) -> list[int]:
+    return [0] + list(range(2, nd))
+
+
+def eval_signatures(ctx: Ctx) -> list:
+    """(input, weight?, bias?, running_mean?, running_var?) -> (out, save_mean, save_invstd); eval only."""
+    if ctx.named("training"):
+        return []
+    n_extra = len(ctx.shapes) - 1
+    nd = len(ctx.shapes[0])
+    sigs = [((S(d),) + (B,) * n_extra, (S(d), B, B)) for d in range(nd) if d != 1]
+    if nd > 1:
+        sigs.append(((S(1),) + (S(0),) * n_extra, (S(1), S(0), S(0))))
+    return sigs
+
+
+def training(ctx: Ctx, layouts: tuple) -> bool:
+    return bool(ctx.named("training"))
+
+
+def batch_norm_train(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """Batch statistics as two whole reductions; running statistics updated in place; (out, mean, invstd)."""
+    a = named_args(func, args, kwargs)
+    x, w, b, rm, rv = a["input"], a["weight"], a["bias"], a["running_mean"], a["running_var"]
+    nd, dims = x.dim(), _stat_dims(x.dim())
+    n = math.prod(x.shape[d] for d in dims)
+    mean = aten.mean.dim(x, dims)
+    centred = aten.sub.Tensor(x, _channel_view(mean, nd))
+    var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims)
+    invstd = aten.rsqrt.default(aten.add.Scalar(var, a["eps"]))
+    out = aten.mul.Tensor(centred, _channel_view(invstd, nd))
+    if w is not None:
+        out = aten.mul.Tensor(out, _channel_view(w, nd))
+    if b is not None:
+        out = aten.add.Tensor(out, _channel_view(b, nd))
+    m = a["momentum"]
+    if rm is not None:
+        aten.add_.Tensor(aten.mul_.Scalar(rm, 1 - m), mean, alpha=m)
+    if rv is not None:
+        aten.add_.Tensor(aten.mul_.Scalar(rv, 1 - m), var, alpha=m * n / max(n - 1, 1))
+    return out, mean, invstd
+
+
+def batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """dx = w·invstd·(g - mean(g) - x̂·mean(g·x̂)) in training (w·invstd·g in eval); dw = Σ g·x̂; db = Σ g."""
+    a = named_args(func, args, kwargs)
+    g, x, w, mask = a["grad_out"], a["input"], a["weight"], a["output_mask"]
+    nd, dims = x.dim(), _stat_dims(x.dim())
+    n = math.prod(x.shape[d] for d in dims)
+    if a["train"]:
+        mean, invstd = a["save_mean"], a["save_invstd"]
+    else:
+        mean, invstd = a["running_mean"], aten.rsqrt.default(aten.add.Scalar(a["running_var"], a["eps"]))
+    xhat = aten.mul.Tensor(aten.sub.Tensor(x, _channel_view(mean, nd)), _channel_view(invstd, nd))
+    scale = invstd if w is None else aten.mul.Tensor(invstd, w)
+    grad_b = aten.sum.dim_IntList(g, dims) if (mask[2] or a["train"]) else None
+    grad_w = aten.sum.dim_IntList(aten.mul.Tensor(g, xhat), dims) if (mask[1] or a["train"]) else None
+    grad_x: Optional[Any] = None
+    if mask[0]:
+        if a["train"]:
+            centred = aten.sub.Tensor(g, _channel_view(aten.div.Scalar(grad_b, n), nd))
+            centred = aten.sub.Tensor(centred, aten.mul.Tensor(xhat, _channel_view(aten.div.Scalar(grad_w, n), nd)))
+            grad_x = aten.mul.Tensor(centred, _channel_view(scale, nd))
+        else:
+            grad_x = aten.mul.Tensor(g, _channel_view(scale, nd))
+    return grad_x, grad_w if mask[1] else None, grad_b if mask[2] else None
+
+
+register([aten.native_batch_norm.default], Rule(eval_signatures, decompose=batch_norm_train,
+                                                 decompose_when=training))
+register([aten.native_batch_norm_backward.default], Rule(lambda ctx: [], decompose=batch_norm_backward))

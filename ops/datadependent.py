@@ -1,0 +1,87 @@
+"""Ops whose output shapes depend on the values: `unique`, `nonzero`, `masked_select`, and `x[mask]`.
+
+What they return: Broadcast GlobalTensors on the input's placement, the same on every rank. A split
+result would need per-rank sizes known only after running (a ragged split, which layouts do not have),
+so the inputs are made whole (boxed to Broadcast, as any conversion), every rank of the placement runs
+the op on the whole, and ranks outside the placement learn the shapes with one small collective and
+hold empty shards, as everywhere. This is a rule, not a fallback: nothing is warned or counted.
+
+A boolean (or uint8) mask index is torch's own rewriting: `x[mask]` is `x[mask.nonzero().unbind(1)]`.
+Only the mask is made whole (one byte per element); the integer indices then follow the indexing rules,
+so `x` stays where it is when split off the masked dims. The same for `x[mask] = v` (index_put).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..layout import Layout
+from ..runtime import context
+from ..sbp import Broadcast
+from . import indexing  # noqa: F401  (registers the index rules this module extends)
+from .decide import flatten_out, map_tensors, placement_of
+from .inputs import box_global
+from .registry import RULES, Rule, aten, no_signatures, overloads, register
+
+_MASKS = (torch.bool, torch.uint8)
+
+
+def whole(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op run on the whole inputs on every rank of their placement; outputs Broadcast."""
+    tensors: list = []
+    map_tensors(args, kwargs, lambda t, i: tensors.append(t))
+    cls = next(type(t) for t in tensors if hasattr(t, "_layout"))
+    placement = placement_of(func, tensors, cls)
+    bcast = Layout(placement, (Broadcast(),) * placement.ndim)
+    comm = context.current()
+    inside = placement.coord(comm.rank) is not None
+    largs, lkwargs = map_tensors(args, kwargs, lambda t, i: box_global(t, bcast) if isinstance(t, cls) else t)
+    outs, rebuild = flatten_out(func(*largs, **lkwargs)) if inside else (None, None)
+    if comm.world_size > placement.size:  # ranks outside learn the shapes from the first rank inside
+        metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs] if inside else None
+        got = comm.all_gather_object(metas if comm.rank == placement.flat_ranks[0] else None,
+                                     tuple(range(comm.world_size)))
+        metas = next(g for g in got if g is not None)
+        if not inside:
+            device = comm.device_for(placement.device_type)
+            outs = [None if m is None else torch.empty((0,), dtype=m[1], device=device) for m in metas]
+            shapes = [None if m is None else m[0] for m in metas]
+            wrapped = [None if o is None else cls(o, bcast, s) for o, s in zip(outs, shapes)]
+            return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
+    return rebuild([None if o is None else cls(o, bcast, tuple(o.shape)) for o in outs])
+
+
+def _as_integer_indices(indices: list) -> tuple[list, bool]:
+    """Each boolean/uint8 mask replaced by the integer indices of its True entries (one per mask dim)."""
+    out, changed = [], False
+    for t in indices:
+        if t is not None and t.dtype in _MASKS:
+            nz = aten.nonzero.default(t if t.dtype == torch.bool else aten.ne.Scalar(t, 0))
+            out += list(aten.unbind.int(nz, 1))
+            changed = True
+        else:
+            out.append(t)
+    return out, changed
+
+
+def masked_index(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`x[mask]`, `x[mask] = v`: the mask made integer indices, then the op's own rule."""
+    indices, changed = _as_integer_indices(list(args[1]))
+    if not changed:  # not reached: integer indices have a meta kernel and are decided by the rule
+        raise AssertionError(f"{func}: decomposed without a mask")
+    return func(args[0], indices, *args[2:], **kwargs)
+
+
+def never(ctx: Any, layouts: tuple) -> bool:
+    """Integer indices: the indexing rule decides (a mask has no meta kernel, so it never gets here)."""
+    return False
+
+
+DATA_DEPENDENT = overloads("_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select",
+                           "argwhere")
+register([getattr(p, o) for p in DATA_DEPENDENT for o in p.overloads() if o in ("default",)],
+         Rule(no_signatures, decompose=whole))
+for op in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
+    RULES[op] = replace(RULES[op], decompose=masked_index, decompose_when=never)
