@@ -5,6 +5,8 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh 2x2
     python examples/train_gpt.py --device cuda           # the simulated ranks share one GPU
     torchrun --nproc-per-node 1 examples/train_gpt.py --mesh 1x1 --device cuda   # nccl
+    python examples/train_gpt.py --steps 5 --save ckpt   # checkpoints in ckpt/step-000005 (DCP)
+    python examples/train_gpt.py --steps 10 --resume ckpt --mesh 1x2   # steps 5..9, any mesh
 """
 import argparse
 import os
@@ -14,10 +16,12 @@ import numpy as np
 import torch
 
 import globaltensor as gt
+from globaltensor import checkpoint as gtc
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 
-def main(mesh: tuple, steps: int, device: str = "cpu") -> list:
+def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, resume: str | None = None,
+         save_every: int = 0) -> list:
     warnings.simplefilter("ignore")  # fallback warnings are counted in gt.stats()
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
     torch.manual_seed(0)
@@ -29,8 +33,14 @@ def main(mesh: tuple, steps: int, device: str = "cpu") -> list:
     idx = gt.to_global(data[:, :-1], p, dp_batch(data_axis=0, ndim=2))
     tgt = gt.to_global(data[:, 1:], p, dp_batch(data_axis=0, ndim=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    lines = []
-    for step in range(steps):
+    lines, start, pending = [], 0, None
+    if resume:  # the last complete checkpoint, whatever mesh saved it: model and AdamW state reshard on load
+        last = gtc.latest(resume)
+        if last is None:
+            raise FileNotFoundError(f"--resume {resume}: no complete checkpoint under it")
+        start = gtc.load_training(last, model, opt)
+        lines.append(f"resumed from {last} at step {start}")
+    for step in range(start, steps):
         with gt.comm_log() as log:
             _, loss = model(idx, tgt)
             opt.zero_grad()
@@ -39,6 +49,14 @@ def main(mesh: tuple, steps: int, device: str = "cpu") -> list:
         value = loss.full_tensor().item()
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(log.summary().items()) if v)
         lines.append(f"step {step:3d}  loss {value:.4f}  received {log.recv_bytes} B ({kinds})")
+        if save and (step + 1 == steps or save_every and (step + 1) % save_every == 0):
+            if pending is not None:  # one upload at a time
+                pending.result()
+            # async under torchrun/gloo (training goes on while DCP writes); synchronous on the simulator
+            pending = gtc.save_training(os.path.join(save, f"step-{step + 1:06d}"), model, opt, step + 1,
+                                        async_save=True)
+    if pending is not None:
+        pending.result()
     return lines
 
 
@@ -58,6 +76,9 @@ if __name__ == "__main__":
     ap.add_argument("--mesh", default="2x2", help="data x tensor, e.g. 2x2, 1x2, 2x1")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the placement's device type")
+    ap.add_argument("--save", metavar="DIR", help="checkpoint (torch.distributed.checkpoint) into DIR/step-N")
+    ap.add_argument("--save-every", type=int, default=0, metavar="N", help="also every N steps (default: at the end)")
+    ap.add_argument("--resume", metavar="DIR", help="continue from the last complete checkpoint under DIR")
     args = ap.parse_args()
     try:
         mesh = parse_mesh(args.mesh)
@@ -69,10 +90,11 @@ if __name__ == "__main__":
         ap.error(f"argument --mesh: {args.mesh} has {mesh[0] * mesh[1]} ranks but torchrun started "
                  f"{os.environ.get('WORLD_SIZE')} (--nproc-per-node); make them agree")
     if "RANK" in os.environ:  # under torchrun: this process is one rank
-        out = main(mesh, args.steps, args.device)
+        out = main(mesh, args.steps, args.device, args.save, args.resume, args.save_every)
         if gt.rank() == 0:
             print("\n".join(out))
     else:
         print(f"rank 0 of a {args.mesh} mesh ({args.backend}, {args.device}):")
-        out = gt.launch(main, mesh[0] * mesh[1], backend=args.backend, args=(mesh, args.steps, args.device))
+        out = gt.launch(main, mesh[0] * mesh[1], backend=args.backend,
+                        args=(mesh, args.steps, args.device, args.save, args.resume, args.save_every))
         print("\n".join(out[0]))
