@@ -31,7 +31,7 @@ def raise_rank_failure(errors: dict[int, tuple[BaseException, str]]) -> None:
     rank = min(primary) if primary else min(errors)
     exc, tb = errors[rank]
     # an exception from another process lost its frames in pickling: carry them in the note
-    note = f"raised on rank {rank}" + ("" if exc.__traceback__ else f"; its traceback:\n{tb}")
+    note = f"raised on rank {rank}" + ("" if exc.__traceback__ or not tb else f"; its traceback:\n{tb}")
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10

@@ -7,12 +7,15 @@ ranks are released rather than left hanging.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -38,15 +41,65 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
         raise TypeError(f"launch(fn): must be callable, got {type(fn).__name__}")
     if context.current_or_none() is not None:
         raise RuntimeError("launch: already inside a launched rank; call fn directly instead of nesting launch")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(_UNGUARDED.format(script=_main_file()))
     timeout = default_timeout() if timeout is None else float(timeout)
     if backend == "sim":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+            warnings.warn(f"gt.launch(backend='sim', world_size={world_size}) under torchrun: each of the "
+                          f"{os.environ['WORLD_SIZE']} torchrun processes simulates {world_size} ranks of its own "
+                          f"({os.environ['WORLD_SIZE']} x {world_size} ranks in all, none talking to the others). "
+                          "Under torchrun call the program directly: "
+                          "`program() if 'RANK' in os.environ else gt.launch(program, n)`", stacklevel=2)
         return SimWorld(world_size, timeout).run(_as_current(fn, tuple(args)))
+    _check_spawnable(fn, tuple(args), backend)
     if backend == "nccl":
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
             raise ValueError(f"launch(backend='nccl'): needs {world_size} CUDA devices, "
                              f"found {torch.cuda.device_count() if torch.cuda.is_available() else 0}; "
                              "use backend='gloo' on CPU")
     return _launch_processes(fn, world_size, backend, tuple(args), timeout)
+
+
+_UNGUARDED = ("gt.launch was called while a spawned rank process was starting: spawned processes begin by "
+              "importing the script that called gt.launch ({script}), and this script calls gt.launch at import. "
+              "Put the call under `if __name__ == \"__main__\":` (multiprocessing's spawn needs that guard)")
+
+
+def _main_file() -> str:
+    """The script spawned processes import (while one starts, it is being run as `__mp_main__`)."""
+    for name in ("__mp_main__", "__main__"):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            return path
+    return "the main module"
+
+
+def _check_spawnable(fn: Callable, args: tuple, backend: str) -> None:
+    """Spawned processes find `fn` by module and name and receive `args` pickled: say so before spawning.
+
+    A lambda, a nested function or a closure has no importable name, and a function defined in an
+    interactive session (stdin, a REPL) lives in a `__main__` the processes cannot import.
+    """
+    name = getattr(fn, "__qualname__", repr(fn))
+    try:
+        pickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001 - PicklingError, AttributeError, TypeError alike
+        raise TypeError(f"launch(fn): backend={backend!r} starts fresh processes, which import fn by its module "
+                        f"and name; {name} has none to import ({type(e).__name__}: {e}). A lambda, nested "
+                        "function or closure cannot be sent: define fn with `def` at the top level of a module, "
+                        "pass what it needs through args=(...) (or a functools.partial of a top-level "
+                        "function); backend='sim' runs any callable") from None
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise TypeError(f"launch(fn): {name} is defined in an interactive session, which the spawned "
+                        f"processes of backend={backend!r} cannot import; put it in a file (a script with "
+                        "`if __name__ == \"__main__\":`, or a module) or use backend='sim'")
+    try:
+        pickle.dumps(args)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"launch(args): backend={backend!r} sends args to each process pickled, and they "
+                        f"cannot be ({type(e).__name__}: {e})") from None
 
 
 def _as_current(fn: Callable, args: tuple) -> Callable[[SimCommunicator], Any]:
@@ -62,6 +115,7 @@ def _as_current(fn: Callable, args: tuple) -> Callable[[SimCommunicator], Any]:
 
 def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callable, args: tuple,
             timeout: float, results: Any) -> None:
+    results.put((rank, None, b"", ""))  # started: fn was found and unpickled in this process
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks sharing a machine must not oversubscribe it
         torch.set_num_threads(1)
     try:
@@ -85,6 +139,16 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
                 pass
 
 
+def _death(rank: int, code: int, started: bool, fn: Callable) -> str:
+    """Why a rank's process ended without a result: while running fn, or before it got to fn."""
+    if started:
+        return f"rank {rank} died with exit code {code} while running fn (killed, or the interpreter aborted)"
+    return (f"rank {rank} died with exit code {code} before running {getattr(fn, '__qualname__', 'fn')}: a spawned "
+            f"process starts by importing the script that called gt.launch ({_main_file()}) and unpickling fn, "
+            "and that failed (its traceback is printed above). Most often the script calls gt.launch at import: "
+            "put the call under `if __name__ == \"__main__\":`")
+
+
 def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -97,6 +161,7 @@ def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, 
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
+    started: set[int] = set()
     grace_until: float | None = None
     try:
         while len(out) + len(errors) < world_size:
@@ -107,8 +172,11 @@ def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, 
             except queue_mod.Empty:
                 for r, p in enumerate(procs):
                     if not p.is_alive() and r not in out and r not in errors and p.exitcode not in (0, None):
-                        errors[r] = (RankError(r, f"rank {r} died with exit code {p.exitcode}"), "")
+                        errors[r] = (RankError(r, _death(r, p.exitcode, r in started, fn)), "")
                         grace_until = grace_until or time.monotonic() + 2.0
+                continue
+            if ok is None:
+                started.add(rank)
                 continue
             if ok:
                 out[rank] = pickle.loads(value)
