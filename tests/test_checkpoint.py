@@ -157,10 +157,10 @@ def _assert_equal(a: dict, b: dict) -> None:
 
 
 def test_gpt_reshards_dp_tp_to_zero_to_tp_to_plain_and_back(tmp_path):
-    """Model and AdamW state saved on 2x2 DP x TP load into ZeRO-style S(0) on 4, TP on 2 and the plain
+    """Model and AdamW state saved on 2x2 DP x TP load into ZeRO-3 (S(0) on 4), TP on 2 and the plain
     single-device GPT (equal state dicts), and a plain checkpoint loads back into 2x2."""
     dp_tp = tp_plan(tensor_axis=1, ndim=2)
-    zero = {"*": gt.split(0)}
+    zero = {"*": gt.split(0), "blocks.*": gt.ModuleLayout(params=(gt.broadcast,))}  # ZeRO-3: stored S(0), state too
     tp2 = tp_plan(tensor_axis=0, ndim=1)
     a, b, c, d = (str(tmp_path / n) for n in "abcd")
 
@@ -316,3 +316,11 @@ def test_resume_after_sigkill_is_bitwise(tmp_path, backend):
     assert min(resumed) >= kill_after and max(resumed) == steps - 1, resumed
     assert before == {k: ref[k] for k in before} and resumed == {k: ref[k] for k in resumed}
     assert f"params {digest}" in after.stdout.splitlines()
+
+
+def test_resume_in_float64_is_bitwise(tmp_path):
+    """The same in fp64, on the simulator within this process: 2 steps, a fresh model resumed for 2 more."""
+    ref, digest = gt.launch(train, 2, args=(str(tmp_path / "ref"), 4, False, "float64"))[0]
+    first, _ = gt.launch(train, 2, args=(str(tmp_path / "run"), 2, False, "float64"))[0]
+    second, resumed_digest = gt.launch(train, 2, args=(str(tmp_path / "run"), 4, True, "float64"))[0]
+    assert {**first, **second} == ref and sorted(second) == [2, 3] and resumed_digest == digest
