@@ -223,6 +223,20 @@ def test_plain_dcp_and_async_save_under_gloo(tmp_path):
     assert out[0] == out[1] == ([((0, 0), (3, 7)), ((3, 0), (2, 7))], [((0, 0), (5, 7))], True, True, True)
 
 
+def test_save_and_load_move_no_tensor_and_fall_back_on_nothing(tmp_path):
+    """DCP reads each rank's shard where it lies: no gather (the issue's is_pinned fallback did one),
+    only small metadata objects cross ranks, on the simulator."""
+    def body():
+        model, opt = _gpt_model(tp_plan(tensor_axis=1, ndim=2), [[0, 1], [2, 3]])
+        gt.reset_stats()
+        with gt.comm_log() as log:
+            gtc.save_training(str(tmp_path), model, opt, 0)
+            gtc.load_training(str(tmp_path), model, opt)
+        return gt.stats()["fallback"], log.recv_bytes, set(log.summary())
+
+    assert gt.launch(body, 4) == [({}, 0, {"all_gather_object"})] * 4
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 def test_partial_is_refused_naming_the_key(tmp_path):
