@@ -304,7 +304,14 @@ def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: to
     on the world size that saved them (elsewhere a warning says that they were not).
     """
     state = training_state(model, optimizer)
-    saved = read_metadata(path).state_dict_metadata.get("rng.torch")
+    md = read_metadata(path).state_dict_metadata
+    live = flatten_state_dict(state)[0]
+    extra = sorted(k for k in md if k.startswith(("model.", "optim.state.")) and k not in live)
+    if extra:  # DCP loads a subset silently; a training state must be whole
+        raise ValueError(f"load_training: {os.fspath(path)!r} holds {len(extra)} keys that this model and optimizer "
+                         f"lack, e.g. {extra[:4]} (another model, or an optimizer with gradients but no state yet: "
+                         "zero_grad(set_to_none=True) before loading)")
+    saved = md.get("rng.torch")
     if saved is not None and tuple(saved.size) != tuple(state["rng"]["torch"].shape):
         warnings.warn(f"load_training: {os.fspath(path)!r} was saved by {saved.size[0]} ranks, this world has "
                       f"{state['rng']['torch'].shape[0]}: RNG states not restored", stacklevel=2)

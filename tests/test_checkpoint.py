@@ -274,6 +274,18 @@ def test_bad_loads_name_the_key_or_path(tmp_path):
     assert w.eq(7).all()  # nothing half-loaded
 
 
+def test_load_training_refuses_a_partial_match(tmp_path):
+    """DCP loads a subset of a checkpoint silently; a training state missing a layer is an error."""
+    big = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    gtc.save_training(str(tmp_path), big, torch.optim.AdamW(big.parameters()), 3)
+    small = torch.nn.Sequential(torch.nn.Linear(3, 4))
+    with pytest.raises(ValueError, match=r"holds 8 keys that this model and optimizer lack, e.g. \['model.1.bias'"):
+        gtc.load_training(str(tmp_path), small, torch.optim.AdamW(small.parameters()))
+    same = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    assert gtc.load_training(str(tmp_path), same, torch.optim.AdamW(same.parameters())) == 3
+    assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), big.state_dict().values()))
+
+
 def test_metadata_unpickler_refuses_other_globals(tmp_path):
     """A `.metadata` naming anything but DCP's metadata classes is refused, not run."""
     path = str(tmp_path)
