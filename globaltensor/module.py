@@ -182,7 +182,7 @@ class _NamedModule:
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     where = f"to_global(plan[{name!r}])"
     if all(getattr(hint, f) is None for f in ("input", "input_grad", "output", "output_grad")):
-        return None, None  # only parameters: the cost model's scope is not the user's to name here
+        return None, None  # only parameters: their group runs the module in the named scope (zero.py)
     inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
                     f"{where} on the input")
     out = _Boundary(_hint(hint.output, ndim, f"{where}.output"),
@@ -229,6 +229,10 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
     groups = {}
     for mod, (name, pattern, hint) in owners.items():
         where = f"to_global(plan[{pattern!r}].params)"
+        if type(mod).forward is torch.nn.Module.forward:
+            raise ValueError(f"to_global(plan[{pattern!r}]): module {name!r} ({type(mod).__name__}) is a container "
+                             f"that is never called, so it would never gather its parameters; name its children "
+                             f"instead, e.g. {name + '.*'!r}")
         if isinstance(hint.params, Layout):
             if hint.params.placement != placement:
                 raise ValueError(f"{where}: the compute layout's placement {hint.params.placement} differs from "

@@ -25,6 +25,7 @@ parameter's dtype.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ import torch
 
 from . import boxing
 from .layout import Layout
+from .ops import dispatch
 from .runtime import context
 from .tensor import GlobalTensor
 
@@ -61,6 +63,7 @@ class ParamGroup:
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
         _OPEN.stack.append(call)
+        dispatch.enter_named()
         if self.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
         return args, kwargs
@@ -68,15 +71,16 @@ class ParamGroup:
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
         and marks the output so that its backward gathers them again first."""
+        dispatch.leave_named()
         call = _OPEN.stack.pop()
         for mod, name, i in self.slots:
             mod._parameters[name] = self.params[i]
         if not call.tracked:      # no backward will come for these: nothing to keep
             call.free()
-        elif self.reshard_after_forward:
+            return output
+        if self.reshard_after_forward:
             call.free()
-            output = _mark_outputs(output, call)
-        return output
+        return _mark_outputs(output, call)
 
 
 class _Open(threading.local):
@@ -92,10 +96,13 @@ class _Call:
 
     def __init__(self, group: ParamGroup) -> None:
         self.group = group
+        self.rank = context.current().rank
+        _LIVE.add(self)
         self.locals: list = []        # gathered shard per parameter
         self.owned: list = []         # whether that shard is a copy of ours to free (not the stored one)
         self.freed = False
         self.tracked = False          # an autograd function holds this call (a backward will come)
+        self.scoped = False           # its backward is running in the named scope
 
     def _gathered_locals(self) -> list:
         g = self.group
@@ -135,6 +142,16 @@ class _Call:
                 t.copy_(new)
         self.freed = False
 
+    def enter_scope(self) -> None:
+        if not self.scoped:
+            self.scoped = True
+            dispatch.enter_named()
+
+    def leave_scope(self) -> None:
+        if self.scoped:
+            self.scoped = False
+            dispatch.leave_named()
+
     def reduce(self, grads: tuple) -> list:
         """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`)."""
         g = self.group
@@ -158,6 +175,17 @@ class _Call:
         return result
 
 
+_LIVE: "weakref.WeakSet[_Call]" = weakref.WeakSet()
+
+
+def gathered_bytes() -> int:
+    """Bytes this rank holds in gathered parameter copies right now (what ZeRO-3 frees between a
+    module's forward and its backward; what ZeRO-2 keeps)."""
+    rank = context.current().rank
+    return sum(t.untyped_storage().nbytes() for call in list(_LIVE) if call.rank == rank and not call.freed
+               for t, owned in zip(call.locals, call.owned) if owned)
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -174,14 +202,17 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
         call = ctx.call
+        call.leave_scope()
         out = call.reduce(grads)
         call.free()  # the module's backward is done: nothing gathered outlives it
         return (None, *out)
 
 
 class _Regather(torch.autograd.Function):
-    """Identity on a ZeRO-3 module's output whose backward gathers the module's parameters again
-    before any of the module's own backward runs (which reads them from the saved tensors)."""
+    """Identity on a gathering module's output whose backward runs before any of the module's own:
+    ZeRO-3 gathers the parameters again there (the saved tensors read them), and the module's
+    backward enters the named scope, where its parameters' Partial gradients are taken as they are
+    (the module's reduce-scatter reduces them) instead of being reduced early by some op's choice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, call: _Call) -> torch.Tensor:  # type: ignore[override]
@@ -191,6 +222,7 @@ class _Regather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
         ctx.call.regather()
+        ctx.call.enter_scope()
         return grad, None
 
 
