@@ -65,6 +65,37 @@ def cache_hits(reps: int, inner: int) -> list[dict] | None:
     return rows if dist.get_rank() == 0 else None
 
 
+def collective_check(reps: int, inner: int) -> dict | None:
+    """What the collective watch (`globaltensor/runtime/watch.py`, on by default on gloo) costs per
+    collective: a 1-element all_reduce with the watch on and off, interleaved, and its enter/leave pair
+    alone (all it adds while nothing stalls)."""
+    from globaltensor.runtime import context
+    comm = context.current()
+    watch, group, one = comm._watch, tuple(range(dist.get_world_size())), torch.ones(1)
+
+    def with_watch():
+        comm._watch = watch
+        comm.all_reduce(one, group)
+
+    def without():
+        comm._watch = None
+        comm.all_reduce(one, group)
+    med = interleaved_medians({"on": with_watch, "off": without}, reps, warmup=2, inner=inner)
+    comm._watch = watch
+    n = 100000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        watch.enter("all_reduce", group, (1, torch.float32, "sum"))
+        watch.leave()
+    pair = (time.perf_counter() - t0) / n
+    out = {"all_reduce_on_us": med["on"] * 1e6, "all_reduce_off_us": med["off"] * 1e6, "enter_leave_us": pair * 1e6}
+    return out if dist.get_rank() == 0 else None
+
+
+def with_collective_check(reps: int, inner: int) -> tuple:
+    return cache_hits(reps, inner), collective_check(reps, inner)
+
+
 def cache_misses(n_shapes: int) -> list[dict]:
     """First-call cost for fresh shapes; one process posing as rank 0 of 8 (torch's fake group)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -88,7 +119,7 @@ def cache_misses(n_shapes: int) -> list[dict]:
     return rows
 
 
-def table(hits: list[dict], misses: list[dict]) -> str:
+def table(hits: list[dict], misses: list[dict], check: dict | None = None) -> str:
     lines = [f"Dispatch overhead, µs per op (medians; {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__})",
              "", "Cache hit, 2 gloo processes, 8x8 fp32, x S(0), w B:", "",
              "| op | globaltensor | DTensor | torch (local) | gt overhead / DTensor overhead |", "|---|---|---|---|---|"]
@@ -99,6 +130,11 @@ def table(hits: list[dict], misses: list[dict]) -> str:
               "| mesh | op | globaltensor | DTensor | gt / DTensor |", "|---|---|---|---|---|"]
     for r in misses:
         lines.append(f"| {r['mesh']} | {r['op']} | {r['gt']:.0f} | {r['dtensor']:.0f} | {r['gt'] / r['dtensor']:.2f} |")
+    if check:
+        lines += ["", "Collective watch (on by default on gloo; GT_CHECK_COLLECTIVES=0 turns it off), 2 gloo processes:", "",
+                  "| 1-element all_reduce, watch on | watch off | enter+leave alone |", "|---|---|---|",
+                  f"| {check['all_reduce_on_us']:.1f} µs | {check['all_reduce_off_us']:.1f} µs | "
+                  f"{check['enter_leave_us']:.2f} µs |"]
     return "\n".join(lines)
 
 
@@ -111,9 +147,10 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.quick:
         args.reps, args.inner = 3, 20
-    hits = gt.launch(cache_hits, 2, backend="gloo", args=(args.reps, args.inner))[0]
+    hits, check = gt.launch(with_collective_check, 2, backend="gloo", args=(args.reps, args.inner))[0]
     misses = cache_misses(3 if args.quick else 10)
-    text = table(hits, misses)
+    text = table(hits, misses, check)
     print(text)
     if not args.quick:
-        write_results(args.out, "dispatch", text, {"cache_hit_us": hits, "cache_miss_us": misses})
+        write_results(args.out, "dispatch", text, {"cache_hit_us": hits, "cache_miss_us": misses,
+                                                   "collective_check_us": check})

@@ -1,6 +1,7 @@
 """The torch.distributed backend (gloo on CPU, nccl on GPU), as run by torchrun or gt.launch."""
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from .comm import Communicator
 from .failure import CollectiveError, default_timeout
+from .watch import CollectiveWatch, enabled as _watch_enabled, exit_with
 
 # torch >= 2.12 renamed the single-tensor collectives; keep older torch working
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,6 +30,14 @@ def _one_buffer(parts: list[torch.Tensor]) -> torch.Tensor | None:
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+def _explain(watch: CollectiveWatch | None) -> str:
+    """What the peers posted about a failed collective (one of them finished, or waits elsewhere)."""
+    try:
+        return watch.explain() if watch is not None else ""
+    except Exception:  # noqa: BLE001 - the store is gone too: gloo's own message is all there is
+        return ""
+
+
 class TorchDistCommunicator(Communicator):
     def __init__(self) -> None:
         super().__init__()
@@ -41,6 +51,21 @@ class TorchDistCommunicator(Communicator):
             self.device = torch.device("cpu")
         self._groups: dict[tuple, object] = {}
         self._a2a_args: dict[tuple, tuple] = {}
+        self._watch: CollectiveWatch | None = None
+
+    def watch_collectives(self, fail=exit_with) -> None:
+        """Name a mismatched collective within seconds instead of waiting out the timeout (`runtime/watch.py`).
+
+        gloo only (nccl's calls return before they complete); `GT_CHECK_COLLECTIVES=0` turns it off.
+        `fail(error)` runs on the watcher thread and must end the process (the rank is stuck in gloo).
+        """
+        if self.backend == "gloo" and _watch_enabled() and self._watch is None and self.world_size > 1:
+            self._watch = CollectiveWatch(dist.distributed_c10d._get_default_store(), self.rank, fail)
+
+    def finish(self) -> None:
+        """The program returned on this rank: peers still waiting for it learn so (see watch_collectives)."""
+        if self._watch is not None:
+            self._watch.finish()
 
     @classmethod
     def init(cls, backend: str, rank: int, world_size: int, init_method: str, timeout: float
@@ -60,7 +85,10 @@ class TorchDistCommunicator(Communicator):
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=default_timeout()))
-        return cls()
+        comm = cls()
+        comm.watch_collectives()
+        atexit.register(comm.finish)
+        return comm
 
     # -- groups: torch orders a group's members by global rank; ours are in mesh order
     def _pg(self, group: tuple):
@@ -74,11 +102,20 @@ class TorchDistCommunicator(Communicator):
             self._groups[key] = pg
         return pg
 
-    def _call(self, kind: str, group: tuple, fn):
+    def _call(self, kind: str, group: tuple, fn, what: object = ""):
+        """Run one collective; `what` (its sizes, the same on every member) is what the watch compares."""
+        watch = self._watch
+        if watch is not None:
+            watch.enter(kind, group, what)
         try:
             return fn()
         except RuntimeError as e:
-            raise CollectiveError(f"{kind} on group {group} failed on rank {self.rank}: {e}") from e
+            why = _explain(watch)
+            raise CollectiveError(f"{kind} on group {group} failed on rank {self.rank}: "
+                                  f"{why + ' (collective mismatch); gloo said: ' if why else ''}{e}") from e
+        finally:
+            if watch is not None:
+                watch.leave()
 
     def _all_gather(self, t, group, shapes):
         order = sorted(group)
@@ -90,7 +127,8 @@ class TorchDistCommunicator(Communicator):
         if flat.numel() < width:
             flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
         buf = t.new_empty(width * len(group))
-        self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group)))
+        self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group)),
+                   (width, t.dtype))
         pos = {r: k for k, r in enumerate(order)}
         return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
 
@@ -102,15 +140,17 @@ class TorchDistCommunicator(Communicator):
         flat = _one_buffer(inputs)
         if flat is not None:  # the single-tensor form is markedly faster on gloo
             self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
-                out.view(-1), flat, op=OPS[op], group=self._pg(group)))
+                out.view(-1), flat, op=OPS[op], group=self._pg(group)), (flat.numel(), flat.dtype, op))
             return out
         self._call("reduce_scatter", group,
-                   lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=self._pg(group)))
+                   lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=self._pg(group)),
+                   (sum(t.numel() for t in inputs), out.dtype, op))
         return out
 
     def _all_reduce(self, t, group, op):
         out = t.clone()
-        self._call("all_reduce", group, lambda: dist.all_reduce(out, op=OPS[op], group=self._pg(group)))
+        self._call("all_reduce", group, lambda: dist.all_reduce(out, op=OPS[op], group=self._pg(group)),
+                   (out.numel(), out.dtype, op))
         return out
 
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
@@ -124,10 +164,8 @@ class TorchDistCommunicator(Communicator):
         if pg is None:  # torch orders segments by global rank: permute (a mesh order that is not rank order)
             self._all_to_all_permuted(send, send_splits, recv, recv_splits, group)
             return
-        try:
-            dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
-        except RuntimeError as e:
-            raise CollectiveError(f"all_to_all on group {group} failed on rank {self.rank}: {e}") from e
+        self._call("all_to_all", group, lambda: dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg),
+                   (len(group), send.dtype))
 
     def _all_to_all_permuted(self, send, send_splits, recv, recv_splits, group):
         order = tuple(sorted(group))
@@ -140,6 +178,9 @@ class TorchDistCommunicator(Communicator):
             recvs[k].copy_(piece)
 
     def _exchange(self, sends, bufs):
+        watch = self._watch
+        if watch is not None:
+            watch.enter("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), "point-to-point")
         try:
             if self.backend == "nccl":  # nccl pairs sends and receives only when they are coalesced
                 ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
@@ -153,16 +194,20 @@ class TorchDistCommunicator(Communicator):
         except RuntimeError as e:
             peers = tuple(sorted(set(sends) | set(bufs) | {self.rank}))
             raise CollectiveError(f"send_recv on group {peers} failed on rank {self.rank}: {e}") from e
+        finally:
+            if watch is not None:
+                watch.leave()
 
     def _broadcast(self, t, group, src, shape, dtype):
         buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
-        self._call("broadcast", group, lambda: dist.broadcast(buf, src=src, group=self._pg(group)))
+        self._call("broadcast", group, lambda: dist.broadcast(buf, src=src, group=self._pg(group)),
+                   (tuple(shape), dtype, src))
         return buf
 
     def _all_gather_object(self, obj, group):
         order = sorted(group)
         out = [None] * len(group)
         self._call("all_gather_object", group,
-                   lambda: dist.all_gather_object(out, obj, group=self._pg(group)))
+                   lambda: dist.all_gather_object(out, obj, group=self._pg(group)), "objects")
         by_rank = dict(zip(order, out))
         return [by_rank[r] for r in group]

@@ -7,6 +7,7 @@ ranks are released rather than left hanging.
 """
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import pickle
@@ -120,8 +121,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
         torch.set_num_threads(1)
     try:
         comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
+        comm.watch_collectives(functools.partial(_fail_stuck, rank, results))
         context.set_process(comm)
         out = pickle.dumps(fn(*args))  # plain bytes: shared-memory tensors would die with this process
+        comm.finish()
         results.put((rank, True, out, ""))
     except BaseException as e:  # noqa: BLE001 - carried to the caller
         tb = traceback.format_exc()
@@ -147,6 +150,15 @@ def _death(rank: int, code: int, started: bool, fn: Callable) -> str:
             f"process starts by importing the script that called gt.launch ({_main_file()}) and unpickling fn, "
             "and that failed (its traceback is printed above). Most often the script calls gt.launch at import: "
             "put the call under `if __name__ == \"__main__\":`")
+
+
+def _fail_stuck(rank: int, results: Any, err: BaseException) -> None:
+    """A mismatched collective seen by the watcher thread: report it as this rank's error and end the
+    process (its main thread waits inside gloo and cannot be interrupted)."""
+    results.put((rank, False, pickle.dumps(err), ""))
+    results.close()
+    results.join_thread()  # flushed before the process ends
+    os._exit(1)
 
 
 def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, timeout: float) -> list:
