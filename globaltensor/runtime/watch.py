@@ -93,7 +93,10 @@ class CollectiveWatch:
         """The program returned: a peer still waiting for this rank is told it never will."""
         counts = ", ".join(f"{n} on group {g}" for g, n in sorted(self._seq.items())) or "none"
         self._stop = True
-        self._store.set(_PREFIX + str(self.rank), json.dumps(["finished", "", [], 0, counts]))
+        try:
+            self._store.set(_PREFIX + str(self.rank), json.dumps(["finished", "", [], 0, counts]))
+        except Exception:  # noqa: BLE001 - at exit the job's store may be gone already: nothing to tell
+            pass
 
     def explain(self) -> str:
         """Why the current collective failed, where peers said (gloo fails it when a peer's process ends)."""
