@@ -71,9 +71,9 @@ def _refuse_partial(layout: Layout, what: str) -> None:
             "Split in place of Partial")
 
 
-def _writes(fqn: str, layout: Layout, shape: tuple[int, ...], rank: int,
-            box: tuple[tuple[int, int], ...]) -> bool:
-    """Whether `rank` (holding the non-empty or whole-empty `box`) is the one replica that writes it."""
+def _writes(fqn: str, layout: Layout, rank: int, box: tuple[tuple[int, int], ...]) -> bool:
+    """Whether `rank` is the one replica of `box` that writes it: the replicas are the ranks whose
+    coordinates differ on Broadcast axes only, and the key and the box pick one of them."""
     p = layout.placement
     coord = p.coord(rank)
     replica, replicas = 0, 1
@@ -119,7 +119,7 @@ def write_items(fqn: str, local: torch.Tensor, layout: Layout, shape: tuple[int,
     if _has_no_elements(shape):  # written once, by the placement's first rank, for its key and shape
         if rank != layout.placement.flat_ranks[0]:
             return []
-    elif any(size == 0 for _, size in box) or not _writes(fqn, layout, shape, rank, box):
+    elif any(size == 0 for _, size in box) or not _writes(fqn, layout, rank, box):
         return []
     chunk = _chunk(box)
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
