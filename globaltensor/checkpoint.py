@@ -106,7 +106,24 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class FileSystemWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter; on the simulator each rank writes its own files, rank 0 the metadata."""
+    """DCP's FileSystemWriter; on the simulator each rank writes its own files, rank 0 the metadata.
+
+    Saving over an existing checkpoint first removes its `.metadata` (before any rank writes data:
+    the other ranks write only after the plans are gathered), so an interrupted overwrite leaves a
+    directory that is no checkpoint rather than old metadata over half-new files.
+    """
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        comm = _own_coordination()
+        self._first = comm.rank == 0 if comm is not None else is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        plan = super().prepare_local_plan(plan)  # DCP's overwrite check and warning
+        stale = self._get_metadata_path()
+        if self._first and self.use_collectives and self.fs.exists(stale):
+            self.fs.rm_file(stale)
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         comm = _own_coordination()

@@ -24,7 +24,8 @@ from checkpoint_worker import train
 from strategies import nd_sbps, placements, tensor_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:load_training")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:load_training",
+                                        "ignore:Detected an existing checkpoint")
 WORKER = os.path.join(ROOT, "tests", "checkpoint_worker.py")
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.bfloat16)
 
@@ -284,6 +285,24 @@ def test_load_training_refuses_a_partial_match(tmp_path):
     same = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     assert gtc.load_training(str(tmp_path), same, torch.optim.AdamW(same.parameters())) == 3
     assert all(torch.equal(a, b) for a, b in zip(same.state_dict().values(), big.state_dict().values()))
+
+
+class _Unsaveable:
+    def __reduce__(self):
+        raise RuntimeError("disk full")
+
+
+def test_an_interrupted_overwrite_is_no_checkpoint(tmp_path):
+    """Saving over a checkpoint drops its metadata before writing: a save that fails half way leaves
+    no old metadata over new files; `latest` skips it and `load` names it."""
+    root = tmp_path / "run"
+    gtc.save({"w": torch.ones(3)}, str(root / "step-1"))
+    gtc.save({"w": torch.ones(3)}, str(root / "step-2"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        gtc.save({"w": torch.full((3,), 2.0), "extra": _Unsaveable()}, str(root / "step-2"))
+    assert gtc.latest(str(root)) == str(root / "step-1")
+    with pytest.raises(FileNotFoundError, match="step-2"):
+        gtc.load({"w": torch.zeros(3)}, str(root / "step-2"))
 
 
 def test_metadata_unpickler_refuses_other_globals(tmp_path):
