@@ -143,6 +143,7 @@ def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0) -> Coun
 def test_gpt_zero_trains_as_one_device_at_the_paper_bytes(shape, stage):
     steps = 20
     want_losses, want_state = _reference(steps, "adamw", None)
+    gt.reset_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         results = gt.launch(_global_run, math.prod(shape), args=(shape, stage, steps, "adamw", None))
@@ -176,6 +177,7 @@ def test_zero3_optimizers_and_clipping_as_one_device(opt_kind, clip):
     sharded gradients in one small all-reduce; the default path: one scalar all-reduce per gradient)."""
     steps = 6
     want_losses, want_state = _reference(steps, opt_kind, clip)
+    gt.reset_stats()
     results = gt.launch(_global_run, 2, args=((2,), 3, steps, opt_kind, clip))
     n_params = len(list(GPT(CFG).parameters()))  # the tied embedding/head once
     for losses, state, counted, layouts, fallback in results:
@@ -401,3 +403,18 @@ def test_zero_bad_input_names_the_argument():
         with pytest.raises(ValueError, match="Partial"):
             gt.to_global(nn.Linear(4, 4), p, {"*": gt.split(0), "": gt.ModuleLayout(params=gt.partial_sum)})
     gt.launch(other_mesh, 2)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("shape,stage", [((2,), 3), ((4,), 2)])
+def test_gpt_zero_under_gloo_processes(shape, stage):
+    """The same training and bytes on real processes (2 ranks ZeRO-3, 4 ranks ZeRO-2)."""
+    steps = 3
+    want_losses, want_state = _reference(steps, "adamw", None)
+    results = gt.launch(_global_run, math.prod(shape), args=(shape, stage, steps, "adamw", None),
+                        backend="gloo", timeout=120)
+    for rank, (losses, state, counted, layouts, fallback) in enumerate(results):
+        np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-10)
+        for k, v in want_state.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
+        assert all(c == zero_bytes(layouts, stage, rank) for c in counted)
