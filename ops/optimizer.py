@@ -4,18 +4,68 @@ So the foreach and the for-loop optimizer paths share the per-tensor rules
 and cache entries: `_foreach_lerp_(exp_avgs, grads, w)` is `lerp_(exp_avg, grad, w)`
 per parameter, keeping each state's layout and boxing each gradient to it
 (once per step: the dispatcher remembers a reduced Partial gradient while it is unchanged, `dispatch.box_global`).
+
+Except where there is nothing to decide: an elementwise foreach op whose tensors at each index share
+one layout without Partial (a ZeRO step: parameter, gradient and state all `S(0)`; scalars and 0-dim
+Broadcast tensors aside) runs torch's foreach kernel once on the local shards, as on one device,
+instead of one dispatch per tensor.
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
+from ..sbp import Broadcast
 from .registry import Rule, aten, register
 
 _VALUE_KWARG = {"addcmul", "addcmul_", "addcdiv", "addcdiv_"}  # their scalar is keyword-only per tensor
 
 
+_NOT_ELEMENTWISE = {"norm", "max"}  # reductions: their own rules or the per-tensor path
+
+
+def _same_layouts(args: tuple, kwargs: dict) -> Optional[type]:
+    """The GlobalTensor class if every index's tensors share one Partial-free layout and shape (tensor
+    scalars: 0-dim Broadcast), else None."""
+    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and a
+             and isinstance(a[0], torch.Tensor)]
+    singles = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not lists:
+        return None
+    cls = None
+    for t in singles:
+        lay = getattr(t, "_layout", None)
+        if t.dim() != 0 or (lay is not None and lay.sbp != (Broadcast(),) * lay.placement.ndim):
+            return None
+    for i in range(len(lists[0])):
+        first = lists[0][i]
+        lay = getattr(first, "_layout", None)
+        if lay is None or lay.has_partial:
+            return None
+        cls = type(first)
+        for a in lists[1:]:
+            t = a[i]
+            if getattr(t, "_layout", None) != lay or t.shape != first.shape:
+                return None
+    return cls
+
+
+def _local(a: Any) -> Any:
+    if isinstance(a, (list, tuple)):
+        return type(a)(_local(x) for x in a)
+    return a._local if hasattr(a, "_local") else a
+
+
 def foreach(func, args, kwargs):
     name = func._schema.name.split("::")[1][len("_foreach_"):]
+    cls = None if name.rstrip("_") in _NOT_ELEMENTWISE else _same_layouts(args, kwargs)
+    if cls is not None:
+        out = func(*_local(args), **{k: _local(v) for k, v in kwargs.items()})
+        if name.endswith("_"):
+            return None
+        like = next(a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor))
+        return [cls(o, t._layout, tuple(t.shape)) for o, t in zip(out, like)]
     elem = getattr(aten, name)
     n = next(len(a) for a in args if isinstance(a, (list, tuple)))
     results = []

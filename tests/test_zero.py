@@ -364,7 +364,7 @@ def test_mixed_precision_gathers_bf16_and_keeps_fp32_master_weights():
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss.full_tensor()))
+            losses.append(float(loss.full_tensor().detach()))
         gathers = sum(e.recv_bytes for e in log.events if e.kind == "all_gather")
         dtypes = {q.dtype for q in model.parameters()} | {opt.state[q]["exp_avg"].dtype for q in model.parameters()}
         return losses, gathers, dtypes, loss.dtype, sum(q.numel() for q in model.parameters())
