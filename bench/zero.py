@@ -233,6 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", choices=["small", "wide"], default=None, help="one of the two models")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     configs = [("GPT (tests' size)", GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)),
@@ -240,6 +241,8 @@ def main() -> None:
     if args.quick:
         args.reps, args.warmup, args.mem_steps = 3, 0, 1
         configs = configs[:1]
+    if args.only:
+        configs = [configs[0 if args.only == "small" else 1]]
     results = [run(name, cfg, args) for name, cfg in configs]
     table = report(results, args)
     print(table)

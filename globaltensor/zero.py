@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -50,6 +50,18 @@ class ParamGroup:
     reshard_after_forward: bool
     param_dtype: Optional[torch.dtype]
     reduce_dtype: Optional[torch.dtype]
+    _plans: dict = field(default_factory=dict, repr=False)  # (conversions, which) -> boxing plans
+
+    def plans_for(self, conversions: tuple, which: Optional[tuple] = None) -> list:
+        """Boxing plans for (src, dst, dtype) per parameter (or per parameter in `which`), remembered
+        per group: every step asks for the same ones."""
+        key = (conversions, which)
+        plans = self._plans.get(key)
+        if plans is None:
+            idx = range(len(self.params)) if which is None else which
+            plans = self._plans[key] = [boxing.plan(src, dst, tuple(self.params[i].shape), dtype)
+                                        for i, (src, dst, dtype) in zip(idx, conversions)]
+        return plans
 
     # hooks are bound methods, not closures, so that a converted module pickles and deep-copies
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -112,9 +124,8 @@ class _Call:
             if g.param_dtype is not None and local.dtype != g.param_dtype:
                 local = local.to(g.param_dtype)
             shards.append(local)
-        plans = [boxing.plan(p._layout, c, tuple(p.shape), s.dtype)
-                 for p, c, s in zip(g.params, g.compute, shards)]
-        return boxing.execute_many(plans, shards, context.current())
+        return boxing.execute_many(g.plans_for(tuple((p._layout, c, s.dtype) for p, c, s in
+                                                    zip(g.params, g.compute, shards))), shards, context.current())
 
     def gather(self) -> list:
         """The parameters in their compute layouts, as GlobalTensors on the gathered shards."""
@@ -156,7 +167,7 @@ class _Call:
         """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`)."""
         g = self.group
         which = [i for i, gr in enumerate(grads) if gr is not None]
-        locals_, plans = [], []
+        locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
         for i in which:
             gr, p = grads[i], g.params[i]
             if not isinstance(gr, GlobalTensor):
@@ -166,8 +177,8 @@ class _Call:
             if g.reduce_dtype is not None and local.dtype != g.reduce_dtype:
                 local = local.to(g.reduce_dtype)
             locals_.append(local)
-            plans.append(boxing.plan(gr._layout, p._layout, tuple(p.shape), local.dtype))
-        outs = boxing.execute_many(plans, locals_, context.current())
+            plans.append((gr._layout, p._layout, local.dtype))
+        outs = boxing.execute_many(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
         result: list = [None] * len(grads)
         for i, out in zip(which, outs):
             p = g.params[i]
