@@ -7,9 +7,10 @@ from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_s
 from .sbp import SBP, Broadcast, Partial, Split, broadcast, partial, partial_sum, split
 from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
+from .pipeline import Pipeline
 from .ops import check_replicated, reset_stats, stats
 
-__all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Placement", "placement", "CollectiveError", "RankError",
+__all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated"]

@@ -233,11 +233,9 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
             raise ValueError(f"to_global(plan[{pattern!r}]): module {name!r} ({type(mod).__name__}) is a container "
                              f"that is never called, so it would never gather its parameters; name its children "
                              f"instead, e.g. {name + '.*'!r}")
+        target = None  # the compute placement: the stored one, or a Layout's (a tied weight used on another stage)
         if isinstance(hint.params, Layout):
-            if hint.params.placement != placement:
-                raise ValueError(f"{where}: the compute layout's placement {hint.params.placement} differs from "
-                                 f"the stored placement {placement}; parameters are gathered within their "
-                                 "placement: give an nd-SBP (e.g. gt.broadcast) instead")
+            target = hint.params.placement
             spec: Any = hint.params.sbp
         else:
             spec = hint.params
@@ -260,7 +258,12 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
             stack.extend(c for c in m.children() if c not in owners)
         compute = []
         for p in params:
-            lay = compute_layout(p._layout, sbp, where)
+            if target is not None and target.shape != p._layout.placement.shape:
+                raise ValueError(f"{where}: the compute layout's mesh {target.shape} differs from the stored mesh "
+                                 f"{p._layout.placement.shape} of a parameter of {name or 'the root module'!r}; a "
+                                 "compute placement must have the stored mesh's shape (give an nd-SBP, e.g. "
+                                 "gt.broadcast, to use the stored placement)")
+            lay = compute_layout(p._layout, sbp, where, target)
             lay.check_shape(tuple(p.shape), f"{where} for a parameter of {name or 'the root module'!r}")
             compute.append(lay)
         groups[mod] = ParamGroup(f"{where} on {name or 'the root module'!r}", tuple(params), tuple(slots),
@@ -268,11 +271,68 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
     return groups
 
 
-def _sbp_for(name: str, plan: Mapping[str, Any], placement: Placement) -> tuple:
-    for pattern, sbp in plan.items():
-        if not isinstance(sbp, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
-            return normalize_sbp(sbp, placement.ndim, f"to_global(plan[{pattern!r}])")
-    return (Broadcast(),) * placement.ndim
+def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement) -> Layout:
+    """The first matching entry: an nd-SBP on `placement`, or a `gt.Layout` with its own placement (a
+    pipeline stage); unmatched tensors are Broadcast on `placement`."""
+    for pattern, value in plan.items():
+        if isinstance(value, Layout) and fnmatch.fnmatchcase(name, pattern):
+            return value
+        if not isinstance(value, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
+            return Layout(placement, normalize_sbp(value, placement.ndim, f"to_global(plan[{pattern!r}])"))
+    return Layout(placement, (Broadcast(),) * placement.ndim)
+
+
+@dataclass(frozen=True)
+class _ToPlacement:
+    """Forward pre-hook of a module whose parameters all live on one placement while the model's span
+    several (pipeline stages): GlobalTensor inputs from elsewhere are sent here, keeping their SBP
+    where the meshes match (a stage boundary: point-to-point at the lower bound)."""
+    placement: Placement
+
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return _moved(args, self.placement), _moved(kwargs, self.placement)
+
+
+def _moved(obj: Any, placement: Placement) -> Any:
+    if isinstance(obj, GlobalTensor):
+        if obj.placement == placement:
+            return obj
+        sbp = obj.sbp if obj.placement.shape == placement.shape else (Broadcast(),) * placement.ndim
+        return obj.to_global(placement, sbp)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(o, placement) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _moved(v, placement) for k, v in obj.items()}
+    return obj
+
+
+def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
+    """{module: _ToPlacement} for the outermost modules whose parameters are used on one placement, when
+    the model's span several; empty otherwise (no hook, no cost). A module that gathers its parameters
+    uses them where its group's compute layouts are (a tied head on the last stage)."""
+    used: dict = {}  # id(module) -> placements its parameters are used on
+    def visit_used(mod: torch.nn.Module, override: Optional[Placement]) -> set:
+        if mod in groups:
+            override = groups[mod].compute[0].placement if groups[mod].compute else override
+        own = {override or q._layout.placement for q in mod._parameters.values() if isinstance(q, GlobalTensor)}
+        for child in mod.children():
+            own |= visit_used(child, override)
+        used[id(mod)] = own
+        return own
+    visit_used(module, None)
+    places = {mod: used[id(mod)] for mod in module.modules()}
+    if len(places[module]) <= 1:
+        return {}
+    out = {}
+
+    def visit(mod: torch.nn.Module) -> None:
+        if len(places[mod]) == 1:
+            out[mod] = _ToPlacement(next(iter(places[mod])))
+            return
+        for child in mod.children():
+            visit(child)
+    visit(module)
+    return out
 
 
 def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
@@ -306,7 +366,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     continue
                 if id(t) not in done:
                     full = f"{prefix}.{name}" if prefix else name
-                    layout = Layout(placement, _sbp_for(full, plan, placement))
+                    layout = _layout_for(full, plan, placement)
                     layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
                     g = distribute(t, layout)
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
@@ -318,9 +378,12 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         for handle in mod.__dict__.pop("_gt_layout_hooks", ()):
             handle.remove()
     groups = _param_groups(module, hints, placement)
-    for mod in set(hooks) | set(groups):
+    stages = _stage_hooks(module, groups)
+    for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []
+        if mod in stages:
+            handles.append(mod.register_forward_pre_hook(stages[mod].before, with_kwargs=True))
         if pre is not None:
             handles.append(mod.register_forward_pre_hook(pre))
         if mod in groups:

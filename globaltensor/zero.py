@@ -257,6 +257,8 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-def compute_layout(stored: Layout, hint: tuple, where: str) -> Layout:
-    """The compute layout a `params=` hint gives a parameter stored in `stored` (None keeps an axis)."""
-    return Layout(stored.placement, tuple(s if h is None else h for h, s in zip(hint, stored.sbp)))
+def compute_layout(stored: Layout, hint: tuple, where: str, placement: Optional[Any] = None) -> Layout:
+    """The compute layout a `params=` hint gives a parameter stored in `stored` (None keeps an axis), on
+    `placement` (default: the stored one; another one of the same mesh shape moves the parameter
+    there while the module runs, and its gradient back: a tied weight used on another stage)."""
+    return Layout(placement or stored.placement, tuple(s if h is None else h for h, s in zip(hint, stored.sbp)))

@@ -9,12 +9,14 @@ methods only.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from ..sbp import split_sizes
+from .trace import FLAGS as _TRACING, STATE as _TRACE
 
 Group = tuple  # of int ranks, in mesh order
 
@@ -33,6 +35,10 @@ class CommLog:
     @property
     def recv_bytes(self) -> int:
         return sum(e.recv_bytes for e in self.events)
+
+    def add(self, event: CommEvent) -> None:
+        """Called by the communicator for each collective; a report's log also notes why (report.py)."""
+        self.events.append(event)
 
     def summary(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -62,15 +68,21 @@ class Communicator:
     def __init__(self) -> None:
         self._logs: list[CommLog] = []
         self._scratch: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> buffer
+        # point-to-point matching (pipelines): messages between two ranks are matched by tag, in program
+        # order within a tag, never by arrival; with `p2p_async` a send returns at once (`flush_sends` waits)
+        self.p2p_tag = 0
+        self.p2p_async = False
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
         if self._logs:
             ev = CommEvent(kind, tuple(group), int(recv_bytes))
             for log in self._logs:
-                log.events.append(ev)
+                log.add(ev)
 
     def _index(self, group: Group, kind: str) -> int:
+        if _TRACING.on:  # a report's chrome trace: when this collective started (every primitive asks here first)
+            _TRACE.t0 = time.perf_counter_ns()
         try:
             return group.index(self.rank)
         except ValueError:
@@ -240,6 +252,9 @@ class Communicator:
 
     def _exchange(self, sends, bufs):  # pragma: no cover - fill bufs[r] with what rank r sends
         raise NotImplementedError
+
+    def flush_sends(self) -> None:
+        """Wait for the asynchronous sends still in flight (a pipeline step's end)."""
 
     def _broadcast(self, t, group, src, shape, dtype):  # pragma: no cover
         raise NotImplementedError

@@ -51,6 +51,7 @@ class TorchDistCommunicator(Communicator):
             self.device = torch.device("cpu")
         self._groups: dict[tuple, object] = {}
         self._a2a_args: dict[tuple, tuple] = {}
+        self._in_flight: list = []  # (work, tensor) of asynchronous sends (p2p_async)
         self._watch: CollectiveWatch | None = None
 
     def watch_collectives(self, fail=exit_with) -> None:
@@ -187,8 +188,13 @@ class TorchDistCommunicator(Communicator):
                 ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
                 works = dist.batch_isend_irecv(ops)
             else:  # what batch_isend_irecv does for gloo, without building and checking P2POps
-                works = [dist.isend(t, dst) for dst, t in sorted(sends.items())]
-                works += [dist.irecv(t, src) for src, t in sorted(bufs.items())]
+                tag = self.p2p_tag
+                sent = [(dist.isend(t, dst, tag=tag), t) for dst, t in sorted(sends.items())]  # noqa: E501
+                works = [dist.irecv(t, src, tag=tag) for src, t in sorted(bufs.items())]
+                if self.p2p_async:  # the send's tensor stays alive until flush_sends
+                    self._in_flight.extend(sent)
+                else:
+                    works += [w for w, _ in sent]
             for w in works:
                 w.wait()
         except RuntimeError as e:
@@ -197,6 +203,11 @@ class TorchDistCommunicator(Communicator):
         finally:
             if watch is not None:
                 watch.leave()
+
+    def flush_sends(self) -> None:
+        flying, self._in_flight = self._in_flight, []
+        for w, _ in flying:
+            w.wait()
 
     def _broadcast(self, t, group, src, shape, dtype):
         buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)

@@ -171,17 +171,18 @@ class SimWorld:
                     self._check_abort()
             return rv.results.pop(rank)
 
-    def send(self, src: int, dst: int, t: torch.Tensor) -> None:
+    def send(self, src: int, dst: int, t: torch.Tensor, tag: int = 0) -> None:
+        """Never waits for the receiver: the message waits in (src, dst, tag)'s mailbox."""
         with self.cond:
             self._check_abort()
-            self.mail.setdefault((src, dst), deque()).append(t.clone())
+            self.mail.setdefault((src, dst, tag), deque()).append(t.clone())
             if self.status[dst] == "blocked" and self.waiting[dst] == f"send_recv from rank {src}":
                 self.status[dst] = "runnable"
 
-    def recv(self, dst: int, src: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    def recv(self, dst: int, src: int, shape: tuple, dtype: torch.dtype, tag: int = 0) -> torch.Tensor:
         with self.cond:
             self._check_abort()
-            box = self.mail.setdefault((src, dst), deque())
+            box = self.mail.setdefault((src, dst, tag), deque())
             while not box:
                 self._check_abort()
                 self._block(dst, f"send_recv from rank {src}")
@@ -266,9 +267,12 @@ class SimCommunicator(Communicator):
 
     def _exchange(self, sends, bufs):
         for dst, t in sends.items():
-            self.world.send(self.rank, dst, t)
+            self.world.send(self.rank, dst, t, self.p2p_tag)
         for src, buf in bufs.items():
-            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype))
+            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, self.p2p_tag))
+
+    def flush_sends(self) -> None:
+        pass  # the simulator's sends are buffered: nothing in flight
 
     def _broadcast(self, t, group, src, shape, dtype):
         return self.world.collective(self.rank, "broadcast", group, (src, shape, dtype), t)

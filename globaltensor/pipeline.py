@@ -1,0 +1,138 @@
+"""Pipeline parallelism: stages are placements, a schedule says when each rank runs which micro-batch.
+
+The model is converted with a plan whose entries carry their own placement (`gt.Layout(stage, sbp)`);
+a module whose parameters live on one stage receives its inputs there (`module.py`: a point-to-point
+send at the stage boundary, its backward the gradient sent back). So one micro-batch's forward is the
+unchanged global program: every rank runs it, computing where its stage's shards are and passing
+empty shards elsewhere, and the only messages are the stage boundaries'. What one SPMD program cannot
+say is the order: a schedule (data, `schedule_actions(kind, stages, microbatches)`) lists per stage the
+forward (F) and backward (B) actions, and each rank runs its stage's list. GPipe runs every forward
+then every backward; 1F1B (PipeDream-flush) starts the backward of a micro-batch as soon as the last
+stage has it, so a stage holds at most `stages - stage` micro-batches' activations instead of all.
+
+Messages never wait for their receiver (sends are buffered on the simulator and asynchronous on
+gloo) and are matched by (micro-batch, direction) tags in program order, never by arrival; so the
+stages' different orders cannot cross-match. Gradients accumulate over micro-batches as autograd
+accumulates them; each micro-batch's loss is weighted by its share of the batch, so the step equals
+one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, included).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .layout import Layout, normalize_sbp
+from .placement import Placement
+from .runtime import context
+from .sbp import Broadcast, Split
+from .tensor import GlobalTensor, distribute
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_actions(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
+    """Per stage, its actions in order: ("F", i) forward of micro-batch i, ("B", i) its backward."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"Pipeline(schedule=): {kind!r} is not one of {SCHEDULES}")
+    m = microbatches
+    out = []
+    for s in range(stages):
+        if kind == "gpipe":
+            out.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            continue
+        warm = min(stages - s - 1, m)
+        acts = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            acts += [("F", warm + i), ("B", i)]
+        acts += [("B", i) for i in range(m - warm, m)]
+        out.append(acts)
+    return out
+
+
+def draw(actions: list[list[tuple[str, int]]]) -> str:
+    """A text picture of a schedule (one row per stage, in action order, no timing)."""
+    return "\n".join(f"stage {s}: " + " ".join(f"{a}{i}" for a, i in acts) for s, acts in enumerate(actions))
+
+
+def _stage_placements(model: torch.nn.Module) -> list[Placement]:
+    """The distinct placements of the model's parameters, in the order the modules list them."""
+    seen: list[Placement] = []
+    for q in model.parameters():
+        if isinstance(q, GlobalTensor) and q.placement not in seen:
+            seen.append(q.placement)
+    return seen
+
+
+class Pipeline:
+    """`step(x, target)` trains one batch as `microbatches` micro-batches in the schedule's order and
+    returns the batch's loss (a GlobalTensor on the last stage; every rank calls it)."""
+
+    def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+                 input_sbp: Any = None, target_sbp: Any = None) -> None:
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline(schedule=): {schedule!r} is not one of {SCHEDULES}")
+        if loss_fn is None:
+            raise TypeError("Pipeline(loss_fn=): give the loss as a function (output, target) -> scalar")
+        self.model, self.microbatches, self.kind, self.loss_fn = model, microbatches, schedule, loss_fn
+        self.stages = _stage_placements(model)
+        if not self.stages:
+            raise ValueError("Pipeline(model=): convert the model with gt.to_global first; its plan puts "
+                             "modules on stages with gt.Layout(placement, sbp) entries")
+        owners = [i for i, p in enumerate(self.stages) if context.current().rank in p]
+        if len(owners) > 1:
+            raise ValueError(f"Pipeline: rank {context.current().rank} is in several stages "
+                             f"{[self.stages[i] for i in owners]}; stages must be disjoint rank sets")
+        self.stage = owners[0] if owners else None
+        first = self.stages[0]
+        self.input_layout = Layout(first, (Broadcast(),) * first.ndim if input_sbp is None else
+                                   normalize_sbp(input_sbp, first.ndim, "Pipeline(input_sbp=)"))
+        self.target_sbp = target_sbp
+        self.actions = schedule_actions(schedule, len(self.stages), microbatches)
+
+    def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
+        """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
+        comm = context.current()
+        xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
+        total = x.shape[0]
+        mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
+        losses: dict[int, torch.Tensor] = {}
+        old = comm.p2p_tag, comm.p2p_async
+        comm.p2p_async = True
+        try:
+            for act, i in mine:
+                comm.p2p_tag = 2 * i + (act == "B")
+                if act == "F":
+                    out = self.model(distribute(xs[i], self.input_layout))
+                    tgt = _target_on(ts[i], out, self.target_sbp)
+                    losses[i] = self.loss_fn(out, tgt) * (xs[i].shape[0] / total)
+                else:
+                    losses[i].backward()
+                    losses[i] = losses[i].detach()
+        finally:
+            comm.flush_sends()
+            comm.p2p_tag, comm.p2p_async = old
+        loss = losses[0]
+        for i in range(1, self.microbatches):
+            loss = loss + losses[i]
+        return loss
+
+
+def _split(target: Any, m: int) -> Sequence:
+    if isinstance(target, torch.Tensor):
+        return target.tensor_split(m)
+    raise TypeError(f"Pipeline.step(target=): expected a tensor, got {type(target).__name__}")
+
+
+def _target_on(t: torch.Tensor, out: Any, sbp: Any) -> GlobalTensor:
+    """The micro-batch's target laid out where the output is (the last stage): as given, or as the
+    output's SBP where it splits a dim the target has (the batch), else Broadcast."""
+    o = out[0] if isinstance(out, (tuple, list)) else out
+    p = o.placement
+    if sbp is not None:
+        return distribute(t, Layout(p, normalize_sbp(sbp, p.ndim, "Pipeline(target_sbp=)")))
+    return distribute(t, Layout(p, tuple(s if isinstance(s, Split) and s.dim < t.dim() else Broadcast()
+                                         for s in o.sbp)))
