@@ -1,0 +1,198 @@
+"""A GPT whose MLPs are mixture-of-experts layers, written for one device, plus its plans as SBPs.
+
+The layer is GShard's grouped formulation (Switch's when k = 1): tokens are cut into groups
+`[G, S, d]`, each group routes its own tokens with top-k gating and a per-group capacity `C`
+(choice j fills an expert's slots after every choice < j of the group; what overflows is dropped
+and passes through the residual only), and the dispatched tokens are one `[E, G, C, d]` tensor.
+Everything the router does works along the group's own dims (S, E, C), never across groups, so
+with the group dim split over ranks the router is local; the experts' weights `[E, ...]` split
+on E make the expert computation local too. Between the two, the dispatched tensor changes from
+split on G to split on E and back: `S(1) -> S(0)` and `S(0) -> S(1)`, each exactly one
+all-to-all, which is all the plan has to say (`ep_plan`). Nothing here communicates.
+
+Auxiliary loss: GShard's / Switch's load-balancing term, E * sum_e (fraction of the group's
+tokens whose first choice is e) * (mean router probability of e), averaged over groups.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..module import ModuleLayout
+from ..sbp import Broadcast, Split
+from .gpt import CausalSelfAttention
+
+
+@dataclass
+class MoEConfig:
+    vocab_size: int = 64
+    block_size: int = 16
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+    n_expert: int = 4
+    expert_hidden: int = 64
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    group_size: Optional[int] = None   # tokens per routing group; None: one sequence per group
+    aux_loss_coef: float = 0.01
+    normalize_top_k: bool = True       # GShard: renormalise the k gate values to sum to 1 (k > 1)
+
+
+def capacity(cfg: MoEConfig, group_size: int) -> int:
+    """Slots per expert per group: ceil(k * capacity_factor * S / E), at least 1 (GShard)."""
+    return max(1, math.ceil(cfg.top_k * cfg.capacity_factor * group_size / cfg.n_expert))
+
+
+def route(probs: torch.Tensor, k: int, cap: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k routing with capacity, per group: probs [G, S, E] -> (dispatch [G, S, E, C] of 0/1,
+    combine [G, S, E, C] of gate weights, kept [G, S, k] of 0/1: which choices got a slot).
+
+    Every op works along S, E or C of one group (topk over E, cumsum over the group's choices,
+    one_hot into E and C), so a split of G passes through all of them.
+    """
+    g, s, e = probs.shape
+    top_p, top_i = probs.topk(k, dim=-1)                              # [G, S, k]
+    if normalize and k > 1:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    masks = F.one_hot(top_i, e)                                       # [G, S, k, E]
+    # slot of each choice in its expert: choice-major order, so choice j queues after all choices < j
+    order = masks.transpose(1, 2).reshape(g, k * s, e)
+    pos = (order.cumsum(1) - 1).reshape(g, k, s, e).transpose(1, 2)   # [G, S, k, E]
+    keep = masks * (pos < cap)                                        # overflow dropped
+    kept = keep.sum(-1)                                               # [G, S, k]
+    slot = F.one_hot((pos * keep).sum(-1), cap)                       # [G, S, k, C]
+    dispatch = (keep.unsqueeze(-1) * slot.unsqueeze(-2)).sum(2).to(probs.dtype)                  # [G, S, E, C]
+    combine = ((keep * top_p.unsqueeze(-1)).unsqueeze(-1) * slot.unsqueeze(-2)).sum(2)          # [G, S, E, C]
+    return dispatch, combine, kept
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e * P_e per group, averaged over groups (f: share of first choices, P: mean prob)."""
+    e = probs.shape[-1]
+    frac = F.one_hot(first_choice, e).to(probs.dtype).mean(1)         # [G, E]
+    return (frac * probs.mean(1)).sum(-1).mean() * e
+
+
+class Experts(nn.Module):
+    """E independent two-layer MLPs as batched weights [E, ...]: [E, G, C, d] -> [E, G, C, d].
+
+    Its boundary is where the plan turns G-split tokens into E-split ones and back (`ep_plan`)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, d, h = cfg.n_expert, cfg.n_embd, cfg.expert_hidden
+        self.w1 = nn.Parameter(torch.randn(e, d, h) * 0.02)
+        self.b1 = nn.Parameter(torch.zeros(e, 1, h))
+        self.w2 = nn.Parameter(torch.randn(e, h, d) * (0.02 / math.sqrt(2 * cfg.n_layer)))
+        self.b2 = nn.Parameter(torch.zeros(e, 1, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e, g, c, d = x.shape
+        h = F.gelu(torch.bmm(x.reshape(e, g * c, d), self.w1) + self.b1)
+        return (torch.bmm(h, self.w2) + self.b2).reshape(e, g, c, d)
+
+
+class MoE(nn.Module):
+    """GShard/Switch MoE layer: router, capacity dispatch, experts, weighted combine.
+
+    forward(x [B, T, d]) -> (y [B, T, d], aux loss); dropped tokens give 0 here (the block's residual
+    carries them). `last_kept` holds the last call's [G, S, k] kept choices (routing decisions)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
+        self.experts = Experts(cfg)
+        self.last_kept: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        s = self.cfg.group_size or t
+        if (b * t) % s:
+            raise ValueError(f"MoE: {b * t} tokens do not cut into groups of group_size={s}")
+        tokens = x.reshape(b * t // s, s, d)                          # [G, S, d]
+        probs = self.gate(tokens).softmax(-1)                         # [G, S, E]
+        dispatch, combine, kept = route(probs, self.cfg.top_k, capacity(self.cfg, s), self.cfg.normalize_top_k)
+        self.last_kept = kept.detach()
+        aux = load_balancing_loss(probs, probs.argmax(-1))
+        expert_in = torch.einsum("gsec,gsd->egcd", dispatch, tokens)  # [E, G, C, d]: split G -> split E
+        expert_out = self.experts(expert_in)                          # [E, G, C, d]: split E -> split G
+        y = torch.einsum("gsec,egcd->gsd", combine, expert_out)
+        return y.reshape(b, t, d), aux
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
+        self.ln_2, self.moe = nn.LayerNorm(cfg.n_embd), MoE(cfg)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x + self.attn(self.ln_1(x))
+        y, aux = self.moe(self.ln_2(x))
+        return x + y, aux
+
+
+class MoEGPT(nn.Module):
+    """nanoGPT's shape with every MLP an MoE layer; the loss adds aux_loss_coef x the layers' aux losses."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, 0.0, 0.02)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        b, t = idx.shape
+        pos = torch.arange(t, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        auxes = []
+        for block in self.blocks:
+            x, a = block(x)
+            auxes.append(a)
+        aux = torch.stack(auxes).sum()  # not 0.0 + ...: a constant added to a Partial sum forces its reduction
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, ce + self.cfg.aux_loss_coef * aux
+
+
+def ep_plan(expert_axis: int, ndim: int) -> dict:
+    """Expert parallelism on mesh axis `expert_axis` (GShard; DeepSpeed-MoE's EP x DP when the batch
+    is also split on that axis, the other axes replicating the experts as data parallelism does).
+
+    Expert weights `[E, ...]` are `S(0)` on the expert axis and Broadcast elsewhere. The experts'
+    input is converted to E-split (from the G-split the router leaves: the dispatch all-to-all) and
+    their output back to G-split (the combine all-to-all); the backward runs the duals, one
+    all-to-all each. Other mesh axes are left as the tokens arrive. Every other weight (router,
+    attention, embeddings) is Broadcast: data parallel.
+    """
+    def on_axis(s):
+        return tuple(s if a == expert_axis else Broadcast() for a in range(ndim))
+
+    def hint(s):
+        return tuple(s if a == expert_axis else None for a in range(ndim))
+    return {"*experts.*": on_axis(Split(0)),
+            "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
+
+
+def ep_batch(ndim: int) -> tuple:
+    """The batch split over every mesh axis (EP x DP: each rank routes its own tokens)."""
+    return tuple(Split(0) for _ in range(ndim))

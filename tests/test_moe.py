@@ -1,0 +1,231 @@
+"""The grouped (GShard/Switch) MoE of models/moe.py under ep_plan equals one device, at exactly the
+ideal all-to-all bytes, with no op falling back.
+
+Ideal bytes per MoE layer and direction: two all-to-alls of the dispatched [E, G, C, d] tensor
+(dispatch S(G) -> S(E), combine S(E) -> S(G); the backward runs the duals). A rank receives what its
+target shard holds and its source shard does not: E_r x (G - G_r) x C x d elements, which for even
+splits is (n-1)/n^2 of the tensor.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import globaltensor as gt
+from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+CFG = MoEConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, expert_hidden=32, n_expert=4,
+                top_k=2, capacity_factor=1.0)
+BATCH = 4
+
+
+def _launch(fn, n, *args, backend="sim"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warns: none may happen
+        return gt.launch(fn, n, args=args, backend=backend, timeout=120 if backend == "gloo" else None)
+
+
+def _split_sizes(n: int, parts: int) -> list[int]:
+    return [len(a) for a in np.array_split(np.arange(n), parts)]
+
+
+def ideal_all_to_all(cfg: MoEConfig, groups: int, group_size: int, ranks: int, itemsize: int = 8) -> list[int]:
+    """Bytes each rank of the expert axis receives in one S(G) <-> S(E) all-to-all of [E, G, C, d]."""
+    c = capacity(cfg, group_size)
+    es, gs = _split_sizes(cfg.n_expert, ranks), _split_sizes(groups, ranks)
+    return [es[r] * (groups - gs[r]) * c * cfg.n_embd * itemsize for r in range(ranks)]
+
+
+# -- one layer ----------------------------------------------------------------------------------------
+
+def _layer_inputs(cfg: MoEConfig, batch: int, seed: int, skew: bool):
+    torch.manual_seed(seed)
+    layer = MoE(cfg).double()
+    if skew:  # equal router probabilities: topk picks experts 0..k-1 for every token, the rest get none
+        torch.nn.init.zeros_(layer.gate.weight)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, cfg.block_size, cfg.n_embd, generator=g, dtype=torch.float64)
+    w = torch.randn(batch, cfg.block_size, cfg.n_embd, generator=g, dtype=torch.float64)
+    return layer, x, w
+
+
+def _layer_step(cfg, batch, seed, skew, mesh, expert_axis):
+    layer, x, w = _layer_inputs(cfg, batch, seed, skew)
+    p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
+    gt.to_global(layer, p, ep_plan(expert_axis, len(mesh)))
+    x = gt.to_global(x, p, ep_batch(len(mesh))).requires_grad_(True)
+    w = gt.to_global(w, p, ep_batch(len(mesh)))
+    with gt.comm_log() as fwd:
+        y, aux = layer(x)
+    loss = (y * w).sum() + aux
+    with gt.comm_log() as bwd:
+        loss.backward()
+    grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
+    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
+            y.full_tensor(), aux.full_tensor(), layer.last_kept.full_tensor(), x.grad.full_tensor(), grads)
+
+
+def _layer_reference(cfg, batch, seed, skew):
+    layer, x, w = _layer_inputs(cfg, batch, seed, skew)
+    x.requires_grad_(True)
+    y, aux = layer(x)
+    ((y * w).sum() + aux).backward()
+    return y.detach(), aux.detach(), layer.last_kept, x.grad, {k: v.grad for k, v in layer.named_parameters()}
+
+
+def check_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, seed: int = 0, skew: bool = False):
+    """Values equal one device; forward and backward each exactly two all-to-alls of the ideal bytes."""
+    before = dict(gt.stats()["fallback"])
+    n = int(np.prod(mesh))
+    results = _launch(_layer_step, n, cfg, batch, seed, skew, mesh, expert_axis)
+    assert dict(gt.stats()["fallback"]) == before
+    y_ref, aux_ref, kept_ref, xg_ref, g_ref = _layer_reference(cfg, batch, seed, skew)
+    s = cfg.group_size or cfg.block_size
+    groups = batch * cfg.block_size // s
+    m = mesh[expert_axis]
+    for rank, (fwd, bwd, y, aux, kept, xg, grads) in enumerate(results):
+        torch.testing.assert_close(y, y_ref, **TOL)
+        torch.testing.assert_close(aux, aux_ref, **TOL)
+        assert torch.equal(kept, kept_ref)
+        torch.testing.assert_close(xg, xg_ref, **TOL)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, g_ref[k], **TOL, msg=k)
+        # the expert axis' all-to-all runs on the tokens of this rank's slice of the other axes
+        coord = np.argwhere(np.arange(n).reshape(mesh) == rank)[0]
+        outer = [i for i in range(len(mesh)) if i != expert_axis]
+        sub_groups = groups
+        for a in sorted(outer + [expert_axis]):  # mesh axis 0 cuts the group dim first
+            if a == expert_axis:
+                break
+            sub_groups = _split_sizes(sub_groups, mesh[a])[coord[a]]
+        want = ideal_all_to_all(cfg, sub_groups, s, m)[coord[expert_axis]]
+        if m > 1 and all(a < expert_axis for a in outer):
+            assert fwd == [("all_to_all", want)] * 2, (rank, fwd, want)
+            assert bwd == [("all_to_all", want)] * 2, (rank, bwd, want)
+        elif m > 1:
+            assert [k for k, _ in fwd] == ["all_to_all"] * 2 and [k for k, _ in bwd] == ["all_to_all"] * 2
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("k", [1, 2])
+def test_layer_equals_one_device_at_ideal_bytes(n, k):
+    cfg = MoEConfig(**{**CFG.__dict__, "top_k": k})
+    results = check_layer(cfg, BATCH, (n,))
+    c = capacity(cfg, cfg.block_size)
+    ecd = cfg.n_expert * BATCH * c * cfg.n_embd * 8     # the dispatched [E, G, C, d] tensor, bytes
+    for fwd, bwd, *_ in results:                         # spelled out: (n-1)/n^2 of it, per all-to-all
+        assert fwd == bwd == [("all_to_all", (n - 1) * ecd // n ** 2)] * 2
+
+
+def test_layer_ep_x_dp_2x2():
+    """DeepSpeed-MoE: tokens split on both axes, experts split on axis 1 and replicated on axis 0: the
+    all-to-alls run within axis 1, on each data slice's tokens."""
+    check_layer(CFG, BATCH, (2, 2), expert_axis=1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0]), experts=st.integers(1, 6),
+       n=st.sampled_from([2, 3, 4]), batch=st.integers(1, 6), group=st.sampled_from([None, 4]),
+       skew=st.booleans(), seed=st.integers(0, 3))
+def test_layer_hypothesis(k, factor, experts, n, batch, group, skew, seed):
+    """Top-1/2, capacity factors that drop and that pad, E below / not a multiple of the ranks (uneven
+    or empty expert shards), groups that do not divide over the ranks, every token to one expert."""
+    k = min(k, experts)
+    cfg = MoEConfig(**{**CFG.__dict__, "top_k": k, "capacity_factor": factor, "n_expert": experts,
+                       "group_size": group})
+    check_layer(cfg, batch, (n,), seed=seed, skew=skew)
+
+
+# -- the model, trained --------------------------------------------------------------------------------
+
+STEPS = 3
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
+            torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g))
+
+
+def train(mesh=None, expert_axis=0, steps=STEPS):
+    torch.manual_seed(0)
+    model = MoEGPT(CFG).double()
+    idx, tgt = _batch()
+    if mesh is not None:
+        p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
+        gt.to_global(model, p, ep_plan(expert_axis, len(mesh)))
+        idx, tgt = gt.to_global(idx, p, ep_batch(len(mesh))), gt.to_global(tgt, p, ep_batch(len(mesh)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, kept, logs = [], [], []
+    embedding = embedding_backward_events(model.wte, idx) if mesh is not None else []
+    for _ in range(steps):
+        with gt.comm_log() as fwd:
+            _, loss = model(idx, tgt)
+        opt.zero_grad()
+        with gt.comm_log() as bwd:
+            loss.backward()
+        opt.step()
+        logs.append(([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events]))
+        whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
+        losses.append(whole(loss).item())
+        kept.append([whole(b.moe.last_kept) for b in model.blocks])
+    params = {n: (p.full_tensor() if mesh else p).detach() for n, p in model.named_parameters()}
+    return losses, kept, params, logs, embedding
+
+
+def embedding_backward_events(wte: torch.nn.Embedding, idx: torch.Tensor) -> list:
+    """What the token embedding's backward moves alone, on the model's layouts (not the MoE's: with
+    few tokens per rank the cost model prefers moving the [B, T, d] gradient over reducing [V, d])."""
+    grad = torch.zeros(*idx.shape, wte.embedding_dim, dtype=wte.weight.dtype)
+    grad = gt.to_global(grad, idx.placement, idx.sbp)
+    with gt.comm_log() as log:
+        g, = torch.autograd.grad(F.embedding(idx, wte.weight), wte.weight, grad)
+    return [(e.kind, e.recv_bytes) for e in log.events]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train()
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
+def test_model_adamw_equals_one_device(reference, mesh, expert_axis):
+    want_losses, want_kept, want_params, *_ = reference
+    before = dict(gt.stats()["fallback"])
+    results = _launch(train, int(np.prod(mesh)), mesh, expert_axis)
+    assert dict(gt.stats()["fallback"]) == before
+    m = mesh[expert_axis]
+    groups = BATCH // (int(np.prod(mesh)) // m)
+    want = ideal_all_to_all(CFG, groups, CFG.block_size, m)
+    for rank, (losses, kept, params, logs, embedding) in enumerate(results):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(kept, want_kept):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        # forward and backward of the whole model: only the MoE all-to-alls move data (the loss and
+        # the gradients stay Partial until read: the optimizer's reductions are data parallelism's),
+        # besides cross_entropy's scalar all-reduce over a split batch, and what the token embedding's
+        # backward moves alone (measured on its own)
+        per_layer = [("all_to_all", want[rank % m])] * 2
+        for fwd, bwd in logs:
+            assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * CFG.n_layer, (rank, fwd)
+            assert all(k == "all_reduce" and b <= 8 * len(results) for k, b in fwd if k != "all_to_all"), fwd
+            assert bwd == per_layer * CFG.n_layer + embedding, (rank, bwd, embedding)
+
+
+@pytest.mark.gloo
+def test_model_ep4_under_gloo_processes():
+    want_losses, want_kept, want_params, *_ = train(steps=2)
+    for losses, kept, params, logs, _ in _launch(train, 4, (4,), 0, 2, backend="gloo"):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        assert all(k == "all_to_all" for fwd, bwd in logs for k, _ in fwd + bwd)
