@@ -15,6 +15,7 @@ import torch
 
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
+from ..runtime.trace import FLAGS as _TRACING, pop_plan, push_plan
 from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
 from .plan import Plan, Step
@@ -28,6 +29,14 @@ def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor
     if program is None:
         _check_world(plan, comm)
         program = plan.programs[key] = _compile(plan, comm.rank)
+    if _TRACING.on:  # a gt.comm_report() is open: its collectives name this plan as their conversion
+        push_plan(plan)
+        try:
+            for run in program:
+                local = run(local, comm)
+        finally:
+            pop_plan()
+        return local
     for run in program:
         local = run(local, comm)
     return local
@@ -100,9 +109,15 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
             continue
         group = placement.group(comm.rank, axis)
         run = _BUCKET_RUNS[primitive]
-        for i, o in zip(members, run([plans[i] for i in members], [locals_[i] for i in members],
-                                     group, op, comm)):
-            out[i] = o
+        if _TRACING.on:
+            push_plan(tuple(plans[i] for i in members))  # a bucket: one collective for these plans
+        try:
+            for i, o in zip(members, run([plans[i] for i in members], [locals_[i] for i in members],
+                                         group, op, comm)):
+                out[i] = o
+        finally:
+            if _TRACING.on:
+                pop_plan()
     return out
 
 

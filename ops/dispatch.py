@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
+from ..runtime.trace import FLAGS as _TRACING, pop_op, push_op
 from .decide import Decision, decide, map_tensors
 from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
@@ -31,7 +32,17 @@ _NAMED = object()  # key mark: decided inside a module whose boundary layouts th
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     """Entry point from GlobalTensor.__torch_dispatch__."""
     kwargs = kwargs or _NO_KWARGS
+    if _TRACING.on:  # a gt.comm_report() is open: note the op, so its collectives can say which op needed them
+        return _traced(func, args, kwargs, cls)
     return _program_for(func, args, kwargs, cls)(args, kwargs)
+
+
+def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
+    push_op(func, args)
+    try:
+        return _program_for(func, args, kwargs, cls)(args, kwargs)
+    finally:
+        pop_op()
 
 
 def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:

@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import boxing
 from ..layout import Layout
 from ..runtime import context
+from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
 from ..sbp import Broadcast
 
 _REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor -> {target layout: (versions, reduced local)}
@@ -106,8 +107,15 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
     pending.clear()
     plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
     keep = [i for i, p in enumerate(plans) if boxing.all_reduce_key(p) is not None]
-    outs = boxing.execute_many([plans[i] for i in keep], [entries[i][0]._local for i in keep],
-                               context.current())
+    tracing = _TRACING.on
+    if tracing:  # a gt.comm_report() says these collectives are the gradient bucket
+        push_why(f"gradient bucket: {len(keep)} Partial gradients reduced together at their first read")
+    try:
+        outs = boxing.execute_many([plans[i] for i in keep], [entries[i][0]._local for i in keep],
+                                   context.current())
+    finally:
+        if tracing:
+            pop_why()
     for i, out in zip(keep, outs):
         u, d = entries[i]
         _memo_of(u)[d] = (_versions(u), out)

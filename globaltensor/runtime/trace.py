@@ -1,0 +1,56 @@
+"""What this rank is doing when it communicates, for `gt.comm_report()` to say why a collective ran.
+
+A report needs context at the moment a collective is recorded: the op being dispatched, the
+boxing plan being executed, the module being run, a gradient bucket. Each of those places pushes
+its part here, but only while a report is open somewhere (`FLAGS.on`): the dispatcher's cache-hit
+path then pays one attribute read, and `Communicator._record` reads the context only for a log
+that asks for it (a report's). State is per thread, because a simulated rank is a thread.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class _Flags:
+    """`on`: some thread has a report open; the hot paths test this one attribute and nothing else."""
+    on = False
+
+
+FLAGS = _Flags()
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.ops: list = []        # (op, args) of the dispatched calls in progress, outermost first
+        self.plans: list = []      # boxing plans being executed (innermost last), or a list of a bucket's
+        self.why: list = []        # free-form reasons pushed by their owners ("gradient bucket of 12")
+        self.frames: list = []     # module frames pushed by the report's hooks (globaltensor/report.py)
+        self.reporting = 0         # reports open on this thread
+
+
+STATE = _State()
+
+
+def push_op(op: Any, args: tuple) -> None:
+    STATE.ops.append((op, args))
+
+
+def pop_op() -> None:
+    STATE.ops.pop()
+
+
+def push_plan(plan: Any) -> None:
+    STATE.plans.append(plan)
+
+
+def pop_plan() -> None:
+    STATE.plans.pop()
+
+
+def push_why(why: str) -> None:
+    STATE.why.append(why)
+
+
+def pop_why() -> None:
+    STATE.why.pop()
