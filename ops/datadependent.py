@@ -69,14 +69,16 @@ def _as_integer_indices(indices: list) -> tuple[list, bool]:
 def masked_index(func: Any, args: tuple, kwargs: dict) -> Any:
     """`x[mask]`, `x[mask] = v`: the mask made integer indices, then the op's own rule."""
     indices, changed = _as_integer_indices(list(args[1]))
-    if not changed:  # not reached: integer indices have a meta kernel and are decided by the rule
+    if not changed:  # not reached: integer indices are decided by the indexing rule
         raise AssertionError(f"{func}: decomposed without a mask")
     return func(args[0], indices, *args[2:], **kwargs)
 
 
-def never(ctx: Any, layouts: tuple) -> bool:
-    """Integer indices: the indexing rule decides (a mask has no meta kernel, so it never gets here)."""
-    return False
+def has_mask(ctx: Any, layouts: tuple) -> bool:
+    """A boolean/uint8 index. `x[mask]` has no meta kernel and is decomposed before any rule is asked;
+    `index_put` (`x[mask] = v`, and x[mask]'s backward) has one, as its output is x's shape, and the
+    indexing rule would take the mask for integer indices."""
+    return any(t is not None and t.dtype in _MASKS for t in ctx.args[1])
 
 
 DATA_DEPENDENT = overloads("_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select",
@@ -84,4 +86,4 @@ DATA_DEPENDENT = overloads("_unique2", "unique_dim", "unique_consecutive", "nonz
 register([getattr(p, o) for p in DATA_DEPENDENT for o in p.overloads() if o in ("default",)],
          Rule(no_signatures, decompose=whole))
 for op in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default):
-    RULES[op] = replace(RULES[op], decompose=masked_index, decompose_when=never)
+    RULES[op] = replace(RULES[op], decompose=masked_index, decompose_when=has_mask)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..layout import Layout
-from ..placement import Placement
+from ..placement import DEVICE_TYPES, Placement
 from .registry import Ctx
 
 
@@ -25,5 +25,9 @@ def move_device(func: Any, args: tuple, kwargs: dict) -> Any:
     """Each rank's shard copied to the device asked for; the layout's placement takes its type."""
     x = args[0]
     p = x._layout.placement
-    moved = Placement(torch.device(kwargs["device"]).type, p.shape, p.flat_ranks)
+    kind = torch.device(kwargs["device"]).type
+    if kind not in DEVICE_TYPES:
+        raise ValueError(f"to(device): a GlobalTensor's placement has one of the device types {DEVICE_TYPES}, "
+                         f"got {kind!r}")
+    moved = Placement(kind, p.shape, p.flat_ranks)
     return type(x)(func(x._local, *args[1:], **kwargs), Layout(moved, x._layout.sbp), tuple(x.shape))

@@ -8,7 +8,9 @@ input is moved and never as a "no SBP rule" fallback warning first.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
+
+from ..runtime.failure import CollectiveError, RankError
 
 _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
 
@@ -31,10 +33,15 @@ def describe(tensors: Sequence[Any], cls: type) -> str:
     return "; ".join(parts) + (f" on {placement}" if placement is not None else "")
 
 
-def kernel_error(func: Any, e: BaseException, tensors: Sequence[Any], cls: type) -> BaseException:
-    """The kernel's exception, of its type, with the op and the inputs' layouts prefixed."""
+def kernel_error(func: Any, e: BaseException, tensors: Sequence[Any], cls: type,
+                 rank: Optional[int] = None) -> BaseException:
+    """The kernel's exception, of its type, with the op and the inputs' layouts prefixed (and the rank,
+    for an error the kernel raised on one rank's shards)."""
+    if isinstance(e, (CollectiveError, RankError)):  # about communication, not the kernel: as raised
+        return e
     said = str(e)
-    text = f"{said if said.startswith(str(func)) else f'{func}: {said}'} [GlobalTensor inputs: {describe(tensors, cls)}]"
+    where = "" if rank is None else f"on rank {rank}'s shards; "
+    text = f"{said if said.startswith(str(func)) else f'{func}: {said}'} [{where}GlobalTensor inputs: {describe(tensors, cls)}]"
     try:
         return type(e)(text)
     except Exception:  # an exception type with another constructor

@@ -19,6 +19,7 @@ from ..layout import Layout
 from ..runtime import context
 from ..sbp import Broadcast
 from .decide import Decision, flatten_out, map_tensors
+from .errors import kernel_error
 from .inputs import box, local_of
 from .registry import Local
 from .stats import STATS, note_fallback
@@ -101,13 +102,19 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             if writeback:
                 locs[0] = locs[0].clone()
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
-        if local_hook is None:
-            result = kernel(*largs, **kwargs)
-        else:
-            loc = where.get(rank)
-            if loc is None:
-                loc = where[rank] = Local(dec.ctx, targets, out_layouts, rank)
-            result = local_hook(func, tuple(largs), kwargs, loc)
+        try:  # free until something raises (Python 3.11's exceptions cost nothing on the way through)
+            if local_hook is None:
+                result = kernel(*largs, **kwargs)
+            else:
+                loc = where.get(rank)
+                if loc is None:
+                    loc = where[rank] = Local(dec.ctx, targets, out_layouts, rank)
+                result = local_hook(func, tuple(largs), kwargs, loc)
+        except Exception as e:  # a value the meta kernel could not see (an index out of range): say where
+            err = kernel_error(func, e, tensors_of(args, kwargs), cls, rank)
+            if err is e:
+                raise
+            raise err from e
         if inplace:
             target = tensors[0]
             if writeback:

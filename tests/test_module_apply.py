@@ -86,6 +86,8 @@ def test_module_to_same_device_and_assigning_data():
         assert lin.weight is w and w._local.dtype == torch.float64 and w.sbp == (gt.split(1),)
         with pytest.raises(TypeError, match="assign a GlobalTensor"):
             w.data = torch.zeros(2, 4)
+        with pytest.raises(ValueError, match=r"to\(device\).*'meta'"):
+            w.to("meta")
         return True
     assert all(gt.launch(program, 2))
 

@@ -199,3 +199,19 @@ def test_batch_norm_of_a_split_batch_moves_only_channel_statistics():
         return log.recv_bytes
     for received in _no_fallback_on(fn):
         assert received <= 4 * 4 * 4  # two [4]-sized all-reduces (and the running stats stay B)
+
+
+@pytest.mark.parametrize("shape,sbp", [((1, 1), (gt.split(0), gt.broadcast)), ((4,), (gt.split(0), gt.broadcast)),
+                                       ((5, 3), (gt.split(1), gt.split(0)))])
+def test_mask_index_backward_and_mask_assignment(shape, sbp):
+    """x[mask]'s backward is index_put with the mask (which has a meta kernel): decomposed too."""
+    torch.manual_seed(6)
+    x = torch.randn(shape, dtype=D)
+    for name in ("mask", "row_mask"):
+        check(DATA_DEPENDENT[name], [x], (1, 2), [sbp])
+
+    def assign(t):
+        t = t * 1
+        t[t > 0] = 0.5
+        return t
+    check(assign, [x], (2, 2), [sbp])

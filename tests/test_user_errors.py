@@ -35,6 +35,20 @@ def test_a_bad_view_is_reported_with_its_layouts():
         gt.launch(_bad_view, 2)
 
 
+def _embedding_index_out_of_range():
+    mesh = gt.placement("cpu", [0, 1])
+    emb = gt.to_global(torch.nn.Embedding(4, 3), mesh, {})
+    return emb(gt.to_global(torch.tensor([1, 7]), mesh, gt.split(0)))
+
+
+def test_an_error_only_the_values_show_names_the_op_the_rank_and_the_layouts():
+    with pytest.raises(IndexError) as e:
+        gt.launch(_embedding_index_out_of_range, 2)
+    text = str(e.value)
+    assert "aten.embedding.default: index out of range" in text and "on rank 1's shards" in text, text
+    assert "#1 (2,) int64 (S(0),)" in text and e.value.rank == 1, text
+
+
 def test_a_fallback_warning_names_the_users_line():
     dispatch._WARNED.discard("aten.logcumsumexp.default")  # warned once per op and process
 
