@@ -10,9 +10,10 @@ from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
 from .ops import check_replicated, reset_stats, stats
 from .report import comm_report
+from .visualize import visualize
 
 __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report"]
+           "comm_report", "visualize"]
