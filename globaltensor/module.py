@@ -313,7 +313,8 @@ def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
     used: dict = {}  # id(module) -> placements its parameters are used on
     def visit_used(mod: torch.nn.Module, override: Optional[Placement]) -> set:
         if mod in groups:
-            override = groups[mod].compute[0].placement if groups[mod].compute else override
+            targets = {c.placement for c in groups[mod].compute}
+            override = next(iter(targets)) if len(targets) == 1 else override
         own = {override or q._layout.placement for q in mod._parameters.values() if isinstance(q, GlobalTensor)}
         for child in mod.children():
             own |= visit_used(child, override)

@@ -100,6 +100,7 @@ class Pipeline:
         total = x.shape[0]
         mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
         losses: dict[int, torch.Tensor] = {}
+        self.peak_in_flight = 0  # micro-batches whose activations this rank holds at once (forward done, backward not)
         old = comm.p2p_tag, comm.p2p_async
         comm.p2p_async = True
         try:
@@ -109,6 +110,7 @@ class Pipeline:
                     out = self.model(distribute(xs[i], self.input_layout))
                     tgt = _target_on(ts[i], out, self.target_sbp)
                     losses[i] = self.loss_fn(out, tgt) * (xs[i].shape[0] / total)
+                    self.peak_in_flight = max(self.peak_in_flight, sum(v.requires_grad for v in losses.values()))
                 else:
                     losses[i].backward()
                     losses[i] = losses[i].detach()

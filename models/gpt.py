@@ -7,6 +7,7 @@ derive every collective.
 """
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..layout import Layout
 from ..module import ModuleLayout
 from ..sbp import Broadcast, Split
 
@@ -171,4 +173,49 @@ def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, resh
     plan["*"] = stored(None, 1)
     plan.update({k: v for k, v in tp.items() if isinstance(v, ModuleLayout)})
     plan.update({"": hint, "blocks.*": hint})
+    return plan
+
+
+def pp_plan(stages: list, n_layer: int, inner: dict | None = None) -> dict:
+    """Pipeline stages as placements: blocks split evenly (earlier stages take the extra ones), the
+    embeddings on the first stage, the final norm on the last, and the head, whose weight is the
+    embedding's, used on the last stage (moved there each forward, its gradient sent back and added to
+    the embedding's: one parameter, a Partial across the two placements).
+
+    `inner`: a plan for each stage's own mesh (e.g. `tp_plan(1, 2)` with data x tensor stages, or
+    `zero_plan(...)`): its SBP entries are placed on the stage that owns the parameter; its module hints
+    apply as they are (the head's merged with the move to the last stage).
+    """
+    inner = dict(inner or {})
+    first, last = stages[0], stages[-1]
+    bcast = (Broadcast(),) * first.ndim
+
+    def stage_of_layer(i: int) -> object:
+        return stages[min(i * len(stages) // n_layer, len(stages) - 1)]
+
+    sbps = {k: v for k, v in inner.items() if not isinstance(v, ModuleLayout)}
+    hints = {k: v for k, v in inner.items() if isinstance(v, ModuleLayout)}
+
+    def sbp_for(name: str) -> tuple:
+        for pattern, sbp in sbps.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return sbp if isinstance(sbp, tuple) else (sbp,)
+        return bcast
+
+    plan: dict = {}
+    names = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
+    names += [f"blocks.{i}.{rest}" for i in range(n_layer) for rest in
+              ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.q.weight", "attn.q.bias",
+               "attn.k.weight", "attn.k.bias", "attn.v.weight", "attn.v.bias", "attn.proj.weight",
+               "attn.proj.bias", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias")]
+    for name in names:
+        where = (first if name.startswith(("wte", "wpe")) else last if name.startswith("ln_f") else
+                 stage_of_layer(int(name.split(".")[1])))
+        plan[name] = Layout(where, sbp_for(name))
+    head = hints.pop("head", None)
+    head_fields = {} if head is None else {f: getattr(head, f) for f in ("input", "input_grad", "output",
+                                                                          "output_grad")}
+    plan["head"] = ModuleLayout(params=Layout(last, sbp_for("wte.weight")), reshard_after_forward=False,
+                                **head_fields)
+    plan.update(hints)
     return plan
