@@ -217,31 +217,36 @@ def test_model_adamw_equals_one_device(reference, mesh, expert_axis):
     before = dict(gt.stats()["fallback"])
     results = _launch(train, int(np.prod(mesh)), mesh, expert_axis)
     assert dict(gt.stats()["fallback"]) == before
-    m = mesh[expert_axis]
-    groups = BATCH // (int(np.prod(mesh)) // m)
-    want = ideal_all_to_all(CFG, groups, CFG.block_size, m)
     for rank, (losses, kept, params, logs, embedding) in enumerate(results):
         np.testing.assert_allclose(losses, want_losses, **TOL)
         for got, ref in zip(kept, want_kept):
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
         for name, p in params.items():
             torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
-        # forward and backward of the whole model: only the MoE all-to-alls move data (the loss and
-        # the gradients stay Partial until read: the optimizer's reductions are data parallelism's),
-        # besides cross_entropy's scalar all-reduce over a split batch, and what the token embedding's
-        # backward moves alone (measured on its own)
-        per_layer = [("all_to_all", b) for b in want[rank % m]]
-        for fwd, bwd in logs:
-            assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * CFG.n_layer, (rank, fwd)
-            assert all(k == "all_reduce" and b <= 8 * len(results) for k, b in fwd if k != "all_to_all"), fwd
-            assert bwd == per_layer * CFG.n_layer + embedding, (rank, bwd, embedding)
+        check_model_bytes(mesh, expert_axis, rank, logs, embedding)
+
+
+def check_model_bytes(mesh: tuple, expert_axis: int, rank: int, logs: list, embedding: list) -> None:
+    """Forward and backward of the whole model: only the MoE all-to-alls move data (the loss and the
+    gradients stay Partial until read: the optimizer's reductions are data parallelism's), besides
+    cross_entropy's scalar all-reduce over a split batch and what the token embedding's backward moves
+    alone (measured on its own)."""
+    n, m = int(np.prod(mesh)), mesh[expert_axis]
+    want = ideal_all_to_all(CFG, BATCH // (n // m), CFG.block_size, m)[rank % m]
+    per_layer = [("all_to_all", b) for b in want]
+    for fwd, bwd in logs:
+        assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * CFG.n_layer, (rank, fwd)
+        assert all(k == "all_reduce" and b <= 8 * n for k, b in fwd if k != "all_to_all"), (rank, fwd)
+        assert bwd == per_layer * CFG.n_layer + embedding, (rank, bwd, embedding)
 
 
 @pytest.mark.gloo
 def test_model_ep4_under_gloo_processes():
     want_losses, want_kept, want_params, *_ = train(steps=2)
-    for losses, kept, params, logs, _ in _launch(train, 4, (4,), 0, 2, backend="gloo"):
+    for rank, (losses, kept, params, logs, embedding) in enumerate(_launch(train, 4, (4,), 0, 2, backend="gloo")):
         np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(kept, want_kept):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
         for name, p in params.items():
             torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
-        assert all(k == "all_to_all" for fwd, bwd in logs for k, _ in fwd + bwd)
+        check_model_bytes((4,), 0, rank, logs, embedding)
