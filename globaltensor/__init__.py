@@ -11,9 +11,10 @@ from .pipeline import Pipeline
 from .ops import check_replicated, reset_stats, stats
 from .report import comm_report
 from .visualize import visualize
+from .explain import explain
 
 __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize"]
+           "comm_report", "visualize", "explain"]

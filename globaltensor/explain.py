@@ -1,0 +1,78 @@
+"""`gt.explain(fn, world_size)`: the communication report of a program without running it on data.
+
+Planning a big model's parallelism should not need the hardware: the byte counts of every
+collective depend only on shapes, dtypes and layouts, never on values. So the program runs on
+the simulator with every tensor on the `meta` device (shapes only: no memory, no arithmetic),
+the simulator's collectives pass meta tensors (they cost nothing), and `gt.comm_report()`
+records what each collective would receive on real ranks. A program that reads values (`.item()`,
+printing a loss, data-dependent shapes) cannot run this way; everything else does unchanged.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import tensor as _tensor
+from .report import CommReport, comm_report
+from .runtime import context
+from .runtime.sim import SimCommunicator, SimWorld
+
+_LOCK = threading.Lock()
+
+
+def _meta_device(device_type: str) -> torch.device:
+    return torch.device("meta")
+
+
+def _wrap_on_placement_device(cls: type, local: torch.Tensor, layout: Any, shape: tuple, key: Any,
+                              requires_grad: bool = False) -> Any:
+    """`tensor._wrap` for a dry run: a meta shard's wrapper reports its placement's device type.
+
+    Torch picks some decompositions by the device it sees (scaled_dot_product_attention takes CPU's
+    flash kernel on cpu, the math path on meta), so the wrapper must look like the real run's for the
+    dispatcher to see the same ops; the shard stays meta. Swapped in only while `explain` runs, so
+    the dispatch path of real runs is untouched.
+    """
+    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=layout.placement.device_type
+                                            if local.is_meta else local.device, requires_grad=requires_grad)
+    r._local = local
+    r._layout = layout
+    r._key = key
+    return r
+
+
+def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float | None = None) -> list[CommReport]:
+    """Run `fn(*args)` on `world_size` simulated ranks with meta tensors inside `gt.comm_report()`;
+    returns each rank's report (`print(reports[0])` is rank 0's tree).
+
+    Every tensor the program creates (the model, the batch) is a meta tensor, and placements of any
+    device type keep their shards on `meta`, so a 1-billion-parameter configuration needs no memory.
+    The bytes are those of a real run with the same shapes (`tests/test_explain.py` compares them).
+    """
+    if not callable(fn):
+        raise TypeError(f"explain(fn): must be callable, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"explain(world_size): must be a positive int, got {world_size!r}")
+    if context.current_or_none() is not None:
+        raise RuntimeError("explain: already inside a launched rank; call it from the top level")
+    world = SimWorld(world_size, timeout, device="meta")
+
+    def body(comm: SimCommunicator) -> CommReport:
+        comm.device_for = _meta_device  # type: ignore[method-assign]  # every placement's shards on meta
+        context.set_thread(comm)
+        try:
+            with torch.device("meta"), comm_report() as report:
+                fn(*args)
+            return report
+        finally:
+            context.set_thread(None)
+
+    with _LOCK:  # one dry run at a time: the swap below is process-wide
+        real = _tensor._wrap
+        _tensor._wrap = _wrap_on_placement_device
+        try:
+            return world.run(body)
+        finally:
+            _tensor._wrap = real
