@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +71,14 @@ def test_a_closure_over_local_data():
     with pytest.raises(TypeError, match="test_a_closure_over_local_data.<locals>.program"):
         gt.launch(program, 2, backend="gloo")
     assert gt.launch(program, 2) == [3.0, 3.0]  # the simulator runs any callable
+
+
+def test_a_program_read_from_stdin_is_told_to_use_a_file():
+    code = ("import torch, globaltensor as gt\nfrom test_launch_first_run import _total\n"
+            "gt.launch(_total, 2, backend='gloo', args=(4,))\n")
+    r = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=120,
+                       cwd=str(Path(__file__).parent))
+    assert r.returncode != 0 and "'<stdin>', not a file" in r.stderr, r.stderr
 
 
 def test_unpicklable_args_are_named():

@@ -92,7 +92,12 @@ def _check_spawnable(fn: Callable, args: tuple, backend: str) -> None:
                         "pass what it needs through args=(...) (or a functools.partial of a top-level "
                         "function); backend='sim' runs any callable") from None
     main = sys.modules.get("__main__")
-    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+    path = getattr(main, "__file__", None)
+    if path is not None and not os.path.exists(path):  # `python - <<EOF`: the processes would re-run "<stdin>"
+        raise TypeError(f"launch: backend={backend!r} starts processes that first re-run the main script, and "
+                        f"this one is {path!r}, not a file; save the program to a file (with "
+                        "`if __name__ == \"__main__\":`) or use backend='sim'")
+    if getattr(fn, "__module__", None) == "__main__" and not path:
         raise TypeError(f"launch(fn): {name} is defined in an interactive session, which the spawned "
                         f"processes of backend={backend!r} cannot import; put it in a file (a script with "
                         "`if __name__ == \"__main__\":`, or a module) or use backend='sim'")
