@@ -184,10 +184,22 @@ class CommReport(CommLog):
                 f.write(text)
         return text
 
-    def chrome_trace(self, path: Optional[str] = None) -> dict:
+    def chrome_trace(self, path: Optional[str] = None, all_ranks: bool = False) -> dict:
         """chrome://tracing (Perfetto) JSON: each collective a span from its start to its end, and the
         compute between them; one row per rank (pid), wall-clock timestamps (comparable across gloo
-        processes on one machine; on the simulator ranks take turns, so spans include waiting)."""
+        processes on one machine; on the simulator ranks take turns, so spans include waiting).
+
+        `all_ranks=True` is a collective (every rank calls it): rank 0 gets and writes every rank's
+        spans in one trace, the other ranks return theirs and write nothing."""
+        if all_ranks:
+            comm = context.current()
+            mine = self.chrome_trace()["traceEvents"]
+            every = comm.all_gather_object(mine, tuple(range(comm.world_size)))
+            trace = {"traceEvents": [e for evs in every for e in evs], "displayTimeUnit": "ms"}
+            if path is not None and comm.rank == 0:
+                with open(path, "w") as f:
+                    json.dump(trace, f)
+            return trace if comm.rank == 0 else {"traceEvents": mine, "displayTimeUnit": "ms"}
         events, last = [], None
         for c in self.collectives:
             if last is not None and c.start_ns > last:
