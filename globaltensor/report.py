@@ -73,7 +73,8 @@ class CommReport(CommLog):
     def add(self, event: CommEvent) -> None:
         super().add(event)
         end = time.perf_counter_ns()
-        start = getattr(STATE, "t0", end)
+        start = getattr(STATE, "t0", None) or end  # set by the primitive's start (none for send_recv)
+        STATE.t0 = None
         module, phase, op, reason, plan = self._context(event)
         self.collectives.append(Collective(module, phase, op, event.kind, self._axis(event.group, plan),
                                            event.group, event.recv_bytes, reason, _lower_bound(plan, self.rank),
