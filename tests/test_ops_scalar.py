@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
@@ -215,3 +216,19 @@ def test_mask_index_backward_and_mask_assignment(shape, sbp):
         t[t > 0] = 0.5
         return t
     check(assign, [x], (2, 2), [sbp])
+
+
+@given(meshes(), st.lists(st.integers(1, 4), min_size=2, max_size=4), st.booleans(), st.data())
+def test_batch_norm_function_matches_one_device(mesh, shape, train, data):
+    """F.batch_norm on any layout of input, weight and bias (plain running statistics in eval)."""
+    c = shape[1]
+    sbps = [data.draw(sbps_for(mesh, tuple(shape), partial=True))] + \
+        [data.draw(sbps_for(mesh, (c,))) for _ in range(2)]
+    torch.manual_seed(8)
+    x, w, b = torch.randn(shape, dtype=D), torch.randn(c, dtype=D), torch.randn(c, dtype=D)
+    if train and shape[0] * (int(torch.tensor(shape[2:]).prod()) if len(shape) > 2 else 1) < 2:
+        shape[0] += 1  # torch refuses training statistics over one value per channel
+        x = torch.randn(shape, dtype=D)
+    rm, rv = torch.randn(c, dtype=D), torch.rand(c, dtype=D) + 0.5
+    check(lambda t, w_, b_: F.batch_norm(t, None if train else rm, None if train else rv, w_, b_, training=train),
+          [x, w, b], mesh, sbps, atol=1e-6, rtol=1e-6)
