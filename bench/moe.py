@@ -1,0 +1,224 @@
+"""One MoE layer (models/moe.py, top-2, capacity) forward + backward on gloo processes, side by side.
+
+    python bench/moe.py             # E = 4 and 8 on 4 gloo processes
+    python bench/moe.py --quick     # a smoke run
+
+Every implementation runs the same layer (same seed, same tokens, same routing code `route`) and is
+timed interleaved in one launch (each call between barriers, a fresh random order per repetition; a
+call's time is its slowest rank's):
+
+- gt EP: `gt.to_global(layer, placement, ep_plan(0, 1))`, tokens `S(0)`: the dispatch and combine are
+  the planner's S(G) <-> S(E) all-to-alls, one each way, forward and backward.
+- gt replicated: the same layer with every weight Broadcast (data parallelism): each rank runs all E
+  experts on its own tokens (the same FLOPs as EP). Its forward moves nothing; in the backward the cost
+  model all-to-alls the expert activations to compute the weight gradients split on E, where reducing
+  the Partial [E, d, h] gradients would cost more (its bytes are measured, like EP's).
+- a2a floor: hand-written torch on local tensors: route locally, `all_to_all_single` (differentiable,
+  `torch.distributed.nn.functional`) of the dispatched [E, G/n, C, d] to [E/n, G, C, d], experts,
+  `all_to_all_single` back, combine. What any EP layer must do.
+- all-gather (DTensor style): every rank all-gathers all tokens, routes all of them, runs its E/n
+  experts, and the partial outputs are summed back to each rank's tokens (an all-reduce on gloo, which
+  has no reduce-scatter; counted below as the reduce-scatter a bandwidth-optimal backend would run).
+
+Bytes received per rank for forward + backward: gt's counted by `gt.comm_log()`; the others worked
+out from their collectives (all-to-all (n-1)/n of the local part; all-gather and reduce-scatter
+(n-1)/n of the whole token tensor each, forward and again backward).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dnn
+
+import globaltensor as gt
+from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
+from globaltensor.models.moe import MoE, MoEConfig, capacity, ep_plan, route
+
+IMPLS = ("gt EP", "a2a floor", "all-gather", "gt replicated")
+PAIRS = (("gt EP", "a2a floor"), ("gt EP", "all-gather"), ("gt EP", "gt replicated"), ("a2a floor", "all-gather"))
+
+
+def layer_and_tokens(cfg: MoEConfig, tokens_per_rank: int, n: int, seed: int):
+    torch.manual_seed(seed)
+    layer = MoE(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n * tokens_per_rank // cfg.block_size, cfg.block_size, cfg.n_embd, generator=g)
+    w = torch.randn(x.shape, generator=g)
+    return layer, x, w
+
+
+class GlobalTensorLayer:
+    def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, experts_split: bool) -> None:
+        n = dist.get_world_size()
+        layer, x, w = layer_and_tokens(cfg, tokens_per_rank, n, seed)
+        p = gt.placement("cpu", list(range(n)))
+        self.layer = gt.to_global(layer, p, ep_plan(0, 1) if experts_split else {})
+        self.x = gt.to_global(x, p, gt.split(0)).requires_grad_(True)
+        self.w = gt.to_global(w, p, gt.split(0))
+        self.bytes = 0
+
+    def step(self) -> None:
+        with gt.comm_log() as log:
+            y, aux = self.layer(self.x)
+            ((y * self.w).sum() + aux).backward()
+        self.bytes = log.recv_bytes
+        self.y = y.detach().to_local()
+        self.x.grad = None
+        for q in self.layer.parameters():
+            q.grad = None
+
+
+class TorchLayer:
+    """Plain tensors on each rank: the hand-written all-to-all floor, or the all-gather style."""
+
+    def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
+        self.n, self.r, self.kind, self.cfg = dist.get_world_size(), dist.get_rank(), kind, cfg
+        layer, x, w = layer_and_tokens(cfg, tokens_per_rank, self.n, seed)
+        ge = cfg.n_expert // self.n
+        mine = slice(self.r * ge, (self.r + 1) * ge)
+        ex = layer.experts
+        self.gate = layer.gate.weight.detach().clone().requires_grad_(True)
+        self.w1, self.b1, self.w2, self.b2 = (t.detach()[mine].clone().requires_grad_(True)
+                                              for t in (ex.w1, ex.b1, ex.w2, ex.b2))
+        g_r = x.shape[0] // self.n
+        self.x = x[self.r * g_r:(self.r + 1) * g_r].clone().requires_grad_(True)
+        self.w = w[self.r * g_r:(self.r + 1) * g_r].clone()
+        self.full = x.clone().requires_grad_(True) if kind == "all-gather" else None
+        c = capacity(cfg, cfg.block_size)
+        item = x.element_size()
+        if kind == "a2a floor":   # [E, G/n, C, d] local, (n-1)/n of it per all-to-all, 2 forward + 2 backward
+            self.bytes = 4 * (self.n - 1) * cfg.n_expert * g_r * c * cfg.n_embd * item // self.n
+        else:                     # all-gather + reduce-scatter of [G, S, d] forward, and again backward
+            self.bytes = 4 * (self.n - 1) * x.numel() * item // self.n
+
+    def experts(self, h: torch.Tensor) -> torch.Tensor:
+        e, g, c, d = h.shape
+        h = torch.nn.functional.gelu(torch.bmm(h.reshape(e, g * c, d), self.w1) + self.b1)
+        return (torch.bmm(h, self.w2) + self.b2).reshape(e, g, c, d)
+
+    def routed(self, tokens: torch.Tensor):
+        cfg = self.cfg
+        probs = (tokens @ self.gate.t()).softmax(-1)
+        dispatch, combine, _ = route(probs, cfg.top_k, capacity(cfg, tokens.shape[1]), cfg.normalize_top_k)
+        e = cfg.n_expert
+        aux = (torch.nn.functional.one_hot(probs.argmax(-1), e).to(probs.dtype).mean(1) * probs.mean(1)).sum(-1)
+        return dispatch, combine, aux.sum() * e
+
+    def step(self) -> None:
+        n, r = self.n, self.r
+        if self.kind == "a2a floor":
+            dispatch, combine, aux = self.routed(self.x)
+            send = torch.einsum("gsec,gsd->egcd", dispatch, self.x).contiguous()      # [E, G/n, C, d]
+            recv = dnn.all_to_all_single(torch.empty_like(send), send)                 # [n, E/n, G/n, C, d]
+            e, g_r, c, d = send.shape
+            h = recv.reshape(n, e // n, g_r, c, d).transpose(0, 1).reshape(e // n, n * g_r, c, d)
+            out = self.experts(h).reshape(e // n, n, g_r, c, d).transpose(0, 1).contiguous().reshape(send.shape)
+            back = dnn.all_to_all_single(torch.empty_like(out), out)                   # [E, G/n, C, d]
+            y = torch.einsum("gsec,egcd->gsd", combine, back)
+            self.y = y.detach()
+            # the aux loss of the local groups; the global mean's scale does not change the time
+            ((y * self.w).sum() + aux / n).backward()
+            self.x.grad = None
+        else:
+            parts = dnn.all_gather(self.x)                                              # every token everywhere
+            tokens = torch.cat(parts)
+            dispatch, combine, aux = self.routed(tokens)
+            ge = self.cfg.n_expert // n
+            mine = slice(r * ge, (r + 1) * ge)
+            h = torch.einsum("gsec,gsd->egcd", dispatch[:, :, mine], tokens)
+            y = torch.einsum("gsec,egcd->gsd", combine[:, :, mine], self.experts(h))   # partial: my experts
+            g_r = self.x.shape[0]
+            y = dnn.all_reduce(y)[r * g_r:(r + 1) * g_r]                                # sum, my tokens
+            self.y = y.detach()
+            ((y * self.w).sum() + aux / n).backward()
+            self.x.grad = None
+        for q in (self.gate, self.w1, self.b1, self.w2, self.b2):
+            q.grad = None
+
+
+def build(impl: str, cfg: MoEConfig, tokens: int, seed: int):
+    if impl.startswith("gt"):
+        return GlobalTensorLayer(cfg, tokens, seed, experts_split=impl == "gt EP")
+    return TorchLayer(cfg, tokens, seed, impl)
+
+
+def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, threads: int):
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(threads)
+    layers = {k: build(k, cfg, tokens, seed) for k in IMPLS}
+    for t in layers.values():
+        t.step()
+    diffs = {k: (t.y - layers["gt EP"].y).abs().max().item() for k, t in layers.items()}  # the same layer?
+    times = interleaved_times({k: t.step for k, t in layers.items()}, reps, warmup)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, diffs)
+    if dist.get_rank() != 0:
+        return None
+    return {"times": times, "bytes": {k: t.bytes for k, t in layers.items()},
+            "max_output_difference": {k: max(g[k] for g in gathered) for k in IMPLS}}
+
+
+def report(results: list[dict], args) -> str:
+    lines = [f"One MoE layer, forward + backward, on {args.ranks} gloo processes ({platform.node()}, "
+             f"{os.cpu_count()} CPUs, torch {torch.__version__}), fp32, top-2, capacity factor "
+             f"{args.factor}, d = {args.d}, expert hidden {args.hidden}, {args.tokens} tokens per rank in groups "
+             f"of {args.group}; medians of {args.reps} interleaved calls after {args.warmup + 1} warm-up; ratios: "
+             "medians of per-call ratios with ~95% intervals", ""]
+    for res in results:
+        t = res["times"]
+        med = {k: statistics.median(v) for k, v in t.items()}
+        diff = max(res["max_output_difference"].values())
+        lines += [f"**E = {res['experts']}** (outputs agree to {diff:.1e}; dispatched [E, G, C, d] per rank: {res['dispatched']:,} bytes; "
+                  f"ideal all-to-all bytes per rank, 2 forward + 2 backward: {res['ideal']:,})", "",
+                  "| implementation | ms | bytes recv/rank |", "|---|---|---|"]
+        for k in IMPLS:
+            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {res['bytes'][k]:,} |")
+        lines.append("")
+        for a, b in PAIRS:
+            lo, hi = paired_ratio_ci(t, a, b)
+            lines.append(f"- {a} / {b}: {paired_ratio(t, a, b):.2f} ({lo:.2f}-{hi:.2f})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--experts", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
+    ap.add_argument("--group", type=int, default=256, help="tokens per routing group")
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--factor", type=float, default=1.25)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.warmup, args.tokens, args.experts = 3, 0, 256, [4]
+    results = []
+    for e in args.experts:
+        cfg = MoEConfig(n_embd=args.d, expert_hidden=args.hidden, n_expert=e, top_k=2,
+                        capacity_factor=args.factor, block_size=args.group)
+        res = gt.launch(timed, args.ranks, backend="gloo", timeout=1800,
+                        args=(cfg, args.tokens, args.reps, args.warmup, args.seed, args.threads))[0]
+        groups = args.ranks * args.tokens // args.group
+        local = e * (groups // args.ranks) * capacity(cfg, args.group) * args.d * 4
+        res.update(experts=e, dispatched=local, ideal=4 * (args.ranks - 1) * local // args.ranks)
+        results.append(res)
+    table = report(results, args)
+    print(table)
+    write_results(args.out, "moe", table, results)
+
+
+if __name__ == "__main__":
+    main()
