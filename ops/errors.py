@@ -41,7 +41,8 @@ def kernel_error(func: Any, e: BaseException, tensors: Sequence[Any], cls: type,
         return e
     said = str(e)
     where = "" if rank is None else f"on rank {rank}'s shards; "
-    text = f"{said if said.startswith(str(func)) else f'{func}: {said}'} [{where}GlobalTensor inputs: {describe(tensors, cls)}]"
+    head = said if said.startswith(str(func)) else f"{func}: {said}"
+    text = f"{head} [{where}GlobalTensor inputs: {describe(tensors, cls)}]"
     try:
         return type(e)(text)
     except Exception:  # an exception type with another constructor
