@@ -52,10 +52,11 @@ class Collective:
 
 
 class _Frame:
-    __slots__ = ("path", "stage", "seq")
+    __slots__ = ("path", "stage", "seq", "module")
 
-    def __init__(self, path: str, stage: str, seq: int) -> None:
+    def __init__(self, path: str, stage: str, seq: int, module: int) -> None:
         self.path, self.stage, self.seq = path, stage, [seq, seq, seq]  # starts of input, body, output
+        self.module = module  # id of the module whose call this is
 
 
 class CommReport(CommLog):
@@ -347,13 +348,17 @@ class _Hooks:
 
     def _enter(self, path: str) -> Any:
         def enter(module: torch.nn.Module, args: tuple) -> None:
-            if STATE.reporting:
-                STATE.frames.append(_Frame(path, "input", torch._C._autograd._get_sequence_nr()))
+            if self._mine():
+                STATE.frames.append(_Frame(path, "input", torch._C._autograd._get_sequence_nr(), id(module)))
         return enter
+
+    def _mine(self) -> bool:
+        """Whether this thread's innermost open report is this one (ranks may share a model's hooks)."""
+        return STATE.reporting > 0 and _ACTIVE.get(threading.get_ident()) is self
 
     def _stage(self, stage: str, index: int) -> Any:
         def set_stage(module: torch.nn.Module, *rest: Any) -> None:
-            if STATE.reporting and STATE.frames:
+            if self._mine() and STATE.frames and STATE.frames[-1].module == id(module):
                 frame = STATE.frames[-1]
                 frame.stage = stage
                 frame.seq[index] = torch._C._autograd._get_sequence_nr()
@@ -363,8 +368,8 @@ class _Hooks:
         self._stage("output", 2)(module)
 
     def _leave(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if not (STATE.reporting and STATE.frames):
-            return
+        if not (self._mine() and STATE.frames and STATE.frames[-1].module == id(module)):
+            return  # a call that began before the report opened
         frame = STATE.frames.pop()
         if torch.is_grad_enabled():
             _tag(output, frame)
@@ -373,7 +378,7 @@ class _Hooks:
         """Global pre-hook: a module called at the top level that the report was not given."""
         if STATE.reporting and not STATE.frames and id(module) not in self.attached:
             self.attach(module)
-            frame = _Frame("", "body", torch._C._autograd._get_sequence_nr())  # its own pre-hooks already ran
+            frame = _Frame("", "body", torch._C._autograd._get_sequence_nr(), id(module))  # its pre-hooks ran
             STATE.frames.append(frame)
 
     def remove(self) -> None:
@@ -454,7 +459,7 @@ def comm_report(*modules: torch.nn.Module) -> Iterator[CommReport]:
     try:
         yield report
     finally:
-        comm._logs.remove(report)
+        comm._logs[:] = [g for g in comm._logs if g is not report]  # by identity: logs compare by their events
         STATE.reporting -= 1
         STATE.frames[:] = frames_before
         if outer is None:

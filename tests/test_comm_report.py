@@ -125,3 +125,40 @@ def test_zero_gathers_and_reduce_scatters_named():
     assert kinds[("reduce_scatter", "backward", "ZeRO")] == CFG.n_layer + 1
     assert {c.module for c in rep.collectives if c.kind == "reduce_scatter"} == \
         {""} | {f"blocks.{i}" for i in range(CFG.n_layer)}
+
+
+class _Gather(torch.nn.Module):
+    def forward(self, x):
+        return x.to_global(x.placement, gt.broadcast)
+
+
+def _shared_and_nested(model):
+    p = gt.placement("cpu", [0, 1])
+    x = gt.to_global(torch.ones(4, 6), p, gt.split(1))
+    with gt.comm_report(model) as outer:
+        with gt.comm_report(model) as inner:
+            model(x)
+        model(x)
+    return [c.module for c in inner.collectives], [c.module for c in outer.collectives]
+
+
+def test_ranks_sharing_a_model_and_nested_reports():
+    """The simulator's ranks may share one module object (and its hooks); reports may nest."""
+    model = torch.nn.Sequential(_Gather())
+    for inner, outer in gt.launch(_shared_and_nested, 2, args=(model,)):
+        assert inner == ["0"] and outer == inner * 2
+
+
+def _nested_logs():
+    p = gt.placement("cpu", [0, 1])
+    x = gt.to_global(torch.ones(4), p, gt.split(0))
+    with gt.comm_log() as outer:
+        with gt.comm_log() as inner:
+            x.to_global(p, gt.broadcast)
+        x.to_global(p, gt.broadcast)
+    return len(outer.events), len(inner.events)
+
+
+def test_nested_comm_logs_leave_by_identity():
+    """Two logs holding the same events compare equal; the inner one's exit must not end the outer one."""
+    assert gt.launch(_nested_logs, 2) == [(2, 1), (2, 1)]
