@@ -9,6 +9,7 @@ collectives and a few slices.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -265,6 +266,7 @@ def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     route = step.route(rank)
     if route is None:
         return None
+    key = _message_key(step, shape)
     inside = rank in step.dst.placement
     regions = route.regions
     send_boxes = route.sends
@@ -274,12 +276,12 @@ def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
         held = regions[0][2]  # the output is a slice of the input: a view, no copy
 
         def send_and_slice(local, comm):
-            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None)
+            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None, key)
             return slice_box(local, held)
         return send_and_slice
     if not inside:
         def send_only(local, comm):
-            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None)
+            _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None, key)
             return local.new_empty((0,))
         return send_only
     out_shape = route.out_shape
@@ -295,7 +297,7 @@ def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     def exchange(local, comm):
         out = local.new_empty(out_shape)
         into = {peer: slice_box(out, box).view(-1) for peer, box in in_place}
-        got = _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into)
+        got = _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into, key)
         for box, held in copies:
             slice_box(out, box).copy_(slice_box(local, held))
         for box, op in fills:
@@ -310,7 +312,13 @@ def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     return exchange
 
 
-def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into) -> dict:
+def _message_key(step: Step, shape: tuple) -> int:
+    """A number naming this conversion, the same in every process (str hashes are not): messages of
+    different conversions never match each other, whatever order two ranks run them in."""
+    return zlib.crc32(repr((step.src, step.dst, step.primitive, shape)).encode()) or 1
+
+
+def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into, key=0) -> dict:
     """The route's broadcasts, then its sends and receives; what each peer sent (received into `into`'s)."""
     heard = {}
     for group, src, box, n in bcasts:  # every rank runs them in the same (sender) order
@@ -324,7 +332,7 @@ def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into) -> dic
         sends[peer] = parts[0] if len(parts) == 1 else torch.cat(parts)
     if sends or recv_numels:
         heard.update(comm.exchange(sends, {peer: ((n,), local.dtype) for peer, n in recv_numels}, into,
-                                   local.device))
+                                   local.device, key))
     return heard
 
 

@@ -31,6 +31,7 @@ import torch
 from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .placement import Placement
+from .runtime import context
 from .sbp import SBP_TYPES, Broadcast, Partial
 from .tensor import GlobalTensor, distribute
 from .zero import ParamGroup, compute_layout
@@ -282,15 +283,90 @@ def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement) -> Lay
     return Layout(placement, (Broadcast(),) * placement.ndim)
 
 
-@dataclass(frozen=True)
-class _ToPlacement:
-    """Forward pre-hook of a module whose parameters all live on one placement while the model's span
-    several (pipeline stages): GlobalTensor inputs from elsewhere are sent here, keeping their SBP
-    where the meshes match (a stage boundary: point-to-point at the lower bound)."""
-    placement: Placement
+class _StageForward:
+    """The forward of a module whose parameters are all used on one placement while the model's span
+    several (a pipeline stage): GlobalTensor inputs from elsewhere are sent here first, keeping their
+    SBP where the meshes match (a stage boundary: point-to-point at the lower bound).
 
-    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        return _moved(args, self.placement), _moved(kwargs, self.placement)
+    A rank outside the stage need not run the module's ops on empty shards: once a whole step has
+    shown it the output's layout and the layouts the gradients of the inputs and parameters arrive in
+    (decided by the ranks inside, which a boundary's backward must agree on), `settle()` (called by
+    `gt.Pipeline` after each step) lets it make the empty output directly, connected to the inputs
+    and parameters by autograd (`_Elsewhere`) so that the boundaries' backward runs here as inside.
+    Installed as the module's `forward` attribute (the class's is untouched).
+    """
+
+    def __init__(self, module: torch.nn.Module, placement: Placement) -> None:
+        self.module, self.placement = module, placement
+        self.seen: dict = {}      # call key -> (output layout, shape, dtype, requires grad, gradient layouts)
+        self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _moved(args, self.placement), _moved(kwargs, self.placement)
+        forward = type(self.module).forward
+        if context.current().rank in self.placement:
+            return forward(self.module, *args, **kwargs)
+        ins = _tensors((args, kwargs))
+        targets = [t for t in ins + list(self.module.parameters()) if isinstance(t, GlobalTensor) and t.requires_grad]
+        key = tuple((t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
+                    for t in ins) + (torch.is_grad_enabled(), len(targets))
+        meta = self.seen.get(key)
+        if meta is None:
+            out = forward(self.module, *args, **kwargs)
+            if isinstance(out, GlobalTensor) and key not in self.watching:
+                layouts: list = [None] * len(targets)
+                self.watching[key] = ((out._layout, tuple(out.shape), out.dtype, out.requires_grad), layouts)
+                for i, t in enumerate(targets):
+                    t.register_hook(_GradLayout(layouts, i))
+            return out
+        if meta[3] and targets and torch.is_grad_enabled():
+            return _Elsewhere.apply(meta, *targets)
+        # requiring grad as on the ranks inside (its parameters do): the ops after it, a stage boundary's
+        # among them, must record their backward here too (the boundary's sends the gradient across)
+        return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ins[0].device if ins else None), meta[0],
+                            meta[1], requires_grad=meta[3])
+
+    def settle(self) -> None:
+        """After a step: what the watched calls showed is known; later calls like them skip the ops."""
+        for key, (out, layouts) in self.watching.items():
+            self.seen[key] = out + (tuple(layouts),)
+        self.watching.clear()
+
+
+@dataclass(frozen=True, eq=False)
+class _GradLayout:
+    """Tensor hook: remember the layout a gradient arrives in (see `_StageForward`)."""
+    into: list
+    index: int
+
+    def __call__(self, grad: Any) -> None:
+        if isinstance(grad, GlobalTensor):
+            self.into[self.index] = (grad._layout, tuple(grad.shape), grad.dtype)
+
+
+def _tensors(obj: Any) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+class _Elsewhere(torch.autograd.Function):
+    """A stage's output on a rank outside it: empty; its backward gives each input and parameter an
+    empty gradient in the layout the ranks inside give it (None where they give none)."""
+
+    @staticmethod
+    def forward(ctx, meta: tuple, *inputs: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
+        ctx.grads, ctx.device = meta[4], inputs[0]._local.device
+        return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ctx.device), meta[0], meta[1])
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
+        return (None, *[None if g is None else GlobalTensor(torch.empty((0,), dtype=g[2], device=ctx.device), g[0],
+                                                            g[1]) for g in ctx.grads])
 
 
 def _moved(obj: Any, placement: Placement) -> Any:
@@ -307,7 +383,7 @@ def _moved(obj: Any, placement: Placement) -> Any:
 
 
 def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
-    """{module: _ToPlacement} for the outermost modules whose parameters are used on one placement, when
+    """{module: its stage's placement} for the outermost modules whose parameters are used on one placement, when
     the model's span several; empty otherwise (no hook, no cost). A module that gathers its parameters
     uses them where its group's compute layouts are (a tied head on the last stage)."""
     used: dict = {}  # id(module) -> placements its parameters are used on
@@ -328,7 +404,7 @@ def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
 
     def visit(mod: torch.nn.Module) -> None:
         if len(places[mod]) == 1:
-            out[mod] = _ToPlacement(next(iter(places[mod])))
+            out[mod] = next(iter(places[mod]))
             return
         for child in mod.children():
             visit(child)
@@ -378,13 +454,16 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in mod.__dict__.pop("_gt_layout_hooks", ()):
             handle.remove()
+        if isinstance(mod.__dict__.get("forward"), _StageForward):
+            del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
     stages = _stage_hooks(module, groups)
+    for mod, where in stages.items():
+        mod.__dict__["forward"] = _StageForward(mod, where)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []
-        if mod in stages:
-            handles.append(mod.register_forward_pre_hook(stages[mod].before, with_kwargs=True))
+
         if pre is not None:
             handles.append(mod.register_forward_pre_hook(pre))
         if mod in groups:

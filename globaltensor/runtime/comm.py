@@ -184,9 +184,13 @@ class Communicator:
         return buf[:numel]
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, tuple[Sequence[int], torch.dtype]],
-                 into: dict[int, torch.Tensor] | None = None, device: torch.device | None = None
-                 ) -> dict[int, torch.Tensor]:
+                 into: dict[int, torch.Tensor] | None = None, device: torch.device | None = None,
+                 key: int = 0) -> dict[int, torch.Tensor]:
         """Point-to-point: send sends[r] to rank r, receive recvs[r] = (shape, dtype) from rank r.
+
+        `key` names the conversion the messages belong to (the same number on both sides): with
+        `p2p_tag` it makes the tag, so messages of different conversions never match each other even
+        when two ranks run them in different orders (a pipeline's stages).
 
         `into[r]`, where given, is a contiguous tensor of that shape and dtype to receive into (a
         view of the caller's output, which then needs no copy); it is what is returned for r.
@@ -206,7 +210,8 @@ class Communicator:
                 raise ValueError(f"exchange(into): the buffer for rank {r} must be a contiguous {tuple(shape)} "
                                  f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
             bufs[r] = buf
-        self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs)
+        tag = (self.p2p_tag * 1_000_003 + key) % 2**31 if key else self.p2p_tag
+        self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
         if self._logs:
             peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
             self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
@@ -250,7 +255,7 @@ class Communicator:
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):  # pragma: no cover
         raise NotImplementedError
 
-    def _exchange(self, sends, bufs):  # pragma: no cover - fill bufs[r] with what rank r sends
+    def _exchange(self, sends, bufs, tag):  # pragma: no cover - fill bufs[r] with what rank r sends
         raise NotImplementedError
 
     def flush_sends(self) -> None:

@@ -178,7 +178,7 @@ class TorchDistCommunicator(Communicator):
         for k, piece in zip(pos, inner.split([recv_splits[k] for k in pos])):
             recvs[k].copy_(piece)
 
-    def _exchange(self, sends, bufs):
+    def _exchange(self, sends, bufs, tag=0):
         watch = self._watch
         if watch is not None:
             watch.enter("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), "point-to-point")
@@ -188,7 +188,6 @@ class TorchDistCommunicator(Communicator):
                 ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
                 works = dist.batch_isend_irecv(ops)
             else:  # what batch_isend_irecv does for gloo, without building and checking P2POps
-                tag = self.p2p_tag
                 sent = [(dist.isend(t, dst, tag=tag), t) for dst, t in sorted(sends.items())]  # noqa: E501
                 works = [dist.irecv(t, src, tag=tag) for src, t in sorted(bufs.items())]
                 if self.p2p_async:  # the send's tensor stays alive until flush_sends

@@ -265,11 +265,11 @@ class SimCommunicator(Communicator):
                                       f"elements from rank {group[j]}, got {t.numel()}")
             target.copy_(t)
 
-    def _exchange(self, sends, bufs):
+    def _exchange(self, sends, bufs, tag=0):
         for dst, t in sends.items():
-            self.world.send(self.rank, dst, t, self.p2p_tag)
+            self.world.send(self.rank, dst, t, tag)
         for src, buf in bufs.items():
-            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, self.p2p_tag))
+            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag))
 
     def flush_sends(self) -> None:
         pass  # the simulator's sends are buffered: nothing in flight

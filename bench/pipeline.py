@@ -1,0 +1,154 @@
+"""Pipeline schedules side by side: gt.Pipeline vs torch.distributed.pipelining, same split, same schedule.
+
+    python bench/pipeline.py            # 2 stages on 2 gloo processes, m = 4 and 8, GPipe and 1F1B
+    python bench/pipeline.py --quick
+
+The GPT (`models/gpt.py`) split in two: the embeddings and the first half of the blocks on stage 0,
+the rest, the final norm and the head on stage 1 (blocks split evenly, so compute per stage is
+balanced up to the embedding/head). Both run the same schedule on the same micro-batches and AdamW,
+interleaved step by step in one launch (each step between barriers, a fresh random order per
+repetition; a step's time is its slowest rank's):
+
+- gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer))`, `gt.Pipeline(model, m, schedule, loss_fn)`.
+  The head keeps its weight tied to the embedding: the weight goes to the last stage each micro-batch
+  and its gradient comes back (the global program's one parameter).
+- torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`); the
+  head gets its own copy of the embedding weight (torch's pipelining cannot tie across stages).
+
+Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), and the theoretical
+bubble fraction (p-1)/(m+p-1) of both schedules for reference; and micro-batches in flight per stage
+(gt's measured maximum: GPipe holds m, 1F1B at most p - stage).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import globaltensor as gt
+from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
+from globaltensor.models.gpt import GPT, GPTConfig, pp_plan
+from train_step import batches
+
+
+def loss_fn(logits, tgt):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
+
+
+class GlobalTensorPipe:
+    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int) -> None:
+        n = dist.get_world_size()
+        self.stages = [gt.placement("cpu", [r]) for r in range(n)]
+        torch.manual_seed(seed)
+        self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer))
+        self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def step(self, x, t) -> None:
+        self.pipe.step(x, t)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+class _Stage(nn.Module):
+    """One stage of a hand-split GPT: embeddings (first), blocks, final norm and head (last)."""
+
+    def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.wte, self.wpe, self.drop = (gpt.wte, gpt.wpe, gpt.drop) if first else (None, None, None)
+        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if last:
+            self.ln_f = gpt.ln_f
+            self.head = nn.Linear(gpt.head.in_features, gpt.head.out_features, bias=False)
+            self.head.weight = nn.Parameter(gpt.head.weight.detach().clone())  # untied: another stage
+
+    def forward(self, x):
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+class TorchPipe:
+    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        n, r = dist.get_world_size(), dist.get_rank()
+        torch.manual_seed(seed)
+        gpt = GPT(cfg)
+        per = [i * cfg.n_layer // n for i in range(n + 1)]
+        self.stage_module = _Stage(gpt, per[r], per[r + 1], r == 0, r == n - 1)
+        stage = PipelineStage(self.stage_module, r, n, torch.device("cpu"))
+        self.schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, n_microbatches=m, loss_fn=loss_fn)
+        self.opt = torch.optim.AdamW(self.stage_module.parameters(), lr=1e-3)
+        self.first, self.last = r == 0, r == n - 1
+
+    def step(self, x, t) -> None:
+        if self.first:
+            self.schedule.step(x)
+        elif self.last:
+            self.schedule.step(target=t, losses=[])
+        else:
+            self.schedule.step()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int, seed: int):
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    data = batches(cfg, batch, 1)[0]
+    impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed), "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
+    times = interleaved_times({k: (lambda v=v: v.step(*data)) for k, v in impls.items()}, reps, warmup)
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, impls["gt"].pipe.peak_in_flight)
+    return (times, peaks) if dist.get_rank() == 0 else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    micros = [4, 8]
+    if args.quick:
+        args.reps, args.warmup, micros = 3, 1, [4]
+    p = args.ranks
+    lines = [f"Pipeline, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}), {p} stages on {p} gloo processes "
+             f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
+             f"fp32, AdamW; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
+             "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | theory bubble | "
+             "gt micro-batches in flight per stage |", "|---|---|---|---|---|---|---|"]
+    data = []
+    for kind in ("gpipe", "1f1b"):
+        for m in micros:
+            times, peaks = gt.launch(timed, p, backend="gloo", timeout=1800,
+                                     args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
+            med = {k: statistics.median(v) for k, v in times.items()}
+            lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
+            lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
+                         f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
+                         f"{(p - 1) / (m + p - 1):.2f} | {peaks} |")
+            data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks})
+    table = "\n".join(lines)
+    print(table)
+    write_results(args.out, "pipeline", table, data)
+
+
+if __name__ == "__main__":
+    main()
