@@ -13,6 +13,7 @@ import json
 import warnings
 from collections import Counter
 
+import pytest
 import torch
 
 import globaltensor as gt
@@ -162,3 +163,24 @@ def _nested_logs():
 def test_nested_comm_logs_leave_by_identity():
     """Two logs holding the same events compare equal; the inner one's exit must not end the outer one."""
     assert gt.launch(_nested_logs, 2) == [(2, 1), (2, 1)]
+
+
+def _gpt_report_rows():
+    log, rep, _ = _gpt_step(True)
+    trace = rep.chrome_trace(all_ranks=True)
+    rows = [(c.module, c.phase, c.op, c.kind, c.axis, c.recv_bytes, c.reason) for c in rep.collectives]
+    return rows, log.recv_bytes, trace["traceEvents"]
+
+
+@pytest.mark.gloo
+def test_gloo_report_matches_the_simulator_and_traces_every_rank():
+    real = gt.launch(_gpt_report_rows, 4, backend="gloo", timeout=120)
+    sim = gt.launch(_gpt_report_rows, 4)
+    for (rows, total, _), (sim_rows, sim_total, _) in zip(real, sim):
+        assert rows == sim_rows and total == sim_total == sum(r[5] for r in rows)
+    events = real[0][2]
+    assert {e["pid"] for e in events} == {0, 1, 2, 3}
+    for pid in range(4):
+        spans = [e for e in events if e["pid"] == pid]
+        ends = [e["ts"] + e["dur"] for e in spans]
+        assert ends == sorted(ends) and all(e["dur"] >= 0 for e in spans)
