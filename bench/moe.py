@@ -10,9 +10,11 @@ call's time is its slowest rank's):
 - gt EP: `gt.to_global(layer, placement, ep_plan(0, 1))`, tokens `S(0)`: the dispatch and combine are
   the planner's S(G) <-> S(E) all-to-alls, one each way, forward and backward.
 - gt replicated: the same layer with every weight Broadcast (data parallelism): each rank runs all E
-  experts on its own tokens (the same FLOPs as EP). Its forward moves nothing; in the backward the cost
-  model all-to-alls the expert activations to compute the weight gradients split on E, where reducing
-  the Partial [E, d, h] gradients would cost more (its bytes are measured, like EP's).
+  experts on its own tokens (the same FLOPs as EP) and, at the default sizes, moves nothing in forward
+  + backward: its expert gradients are Partial, left to data parallelism's all-reduce after the step
+  (2 (n-1)/n of the experts' weights; not timed here). With few tokens (`--quick`) the cost model
+  instead all-to-alls the activations to compute the weight gradients split on E, which moves less
+  than reducing [E, d, h] gradients would (its bytes are measured, like EP's).
 - a2a floor: hand-written torch on local tensors: route locally, `all_to_all_single` (differentiable,
   `torch.distributed.nn.functional`) of the dispatched [E, G/n, C, d] to [E/n, G, C, d], experts,
   `all_to_all_single` back, combine. What any EP layer must do.
