@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..module import ModuleLayout
 from ..sbp import Broadcast, Split
-from .gpt import CausalSelfAttention
+from .gpt import CausalSelfAttention, tp_plan
 
 
 @dataclass
@@ -174,7 +174,7 @@ class MoEGPT(nn.Module):
         return logits, ce + self.cfg.aux_loss_coef * aux
 
 
-def ep_plan(expert_axis: int, ndim: int) -> dict:
+def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> dict:
     """Expert parallelism on mesh axis `expert_axis` (GShard; DeepSpeed-MoE's EP x DP when the batch
     is also split on that axis, the other axes replicating the experts as data parallelism does).
 
@@ -183,16 +183,38 @@ def ep_plan(expert_axis: int, ndim: int) -> dict:
     their output back to G-split (the combine all-to-all); the backward runs the duals, one
     all-to-all each. Other mesh axes are left as the tokens arrive. Every other weight (router,
     attention, embeddings) is Broadcast: data parallel.
+
+    With `tensor_axis` (EP x TP), each expert is also split Megatron-style on that axis (w1 and b1
+    column-parallel on the hidden dim, w2 row-parallel: one all-reduce of the experts' output forward
+    and of their input gradient backward, on the tensor axis); tokens are then Broadcast on the tensor
+    axis. `moe_gpt_plan` adds tensor parallelism for the rest of the model.
     """
-    def on_axis(s):
-        return tuple(s if a == expert_axis else Broadcast() for a in range(ndim))
+    def on_axes(e, t=Broadcast()):
+        return tuple(e if a == expert_axis else t if a == tensor_axis else Broadcast() for a in range(ndim))
 
-    def hint(s):
-        return tuple(s if a == expert_axis else None for a in range(ndim))
-    return {"*experts.*": on_axis(Split(0)),
-            "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
+    def hint(e, t=None):
+        return tuple(e if a == expert_axis else t if a == tensor_axis else None for a in range(ndim))
+    if tensor_axis is None:
+        return {"*experts.*": on_axes(Split(0)),
+                "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
+    if tensor_axis == expert_axis:
+        raise ValueError(f"ep_plan: tensor_axis={tensor_axis} is the expert axis; give another mesh axis")
+    return {"*experts.w1": on_axes(Split(0), Split(2)), "*experts.b1": on_axes(Split(0), Split(2)),
+                 "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0)),
+                 "*experts": ModuleLayout(input=hint(Split(0), Broadcast()), input_grad=hint(None, Broadcast()),
+                                          output=hint(Split(1), Broadcast()))}
 
 
-def ep_batch(ndim: int) -> tuple:
-    """The batch split over every mesh axis (EP x DP: each rank routes its own tokens)."""
-    return tuple(Split(0) for _ in range(ndim))
+def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> dict:
+    """`MoEGPT`'s plan: `ep_plan` for the experts, and with `tensor_axis` (EP x TP) attention and the
+    tied embedding tensor-parallel as `models/gpt.py`'s `tp_plan` has them (its MLP entries dropped:
+    the MoE layers replace the MLPs)."""
+    plan = {} if tensor_axis is None else {k: v for k, v in tp_plan(tensor_axis, ndim).items() if ".mlp" not in k}
+    plan.update(ep_plan(expert_axis, ndim, tensor_axis))
+    return plan
+
+
+def ep_batch(ndim: int, tensor_axis: Optional[int] = None) -> tuple:
+    """The batch split over every mesh axis but the tensor axis (EP x DP: each rank routes its own
+    tokens; EP x TP: the ranks of a tensor group route the same ones)."""
+    return tuple(Broadcast() if a == tensor_axis else Split(0) for a in range(ndim))

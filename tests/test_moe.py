@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
-from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan
+from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan, moe_gpt_plan
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 CFG = MoEConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, expert_hidden=32, n_expert=4,
@@ -136,6 +136,40 @@ def test_layer_ep_x_dp_2x2():
     check_layer(CFG, BATCH, (2, 2), expert_axis=1)
 
 
+def _layer_step_tp(cfg, batch):
+    layer, x, w = _layer_inputs(cfg, batch, 0, False)
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    gt.to_global(layer, p, ep_plan(0, 2, tensor_axis=1))
+    x = gt.to_global(x, p, ep_batch(2, tensor_axis=1)).requires_grad_(True)
+    w = gt.to_global(w, p, ep_batch(2, tensor_axis=1))
+    with gt.comm_log() as fwd:
+        y, aux = layer(x)
+    with gt.comm_log() as bwd:
+        ((y * w).sum() + aux).backward()
+    grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
+    return fwd.recv_bytes, bwd.recv_bytes, y.full_tensor(), x.grad.full_tensor(), grads
+
+
+def test_layer_ep_x_tp_2x2():
+    """EP=2 (axis 0) x TP=2 (axis 1, each expert Megatron-split): equal to one device, and each direction
+    moves at most Megatron's count: the two all-to-alls on the expert axis plus one all-reduce of the
+    experts' [E/2, G, C, d] on the tensor axis (the planner finds less: a reduce-scatter, the combine's
+    all-to-all of half the tensor, an all-gather)."""
+    before = dict(gt.stats()["fallback"])
+    results = _launch(_layer_step_tp, 4, CFG, BATCH)
+    assert dict(gt.stats()["fallback"]) == before
+    y_ref, _, _, xg_ref, g_ref = _layer_reference(CFG, BATCH, 0, False)
+    dispatch, combine = ideal_all_to_all(CFG, BATCH, CFG.block_size, 2)[0]
+    local = CFG.n_expert // 2 * BATCH * capacity(CFG, CFG.block_size) * CFG.n_embd * 8
+    bound = dispatch + combine + local        # an all-reduce on 2 ranks receives the tensor once
+    for fwd, bwd, y, xg, grads in results:
+        torch.testing.assert_close(y, y_ref, **TOL)
+        torch.testing.assert_close(xg, xg_ref, **TOL)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, g_ref[k], **TOL, msg=k)
+        assert fwd <= bound and bwd <= bound, (fwd, bwd, bound)
+
+
 @settings(max_examples=12, deadline=None)
 @given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0]), experts=st.integers(1, 6),
        n=st.sampled_from([2, 3, 4]), per_rank=st.integers(1, 2), group=st.sampled_from([None, 4]),
@@ -170,14 +204,15 @@ def _batch():
             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g))
 
 
-def train(mesh=None, expert_axis=0, steps=STEPS):
+def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None):
     torch.manual_seed(0)
     model = MoEGPT(CFG).double()
     idx, tgt = _batch()
     if mesh is not None:
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, ep_plan(expert_axis, len(mesh)))
-        idx, tgt = gt.to_global(idx, p, ep_batch(len(mesh))), gt.to_global(tgt, p, ep_batch(len(mesh)))
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis))
+        batch = ep_batch(len(mesh), tensor_axis)
+        idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, kept, logs = [], [], []
     embedding = embedding_backward_events(model.wte, idx) if mesh is not None else []
@@ -238,6 +273,20 @@ def check_model_bytes(mesh: tuple, expert_axis: int, rank: int, logs: list, embe
         assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * CFG.n_layer, (rank, fwd)
         assert all(k == "all_reduce" and b <= 8 * n for k, b in fwd if k != "all_to_all"), (rank, fwd)
         assert bwd == per_layer * CFG.n_layer + embedding, (rank, bwd, embedding)
+
+
+def test_model_ep_x_tp_2x2(reference):
+    """EP=2 x TP=2: experts split on E (axis 0) and Megatron-style on their hidden dim (axis 1),
+    attention and the tied embedding tensor-parallel: equal to one device, nothing falls back."""
+    want_losses, want_kept, want_params, *_ = reference
+    before = dict(gt.stats()["fallback"])
+    for losses, kept, params, *_ in _launch(train, 4, (2, 2), 0, STEPS, 1):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(kept, want_kept):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+    assert dict(gt.stats()["fallback"]) == before
 
 
 @pytest.mark.gloo
