@@ -39,14 +39,20 @@ class MoEConfig:
     n_expert: int = 4
     expert_hidden: int = 64
     top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: Optional[float] = 1.25   # None: no token dropped (capacity = group size, padded)
     group_size: Optional[int] = None   # tokens per routing group; None: one sequence per group
     aux_loss_coef: float = 0.01
     normalize_top_k: bool = True       # GShard: renormalise the k gate values to sum to 1 (k > 1)
 
 
 def capacity(cfg: MoEConfig, group_size: int) -> int:
-    """Slots per expert per group: ceil(k * capacity_factor * S / E), at least 1 (GShard)."""
+    """Slots per expert per group: ceil(k * capacity_factor * S / E), at least 1 (GShard).
+
+    `capacity_factor=None` is dropless by padding: S slots, as many as a group has tokens (top-k picks
+    k distinct experts, so no expert gets more), at E / k times the bytes of the routed tokens. Dropless
+    at exactly the routed bytes needs a ragged split (docs/design.md, proposed)."""
+    if cfg.capacity_factor is None:
+        return group_size
     return max(1, math.ceil(cfg.top_k * cfg.capacity_factor * group_size / cfg.n_expert))
 
 

@@ -130,6 +130,14 @@ def test_layer_equals_one_device_at_ideal_bytes(n, k):
         assert fwd == bwd == [("all_to_all", (n - 1) * ecd // n ** 2)] * 2
 
 
+def test_dropless_by_padding_drops_nothing():
+    """capacity_factor=None: every choice of every token gets a slot, skewed routing included."""
+    cfg = MoEConfig(**{**CFG.__dict__, "capacity_factor": None})
+    for skew in (False, True):
+        kept = check_layer(cfg, BATCH, (2,), skew=skew)[0][4]
+        assert kept.eq(1).all()
+
+
 def test_layer_ep_x_dp_2x2():
     """DeepSpeed-MoE: tokens split on both axes, experts split on axis 1 and replicated on axis 0: the
     all-to-alls run within axis 1, on each data slice's tokens."""
@@ -171,11 +179,11 @@ def test_layer_ep_x_tp_2x2():
 
 
 @settings(max_examples=12, deadline=None)
-@given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0]), experts=st.integers(1, 6),
+@given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0, None]), experts=st.integers(1, 6),
        n=st.sampled_from([2, 3, 4]), per_rank=st.integers(1, 2), group=st.sampled_from([None, 4]),
        skew=st.booleans(), seed=st.integers(0, 3))
 def test_layer_hypothesis(k, factor, experts, n, per_rank, group, skew, seed):
-    """Top-1/2, capacity factors that drop and that pad, E below / not a multiple of the ranks (uneven
+    """Top-1/2, capacity factors that drop and that pad (None: dropless by padding), E below / not a multiple of the ranks (uneven
     or empty expert shards), every token to one expert (the others empty). Groups are a multiple of
     the ranks, as GShard sizes them (see test_groups_that_do_not_divide for the other case)."""
     k = min(k, experts)
