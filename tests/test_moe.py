@@ -201,6 +201,43 @@ def test_groups_that_do_not_divide(n, batch):
     check_layer(CFG, batch, (n,), exact_bytes=False)
 
 
+# -- a MoE model nobody here wrote ---------------------------------------------------------------------
+
+def _torch_transformer(n):
+    from thirdparty.torch_test_transformer import ModelArgs, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0,
+                                  num_experts=4)).double()
+    tokens = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
+    if n:
+        p = gt.placement("cpu", list(range(n)))
+        gt.to_global(model, p, {"*.experts.*": gt.split(0)})
+        tokens = gt.to_global(tokens, p, gt.split(0))
+    with gt.comm_log() as log:
+        out = model(tokens)
+        out.sum().backward()
+    whole = (lambda t: t.full_tensor()) if n else (lambda t: t)
+    return whole(out).detach(), {k: whole(v.grad) for k, v in model.named_parameters()}, log.recv_bytes
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_torch_test_transformer_experts_by_plan_alone(n):
+    """torch's test Transformer with num_experts (every token through every expert, summed: no
+    routing), written for one device, converts unchanged with the experts S(0) and tokens S(0), and
+    equals one device with nothing falling back. Its bytes are not the ideal: the experts' input is
+    `x.expand(E, ...)`, split on tokens, which the next bmm boxes to E-split: an all-to-all of the
+    expanded tensor, E/n times the all-gather of the tokens that DTensor's ExpertParallel runs (equal at
+    E = n); choosing per op, the expand cannot see that gathering before it would be cheaper."""
+    before = dict(gt.stats()["fallback"])
+    results = _launch(_torch_transformer, n, n)
+    assert dict(gt.stats()["fallback"]) == before
+    want_out, want_grads, _ = _torch_transformer(0)
+    for out, grads, _ in results:
+        torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want_grads[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
 # -- the model, trained --------------------------------------------------------------------------------
 
 STEPS = 3
