@@ -211,12 +211,28 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> d
                                           output=hint(Split(1), Broadcast()))}
 
 
-def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> dict:
+def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, *, zero: bool = False,
+                 reshard_after_forward: bool = True) -> dict:
     """`MoEGPT`'s plan: `ep_plan` for the experts, and with `tensor_axis` (EP x TP) attention and the
     tied embedding tensor-parallel as `models/gpt.py`'s `tp_plan` has them (its MLP entries dropped:
-    the MoE layers replace the MLPs)."""
+    the MoE layers replace the MLPs).
+
+    `zero=True` (DeepSpeed-MoE with ZeRO): every dense parameter is stored `S(0)` on the expert axis
+    (which is then also the data axis) and gathered per block while it runs, as `zero_plan` does;
+    the experts are already split on that axis and are used where they are stored (their module
+    names its own `params=`, so a block's gather leaves them out).
+    """
+    if zero and tensor_axis is not None:
+        raise ValueError("moe_gpt_plan: zero=True with tensor_axis is not built; give one of them")
     plan = {} if tensor_axis is None else {k: v for k, v in tp_plan(tensor_axis, ndim).items() if ".mlp" not in k}
     plan.update(ep_plan(expert_axis, ndim, tensor_axis))
+    if zero:
+        on_axis = lambda s: tuple(s if a == expert_axis else Broadcast() for a in range(ndim))  # noqa: E731
+        keep = lambda s: tuple(s if a == expert_axis else None for a in range(ndim))  # noqa: E731
+        hint = ModuleLayout(params=keep(Broadcast()), reshard_after_forward=reshard_after_forward)
+        experts = plan["*experts"]
+        plan.update({"*": on_axis(Split(0)), "": hint, "blocks.*": hint,
+                     "*experts": ModuleLayout(input=experts.input, output=experts.output, params=keep(Split(0)))})
     return plan
 
 

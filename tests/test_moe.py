@@ -249,13 +249,13 @@ def _batch():
             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g))
 
 
-def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None):
+def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None, zero=False):
     torch.manual_seed(0)
     model = MoEGPT(CFG).double()
     idx, tgt = _batch()
     if mesh is not None:
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis))
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero))
         batch = ep_batch(len(mesh), tensor_axis)
         idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -332,6 +332,30 @@ def test_model_ep_x_tp_2x2(reference):
         for name, p in params.items():
             torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
     assert dict(gt.stats()["fallback"]) == before
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
+def test_model_ep_with_zero3(reference, mesh, expert_axis):
+    """EP with ZeRO-3 on the same axis (dense parameters stored S(0), gathered per block; experts used
+    where they are stored): equal to one device after AdamW steps, the MoE all-to-alls unchanged, and
+    no all-gather as large as a layer's experts (they are never gathered)."""
+    want_losses, want_kept, want_params, *_ = reference
+    before = dict(gt.stats()["fallback"])
+    n = int(np.prod(mesh))
+    results = _launch(train, n, mesh, expert_axis, STEPS, None, True)
+    assert dict(gt.stats()["fallback"]) == before
+    m = mesh[expert_axis]
+    want = ideal_all_to_all(CFG, BATCH // (n // m), CFG.block_size, m)
+    experts_bytes = sum(q.numel() for q in MoE(CFG).experts.parameters()) * 8 // m
+    for rank, (losses, kept, params, logs, _) in enumerate(results):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(kept, want_kept):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        for name, p in params.items():
+            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        for fwd, bwd in logs:
+            assert [e for e in fwd if e[0] == "all_to_all"] == [("all_to_all", b) for b in want[rank % m]] * 2
+            assert all(b < experts_bytes for k, b in fwd + bwd if k == "all_gather"), (fwd, bwd)
 
 
 @pytest.mark.gloo
