@@ -30,6 +30,8 @@ from .gpt import CausalSelfAttention, tp_plan
 
 @dataclass
 class MoEConfig:
+    """nanoGPT's sizes plus the MoE layer's: E experts of hidden size `expert_hidden`, top-k routing
+    with a capacity factor, routing groups of `group_size` tokens, the aux loss's weight."""
     vocab_size: int = 64
     block_size: int = 16
     n_layer: int = 2
@@ -43,6 +45,14 @@ class MoEConfig:
     group_size: Optional[int] = None   # tokens per routing group; None: one sequence per group
     aux_loss_coef: float = 0.01
     normalize_top_k: bool = True       # GShard: renormalise the k gate values to sum to 1 (k > 1)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.n_expert:
+            raise ValueError(f"MoEConfig(top_k={self.top_k}): must be between 1 and n_expert={self.n_expert}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig(capacity_factor={self.capacity_factor}): must be > 0, or None (dropless)")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"MoEConfig(group_size={self.group_size}): must be >= 1, or None (one sequence)")
 
 
 def capacity(cfg: MoEConfig, group_size: int) -> int:

@@ -201,6 +201,19 @@ def test_groups_that_do_not_divide(n, batch):
     check_layer(CFG, batch, (n,), exact_bytes=False)
 
 
+@pytest.mark.parametrize("bad, arg", [(dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"),
+                                      (dict(capacity_factor=0.0), "capacity_factor"), (dict(group_size=0), "group_size")])
+def test_bad_config_names_the_argument(bad, arg):
+    with pytest.raises(ValueError, match=arg):
+        MoEConfig(**{**CFG.__dict__, **bad})
+
+
+def test_groups_that_do_not_cut_the_tokens():
+    layer = MoE(MoEConfig(**{**CFG.__dict__, "group_size": 3}))
+    with pytest.raises(ValueError, match="group_size=3"):
+        layer(torch.randn(2, CFG.block_size, CFG.n_embd))
+
+
 # -- a MoE model nobody here wrote ---------------------------------------------------------------------
 
 def _torch_transformer(n):
