@@ -14,9 +14,9 @@ bound. Partial sources are reduced on the source placement (innermost mesh
 axis first when ops differ) before data crosses to another placement.
 """
 from .cost import lower_bound
-from .execute import all_reduce_key, bucket_key, convert_local, execute, execute_many
+from .execute import all_reduce_key, bucket_key, convert_local, execute, execute_many, execute_many_start
 from .plan import Plan, RankRoute, Step
 from .search import plan
 
-__all__ = ["plan", "Plan", "Step", "RankRoute", "execute", "execute_many", "all_reduce_key", "bucket_key", "convert_local",
+__all__ = ["plan", "Plan", "Step", "RankRoute", "execute", "execute_many", "execute_many_start", "all_reduce_key", "bucket_key", "convert_local",
            "lower_bound"]

@@ -91,6 +91,13 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
     member's piece is its own size). Other plans run one by one. Every rank must pass the same
     plans in the same order; buckets run in order of first appearance.
     """
+    return execute_many_start(plans, locals_, comm)()
+
+
+def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
+                       ) -> Callable[[], list[torch.Tensor]]:
+    """`execute_many` started now, finished by calling the result: its all-gather buckets may stay in
+    flight meanwhile (a prefetch of the next module's parameters); everything else runs now."""
     out: list = [None] * len(plans)
     buckets: dict[tuple, list[int]] = {}
     for i, p in enumerate(plans):
@@ -100,6 +107,7 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
             out[i] = execute(p, locals_[i], comm)
         else:
             buckets.setdefault(key, []).append(i)
+    pending = []
     for (primitive, placement, axis, _, op), members in buckets.items():
         if len(members) == 1:
             out[members[0]] = execute(plans[members[0]], locals_[members[0]], comm)
@@ -109,17 +117,19 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
                 out[i] = locals_[i].new_empty((0,))
             continue
         group = placement.group(comm.rank, axis)
-        run = _BUCKET_RUNS[primitive]
-        if _TRACING.on:
-            push_plan(tuple(plans[i] for i in members))  # a bucket: one collective for these plans
-        try:
-            for i, o in zip(members, run([plans[i] for i in members], [locals_[i] for i in members],
-                                         group, op, comm)):
+        args = ([plans[i] for i in members], [locals_[i] for i in members], group, op, comm)
+        if primitive == "all_gather":
+            pending.append((members, _all_gather_bucket_start(*args)))
+            continue
+        for i, o in zip(members, _BUCKET_RUNS[primitive](*args)):
+            out[i] = o
+
+    def finish() -> list[torch.Tensor]:
+        for members, done in pending:
+            for i, o in zip(members, done()):
                 out[i] = o
-        finally:
-            if _TRACING.on:
-                pop_plan()
-    return out
+        return out
+    return finish
 
 
 def _all_reduce_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
@@ -128,14 +138,22 @@ def _all_reduce_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
 
 
 def _all_gather_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
+    return _all_gather_bucket_start(plans, locals_, group, op, comm)()
+
+
+def _all_gather_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
     """One all-gather of every shard back to back; each member's piece holds its shards in plan order."""
     shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in plans]
     numels = [[math.prod(s) for s in per] for per in shapes]  # [plan][member]
-    got = comm.all_gather(torch.cat([t.reshape(-1) for t in locals_]), group,
-                          [(sum(n[j] for n in numels),) for j in range(len(group))])
-    splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
-    return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(len(group))],
-                      dim=p.steps[0].src.sbp[p.steps[0].axis].dim) for i, p in enumerate(plans)]
+    done = comm.all_gather_start(torch.cat([t.reshape(-1) for t in locals_]), group,
+                                 [(sum(n[j] for n in numels),) for j in range(len(group))])
+
+    def finish() -> list[torch.Tensor]:
+        got = done()
+        splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
+        return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(len(group))],
+                          dim=p.steps[0].src.sbp[p.steps[0].axis].dim) for i, p in enumerate(plans)]
+    return finish
 
 
 def _reduce_scatter_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:

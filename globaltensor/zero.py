@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -50,23 +50,31 @@ class ParamGroup:
     reshard_after_forward: bool
     param_dtype: Optional[torch.dtype]
     reduce_dtype: Optional[torch.dtype]
-    _plans: dict = field(default_factory=dict, repr=False)  # (conversions, which) -> boxing plans
 
     def plans_for(self, conversions: tuple, which: Optional[tuple] = None) -> list:
         """Boxing plans for (src, dst, dtype) per parameter (or per parameter in `which`), remembered
         per group: every step asks for the same ones."""
         key = (conversions, which)
-        plans = self._plans.get(key)
+        remembered = _state(self).setdefault("plans", {})
+        plans = remembered.get(key)
         if plans is None:
             idx = range(len(self.params)) if which is None else which
-            plans = self._plans[key] = [boxing.plan(src, dst, tuple(self.params[i].shape), dtype)
+            plans = remembered[key] = [boxing.plan(src, dst, tuple(self.params[i].shape), dtype)
                                         for i, (src, dst, dtype) in zip(idx, conversions)]
         return plans
 
     # hooks are bound methods, not closures, so that a converted module pickles and deep-copies
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
-        """Forward pre-hook: gather, and read the gathered parameters from the module's slots."""
-        call = _Call(self)
+        """Forward pre-hook: gather (or finish the prefetch of this module's gather), start the next
+        module's gather, and read the gathered parameters from the module's slots.
+
+        The next module is the one that followed this one in the previous forward (inside the same
+        outer gathering module: never across a step, whose optimizer changes the parameters)."""
+        mine = _state(self)
+        call = mine.pop("prefetched", None) or _Call(self)
+        if _OPEN.stack and _ORDER.last is not None and _ORDER.last is not self:
+            _state(_ORDER.last)["next"] = self
+        _ORDER.last = self
         params = [p for p in self.params]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             gathered = _Gather.apply(call, *params)
@@ -74,6 +82,10 @@ class ParamGroup:
             gathered = call.gather()
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
+        nxt = mine.get("next")
+        if nxt is not None and "prefetched" not in _state(nxt):
+            ahead = _state(nxt)["prefetched"] = _Call(nxt)
+            ahead.start()
         _OPEN.stack.append(call)
         dispatch.enter_named()
         if self.param_dtype is not None:
@@ -98,9 +110,21 @@ class ParamGroup:
 class _Open(threading.local):
     def __init__(self) -> None:
         self.stack: list = []
+        self.last: Optional[ParamGroup] = None
 
 
 _OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered
+_ORDER = _OPEN   # ... and the group whose forward started last
+_STATE: "weakref.WeakKeyDictionary[ParamGroup, dict]" = weakref.WeakKeyDictionary()
+
+
+def _state(group: ParamGroup) -> dict:
+    """A group's run-time state (its plans, the next group, a prefetched gather), kept out of the
+    group itself so that a converted module pickles and deep-copies without it."""
+    st = _STATE.get(group)
+    if st is None:
+        st = _STATE[group] = {}
+    return st
 
 
 class _Call:
@@ -115,8 +139,17 @@ class _Call:
         self.freed = False
         self.tracked = False          # an autograd function holds this call (a backward will come)
         self.scoped = False           # its backward is running in the named scope
+        self.pending: Any = None      # a started gather (prefetch) to finish
+
+    def start(self) -> None:
+        """Start the gather now (a prefetch); `gather` finishes it."""
+        self.pending = self._start()
 
     def _gathered_locals(self) -> list:
+        pending, self.pending = self.pending, None
+        return pending() if pending is not None else self._start()()
+
+    def _start(self) -> Any:
         g = self.group
         shards = []
         for p in g.params:
@@ -124,8 +157,9 @@ class _Call:
             if g.param_dtype is not None and local.dtype != g.param_dtype:
                 local = local.to(g.param_dtype)
             shards.append(local)
-        return boxing.execute_many(g.plans_for(tuple((p._layout, c, s.dtype) for p, c, s in
-                                                    zip(g.params, g.compute, shards))), shards, context.current())
+        return boxing.execute_many_start(g.plans_for(tuple((p._layout, c, s.dtype) for p, c, s in
+                                                          zip(g.params, g.compute, shards))), shards,
+                                         context.current())
 
     def gather(self) -> list:
         """The parameters in their compute layouts, as GlobalTensors on the gathered shards."""

@@ -395,9 +395,9 @@ def test_zero_bad_input_names_the_argument():
         gt.ModuleLayout(params=B, reshard_after_forward="yes")
 
     def other_mesh():
-        p, q = gt.placement("cpu", [0, 1]), gt.placement("cpu", [1, 0])
-        with pytest.raises(ValueError, match=r"params.*placement"):
-            gt.to_global(nn.Linear(4, 4), p, {"*": gt.split(0), "": gt.ModuleLayout(params=gt.Layout(q, B))})
+        p, q = gt.placement("cpu", [0, 1]), gt.placement("cpu", [[0], [1]])
+        with pytest.raises(ValueError, match=r"params.*mesh"):  # another placement of the same mesh shape is a stage
+            gt.to_global(nn.Linear(4, 4), p, {"*": gt.split(0), "": gt.ModuleLayout(params=gt.Layout(q, (B, B)))})
         with pytest.raises(ValueError, match="params"):
             gt.to_global(nn.Linear(4, 4), p, {"*": gt.split(0), "": gt.ModuleLayout(params=(B, B))})
         with pytest.raises(ValueError, match="Partial"):

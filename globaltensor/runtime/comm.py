@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Callable, Any, Sequence
 
 import torch
 
@@ -102,6 +102,22 @@ class Communicator:
         if self._logs:  # the byte count is only worked out for a log
             self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
         return out
+
+    def all_gather_start(self, t: torch.Tensor, group: Group, shapes: Sequence[Sequence[int]]
+                         ) -> Callable[[], list[torch.Tensor]]:
+        """`all_gather`, started now and finished by calling the result (a prefetch: the backend may
+        move the data while this rank computes; gloo does, the simulator finishes at once)."""
+        i = self._index(group, "all_gather")
+        shapes = [tuple(s) for s in shapes]
+        if len(group) == 1 or not self._async_gather:
+            out = self.all_gather(t, group, shapes)
+            return lambda: out
+        finish = self._all_gather_start(t.contiguous(), group, shapes)
+        if self._logs:
+            self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
+        return finish
+
+    _async_gather = False  # backends that can leave a gather in flight set it and define _all_gather_start
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str = "sum") -> torch.Tensor:
         """chunks[j] is this rank's contribution to member j; returns the reduced own chunk."""

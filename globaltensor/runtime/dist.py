@@ -133,6 +133,30 @@ class TorchDistCommunicator(Communicator):
         pos = {r: k for k, r in enumerate(order)}
         return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
 
+    _async_gather = True
+
+    def _all_gather_start(self, t, group, shapes):
+        order = sorted(group)
+        numels = [torch.Size(s).numel() for s in shapes]
+        width = max(numels)
+        if width == 0:
+            return lambda: [t.new_empty(s) for s in shapes]
+        flat = t.reshape(-1)
+        if flat.numel() < width:
+            flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
+        buf = t.new_empty(width * len(group))
+        work = self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group),
+                                                                          async_op=True), (width, t.dtype))
+        pos = {r: k for k, r in enumerate(order)}
+
+        def finish():
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise CollectiveError(f"all_gather on group {group} failed on rank {self.rank}: {e}") from e
+            return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
+        return finish
+
     def _reduce_scatter(self, chunks, group, op):
         order = sorted(group)
         by_rank = dict(zip(group, chunks))
