@@ -15,9 +15,11 @@ repetition; a step's time is its slowest rank's):
 - torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`); the
   head gets its own copy of the embedding weight (torch's pipelining cannot tie across stages).
 
-Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), and the theoretical
-bubble fraction (p-1)/(m+p-1) of both schedules for reference; and micro-batches in flight per stage
-(gt's measured maximum: GPipe holds m, 1F1B at most p - stage).
+Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the theoretical bubble
+fraction (p-1)/(m+p-1), gt's measured one per rank (time waiting on other stages, in receives and
+the last sends, over the step; median over steps), micro-batches in flight per stage (gt's measured
+maximum: GPipe holds m, 1F1B at most p - stage), and an SVG timeline of the last step per schedule
+(`results/pipeline_<schedule>_m<m>.svg`: which rank ran which action when, from real timestamps).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 import globaltensor as gt
 from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
 from globaltensor.models.gpt import GPT, GPTConfig, pp_plan
+from globaltensor.pipeline import timeline_svg
 from train_step import batches
 
 
@@ -50,9 +53,11 @@ class GlobalTensorPipe:
         self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer))
         self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.bubbles: list = []
 
     def step(self, x, t) -> None:
         self.pipe.step(x, t)
+        self.bubbles.append(self.pipe.bubble)
         self.opt.step()
         self.opt.zero_grad()
 
@@ -109,9 +114,11 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     data = batches(cfg, batch, 1)[0]
     impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed), "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
     times = interleaved_times({k: (lambda v=v: v.step(*data)) for k, v in impls.items()}, reps, warmup)
-    peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, impls["gt"].pipe.peak_in_flight)
-    return (times, peaks) if dist.get_rank() == 0 else None
+    mine = (impls["gt"].pipe.peak_in_flight, statistics.median(impls["gt"].bubbles[warmup + 1:]),
+            impls["gt"].pipe.timeline)
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    return (times, got) if dist.get_rank() == 0 else None
 
 
 def main() -> None:
@@ -133,18 +140,23 @@ def main() -> None:
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
              f"fp32, AdamW; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | theory bubble | "
-             "gt micro-batches in flight per stage |", "|---|---|---|---|---|---|---|"]
+             "gt measured bubble per rank | gt micro-batches in flight per stage |", "|---|---|---|---|---|---|---|---|"]
     data = []
     for kind in ("gpipe", "1f1b"):
         for m in micros:
-            times, peaks = gt.launch(timed, p, backend="gloo", timeout=1800,
-                                     args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
+            times, got = gt.launch(timed, p, backend="gloo", timeout=1800,
+                                   args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
+            peaks, bubbles = [g[0] for g in got], [round(g[1], 2) for g in got]
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"pipeline_{kind}_m{m}.svg"), "w") as f:
+                f.write(timeline_svg([g[2] for g in got]))
             med = {k: statistics.median(v) for k, v in times.items()}
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
             lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
-                         f"{(p - 1) / (m + p - 1):.2f} | {peaks} |")
-            data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks})
+                         f"{(p - 1) / (m + p - 1):.2f} | {bubbles} | {peaks} |")
+            data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks, "bubbles": bubbles,
+                         "timelines": [g[2] for g in got]})
     table = "\n".join(lines)
     print(table)
     write_results(args.out, "pipeline", table, data)

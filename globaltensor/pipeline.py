@@ -18,6 +18,7 @@ one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, 
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -53,6 +54,26 @@ def schedule_actions(kind: str, stages: int, microbatches: int) -> list[list[tup
 def draw(actions: list[list[tuple[str, int]]]) -> str:
     """A text picture of a schedule (one row per stage, in action order, no timing)."""
     return "\n".join(f"stage {s}: " + " ".join(f"{a}{i}" for a, i in acts) for s, acts in enumerate(actions))
+
+
+def timeline_svg(timelines: list[list[tuple]], width: int = 900) -> str:
+    """An SVG of which rank ran what when (one row per rank, from `Pipeline.timeline`s of one step):
+    forward actions light, backward dark, the waiting inside an action hatched grey."""
+    end = max((e for tl in timelines for *_, e, _ in tl), default=1.0) or 1.0
+    row, scale = 28, width / end
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 60}" height="{row * len(timelines) + 10}">']
+    for r, tl in enumerate(timelines):
+        y = 5 + r * row
+        parts.append(f'<text x="0" y="{y + 17}" font-size="12">rank {r}</text>')
+        for act, i, s, e, wait in tl:
+            x, w = 55 + s * scale, max((e - s) * scale, 1)
+            color = "#9ecae1" if act == "F" else "#3182bd"
+            parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" '
+                         f'stroke="white"><title>{act}{i}: {1e3 * (e - s):.1f} ms, waiting {1e3 * wait:.1f}'
+                         f'</title></rect>')
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" font-size="10">{act}{i}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
 
 
 def _stage_placements(model: torch.nn.Module) -> list[Placement]:
@@ -101,10 +122,14 @@ class Pipeline:
         mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
         losses: dict[int, torch.Tensor] = {}
         self.peak_in_flight = 0  # micro-batches whose activations this rank holds at once (forward done, backward not)
+        self.timeline: list = []  # (action, micro-batch, start s, end s, of which waiting s) from the step's start
         old = comm.p2p_tag, comm.p2p_async
         comm.p2p_async = True
+        start = time.perf_counter()
+        comm.p2p_wait_s = 0.0
         try:
             for act, i in mine:
+                t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                 comm.p2p_tag = 2 * i + (act == "B")
                 if act == "F":
                     out = self.model(distribute(xs[i], self.input_layout))
@@ -114,9 +139,15 @@ class Pipeline:
                 else:
                     losses[i].backward()
                     losses[i] = losses[i].detach()
+                self.timeline.append((act, i, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
         finally:
+            t0 = time.perf_counter()
             comm.flush_sends()
+            comm.p2p_wait_s += time.perf_counter() - t0
             comm.p2p_tag, comm.p2p_async = old
+        total = time.perf_counter() - start
+        # idle: waiting on other stages (receives, the last sends) and outside any action
+        self.bubble = (comm.p2p_wait_s + total - sum(e - s for _, _, s, e, _ in self.timeline)) / total
         for mod in self.model.modules():  # stages seen whole: ranks outside them skip their ops from now on
             settle = getattr(mod.__dict__.get("forward"), "settle", None)
             if settle is not None:

@@ -72,6 +72,7 @@ class Communicator:
         # order within a tag, never by arrival; with `p2p_async` a send returns at once (`flush_sends` waits)
         self.p2p_tag = 0
         self.p2p_async = False
+        self.p2p_wait_s = 0.0  # seconds spent in point-to-point calls while p2p_async (a pipeline's idle time)
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
@@ -227,7 +228,12 @@ class Communicator:
                                  f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
             bufs[r] = buf
         tag = (self.p2p_tag * 1_000_003 + key) % 2**31 if key else self.p2p_tag
-        self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+        if self.p2p_async:  # a pipeline: the time spent here is time this rank waits on another stage
+            t0 = time.perf_counter()
+            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+            self.p2p_wait_s += time.perf_counter() - t0
+        else:
+            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
         if self._logs:
             peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
             self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
