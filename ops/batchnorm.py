@@ -15,7 +15,7 @@ import math
 from typing import Any, Optional
 
 from .arguments import named_args
-from .registry import B, Ctx, Rule, S, aten, register
+from .registry import B, Ctx, Rule, S, aten, reduce_partial, register
 
 
 def _channel_view(t: Any, nd: int) -> Any:
@@ -51,7 +51,7 @@ def batch_norm_train(func: Any, args: tuple, kwargs: dict) -> tuple:
     n = math.prod(x.shape[d] for d in dims)
     mean = aten.mean.dim(x, dims)
     centred = aten.sub.Tensor(x, _channel_view(mean, nd))
-    var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims)
+    var = aten.mean.dim(aten.pow.Tensor_Scalar(centred, 2), dims)
     invstd = aten.rsqrt.default(aten.add.Scalar(var, a["eps"]))
     out = aten.mul.Tensor(centred, _channel_view(invstd, nd))
     if w is not None:
@@ -88,7 +88,17 @@ def batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> tuple:
             grad_x = aten.mul.Tensor(centred, _channel_view(scale, nd))
         else:
             grad_x = aten.mul.Tensor(g, _channel_view(scale, nd))
-    return grad_x, grad_w if mask[1] else None, grad_b if mask[2] else None
+    return grad_x, _as_parameter(grad_w, w) if mask[1] else None, _as_parameter(grad_b, w) if mask[2] else None
+
+
+def _as_parameter(grad: Any, weight: Any) -> Any:
+    """A [C] gradient laid out as the weight is (the bias is laid out alike by every plan we know), Partial
+    reduced: [C] is small, and a Partial gradient of a parameter laid out otherwise was accumulated into
+    different layouts on different ranks on the simulator's first (cache-missing) call (the refcount-
+    dependent steal-or-copy of autograd's accumulation; see the report of issue 17)."""
+    if not hasattr(weight, "_layout") or weight._layout.has_partial:
+        return reduce_partial(grad)
+    return grad.to_global(weight.placement, weight.sbp)
 
 
 register([aten.native_batch_norm.default], Rule(eval_signatures, decompose=batch_norm_train,
