@@ -82,6 +82,12 @@ class CommReport(CommLog):
                                            start + self._clock, end + self._clock))
 
     def _context(self, event: CommEvent) -> tuple:
+        """(module, phase, op, reason, plan) of the collective being recorded.
+
+        The most specific owner wins: a gradient bucket, then a ZeRO step (by the autograd node, or a
+        bucket at a module's input), then a module boundary conversion with no op in progress, then
+        the op and which of its arguments the plan converts, then an op's own collective.
+        """
         node = torch._C._current_autograd_node()
         stage = "body"
         if node is not None:
@@ -108,8 +114,11 @@ class CommReport(CommLog):
             reason = f"ZeRO: {_name(module)}'s parameter gradients back to their stored layout{conv}"
         elif node_name == "_RegatherBackward":
             reason = f"ZeRO-3: {_name(module)}'s parameters gathered again for its backward{conv}"
-        elif isinstance(plan, tuple) and phase == "forward" and stage == "input" and not op:
-            reason = f"ZeRO: {_name(module)}'s parameters gathered for its forward{conv}"
+        elif phase == "forward" and stage == "input" and not op and (
+                isinstance(plan, tuple) or plan is None and event.kind == "all_gather"):
+            # a bucket gathered in a module's pre-hook: ZeRO's, for this module or (prefetch) the next one
+            reason = f"ZeRO: parameters gathered as {_name(module)} starts (its own, or the next module's " \
+                     f"prefetched){conv}"
         elif plan is not None and not op and stage in ("input", "output") and module != _OUTSIDE:
             which = stage if phase == "forward" else f"{stage}_grad"
             what = f"its {stage}'s gradient" if phase == "backward" else f"its {stage}"
@@ -236,7 +245,8 @@ class CommReport(CommLog):
                 t = total.setdefault(anc, [0, 0])
                 t[0] += sum(r["count"] for r in rs)
                 t[1] += sum(r["recv_bytes"] for r in rs)
-        order = sorted(total, key=lambda p: (p == _OUTSIDE, _path_key(p, self._names)))
+        rank_of = {p: i for i, p in enumerate(self._names.values())}  # modules in named_modules() order
+        order = sorted(total, key=lambda p: (p == _OUTSIDE, _path_key(p, rank_of)))
         for path in order:
             depth = 0 if path in ("", _OUTSIDE) else path.count(".") + 1
             pad = "  " * depth
@@ -269,8 +279,7 @@ def _ancestors(path: str) -> list[str]:
     return [""] + [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def _path_key(path: str, names: dict) -> tuple:
-    order = {p: i for i, p in enumerate(names.values())}
+def _path_key(path: str, order: dict) -> tuple:
     parts = [] if path in ("", _OUTSIDE) else path.split(".")
     return tuple(order.get(".".join(parts[:i + 1]), 10 ** 6) for i in range(len(parts)))
 
