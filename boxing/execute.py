@@ -96,8 +96,9 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
 
 def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
                        ) -> Callable[[], list[torch.Tensor]]:
-    """`execute_many` started now, finished by calling the result: its all-gather buckets may stay in
-    flight meanwhile (a prefetch of the next module's parameters); everything else runs now."""
+    """`execute_many` started now, finished by calling the result: its all-gather and reduce-scatter
+    buckets may stay in flight meanwhile (a prefetch of the next module's parameters, a gradient
+    bucket reduced while the backward goes on); everything else runs now."""
     out: list = [None] * len(plans)
     buckets: dict[tuple, list[int]] = {}
     for i, p in enumerate(plans):
@@ -118,8 +119,8 @@ def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], c
             continue
         group = placement.group(comm.rank, axis)
         args = ([plans[i] for i in members], [locals_[i] for i in members], group, op, comm)
-        if primitive == "all_gather":
-            pending.append((members, _all_gather_bucket_start(*args)))
+        if primitive in _BUCKET_STARTS:
+            pending.append((members, _BUCKET_STARTS[primitive](*args)))
             continue
         for i, o in zip(members, _BUCKET_RUNS[primitive](*args)):
             out[i] = o
@@ -157,19 +158,33 @@ def _all_gather_bucket_start(plans, locals_, group, op, comm) -> Callable[[], li
 
 
 def _reduce_scatter_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
-    """One reduce-scatter: the chunk for member j holds, back to back, each shard's part for j."""
+    return _reduce_scatter_bucket_start(plans, locals_, group, op, comm)()
+
+
+def _reduce_scatter_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
+    """One reduce-scatter: the chunk for member j holds, back to back, each shard's part for j. The
+    chunks are views of one buffer, back to back in group order, so that a backend can reduce-scatter
+    the single tensor (gloo's faster form) when they are of one size."""
     boxes = []
     for p in plans:
         step = p.steps[0]
         old = step.src.shard(p.shape, comm.rank)
         boxes.append([relative(step.dst.shard(p.shape, r), old) for r in group])
-    chunks = [torch.cat([slice_box(t, b[j]).reshape(-1) for t, b in zip(locals_, boxes)])
-              for j in range(len(group))]
-    mine = comm.reduce_scatter(chunks, group, op)
+    lengths = [sum(numel(b[j]) for b in boxes) for j in range(len(group))]
+    flat = locals_[0].new_empty(sum(lengths))
+    chunks = list(flat.split(lengths))
+    for j, chunk in enumerate(chunks):
+        torch.cat([slice_box(t, b[j]).reshape(-1) for t, b in zip(locals_, boxes)], out=chunk)
+    done = comm.reduce_scatter_start(chunks, group, op)
     me = group.index(comm.rank)
-    return [piece.view(sizes(b[me])) for b, piece in zip(boxes, mine.split([numel(b[me]) for b in boxes]))]
+
+    def finish() -> list[torch.Tensor]:
+        mine = done()
+        return [piece.view(sizes(b[me])) for b, piece in zip(boxes, mine.split([numel(b[me]) for b in boxes]))]
+    return finish
 
 
+_BUCKET_STARTS = {"all_gather": _all_gather_bucket_start, "reduce_scatter": _reduce_scatter_bucket_start}
 _BUCKET_RUNS = {"all_reduce": _all_reduce_bucket, "all_gather": _all_gather_bucket,
                 "reduce_scatter": _reduce_scatter_bucket}
 

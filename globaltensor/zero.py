@@ -199,6 +199,10 @@ class _Call:
 
     def reduce(self, grads: tuple) -> list:
         """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`)."""
+        return self.reduce_start(grads)()
+
+    def reduce_start(self, grads: tuple) -> Any:
+        """`reduce`, started now (its reduce-scatter may stay in flight), finished by calling the result."""
         g = self.group
         which = [i for i, gr in enumerate(grads) if gr is not None]
         locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
@@ -212,12 +216,15 @@ class _Call:
                 local = local.to(g.reduce_dtype)
             locals_.append(local)
             plans.append((gr._layout, p._layout, local.dtype))
-        outs = boxing.execute_many(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
-        result: list = [None] * len(grads)
-        for i, out in zip(which, outs):
-            p = g.params[i]
-            result[i] = GlobalTensor(out.to(p.dtype), p._layout, tuple(p.shape))
-        return result
+        done = boxing.execute_many_start(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
+
+        def finish() -> list:
+            result: list = [None] * len(grads)
+            for i, out in zip(which, done()):
+                p = g.params[i]
+                result[i] = GlobalTensor(out.to(p.dtype), p._layout, tuple(p.shape))
+            return result
+        return finish
 
 
 _LIVE: "weakref.WeakSet[_Call]" = weakref.WeakSet()
@@ -246,11 +253,41 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        """Start the module's reduce-scatter and let the backward go on; the reduced gradients land in
+        the parameters' `.grad` when the whole backward is done (as FSDP2 does), so the bucket's
+        collective overlaps the rest of the backward where the backend allows (gloo)."""
         call = ctx.call
         call.leave_scope()
-        out = call.reduce(grads)
+        _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
         call.free()  # the module's backward is done: nothing gathered outlives it
-        return (None, *out)
+        if not _LANDING.queued:
+            _LANDING.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
+        return (None,) * (1 + len(grads))
+
+
+class _Landing(threading.local):
+    def __init__(self) -> None:
+        self.pending: list = []   # (parameters, finisher of their reduction) in backward order
+        self.queued = False
+
+
+_LANDING = _Landing()
+
+
+def _land_gradients() -> None:
+    """End of a backward: wait for the reductions still in flight and accumulate them into `.grad`, as
+    autograd's AccumulateGrad would have (so gradient accumulation over micro-batches works)."""
+    pending, _LANDING.pending, _LANDING.queued = _LANDING.pending, [], False
+    with torch.no_grad():
+        for params, finish in pending:
+            for p, g in zip(params, finish()):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
 
 class _Regather(torch.autograd.Function):

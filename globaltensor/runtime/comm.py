@@ -118,7 +118,22 @@ class Communicator:
             self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
         return finish
 
-    _async_gather = False  # backends that can leave a gather in flight set it and define _all_gather_start
+    _async_gather = False  # backends that can leave a collective in flight set it and define *_start
+
+    def reduce_scatter_start(self, chunks: Sequence[torch.Tensor], group: Group, op: str = "sum"
+                             ) -> Callable[[], torch.Tensor]:
+        """`reduce_scatter`, started now and finished by calling the result (gloo: in flight while
+        this rank computes, where the chunks are one buffer of equal pieces; else done at once)."""
+        i = self._index(group, "reduce_scatter")
+        finish = None
+        if len(group) > 1 and self._async_gather and len(chunks) == len(group):
+            finish = self._reduce_scatter_start([c.contiguous() for c in chunks], group, op)
+        if finish is None:
+            out = self.reduce_scatter(chunks, group, op)
+            return lambda: out
+        if self._logs:
+            self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
+        return finish
 
     def reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str = "sum") -> torch.Tensor:
         """chunks[j] is this rank's contribution to member j; returns the reduced own chunk."""

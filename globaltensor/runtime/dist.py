@@ -157,6 +157,25 @@ class TorchDistCommunicator(Communicator):
             return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
         return finish
 
+    def _reduce_scatter_start(self, chunks, group, op):
+        """The single-tensor form left in flight, or None where the chunks are not one buffer."""
+        order = sorted(group)
+        by_rank = dict(zip(group, chunks))
+        flat = _one_buffer([by_rank[r] for r in order])
+        if flat is None:
+            return None
+        out = torch.empty_like(by_rank[self.rank])
+        work = self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
+            out.view(-1), flat, op=OPS[op], group=self._pg(group), async_op=True), (flat.numel(), flat.dtype, op))
+
+        def finish():
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise CollectiveError(f"reduce_scatter on group {group} failed on rank {self.rank}: {e}") from e
+            return out
+        return finish
+
     def _reduce_scatter(self, chunks, group, op):
         order = sorted(group)
         by_rank = dict(zip(group, chunks))
