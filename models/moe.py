@@ -201,9 +201,10 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> d
     attention, embeddings) is Broadcast: data parallel.
 
     With `tensor_axis` (EP x TP), each expert is also split Megatron-style on that axis (w1 and b1
-    column-parallel on the hidden dim, w2 row-parallel: one all-reduce of the experts' output forward
-    and of their input gradient backward, on the tensor axis); tokens are then Broadcast on the tensor
-    axis. `moe_gpt_plan` adds tensor parallelism for the rest of the model.
+    column-parallel on the hidden dim, w2 row-parallel: at most one all-reduce of the experts' output
+    forward and of their input gradient backward, on the tensor axis; the planner turns the forward's
+    into a reduce-scatter, the combine all-to-all of half the tensor and an all-gather, which moves
+    less); tokens are then Broadcast on the tensor axis. `moe_gpt_plan` adds tensor parallelism for the rest of the model.
     """
     def on_axes(e, t=Broadcast()):
         return tuple(e if a == expert_axis else t if a == tensor_axis else Broadcast() for a in range(ndim))
@@ -216,9 +217,9 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> d
     if tensor_axis == expert_axis:
         raise ValueError(f"ep_plan: tensor_axis={tensor_axis} is the expert axis; give another mesh axis")
     return {"*experts.w1": on_axes(Split(0), Split(2)), "*experts.b1": on_axes(Split(0), Split(2)),
-                 "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0)),
-                 "*experts": ModuleLayout(input=hint(Split(0), Broadcast()), input_grad=hint(None, Broadcast()),
-                                          output=hint(Split(1), Broadcast()))}
+            "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0)),
+            "*experts": ModuleLayout(input=hint(Split(0), Broadcast()), input_grad=hint(None, Broadcast()),
+                                     output=hint(Split(1), Broadcast()))}
 
 
 def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, *, zero: bool = False,
