@@ -258,12 +258,17 @@ class _Gather(torch.autograd.Function):
         collective overlaps the rest of the backward where the backend allows (gloo)."""
         call = ctx.call
         call.leave_scope()
+        while len(_LANDING.pending) >= MAX_IN_FLIGHT:  # bound the memory of full-size gradient buffers
+            _land(*_LANDING.pending.pop(0))
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
         call.free()  # the module's backward is done: nothing gathered outlives it
         if not _LANDING.queued:
             _LANDING.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
         return (None,) * (1 + len(grads))
+
+
+MAX_IN_FLIGHT = 1  # reduce-scatters left running while the backward goes on (FSDP2 keeps one too)
 
 
 class _Landing(threading.local):
@@ -279,15 +284,19 @@ def _land_gradients() -> None:
     """End of a backward: wait for the reductions still in flight and accumulate them into `.grad`, as
     autograd's AccumulateGrad would have (so gradient accumulation over micro-batches works)."""
     pending, _LANDING.pending, _LANDING.queued = _LANDING.pending, [], False
+    for params, finish in pending:
+        _land(params, finish)
+
+
+def _land(params: tuple, finish: Any) -> None:
     with torch.no_grad():
-        for params, finish in pending:
-            for p, g in zip(params, finish()):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.add_(g)
+        for p, g in zip(params, finish()):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 class _Regather(torch.autograd.Function):
