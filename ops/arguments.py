@@ -17,3 +17,11 @@ def named_args(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         else:
             out[a.name] = kwargs.get(a.name, a.default_value)
     return out
+
+
+def reduced_dims(named: dict[str, Any], nd: int) -> list[int]:
+    """The dims a reduction's `dim` argument names, sorted and non-negative (None or [] is every dim)."""
+    dim = named.get("dim")
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(nd))
+    return sorted({d % max(nd, 1) for d in ([dim] if isinstance(dim, int) else dim)})

@@ -11,20 +11,14 @@ from typing import Any
 
 from ..layout import Layout
 from ..sbp import Broadcast, Partial
-from .arguments import named_args
+from .arguments import named_args, reduced_dims
 from .inputs import defer_reduction
 from .registry import Ctx, Rule, S, aten, register, split_on
 
 
 def parse(func: Any, args: tuple, kwargs: dict) -> tuple[float, list[int], bool]:
     named = named_args(func, args, kwargs)
-    nd = args[0].dim()
-    dim = named.get("dim")
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        dims = list(range(nd))
-    else:
-        dims = sorted({d % max(nd, 1) for d in ([dim] if isinstance(dim, int) else dim)})
-    return float(named.get("ord", 2)), dims, bool(named.get("keepdim", False))
+    return float(named.get("ord", 2)), reduced_dims(named, args[0].dim()), bool(named.get("keepdim", False))
 
 
 def signatures(ctx: Ctx) -> list:

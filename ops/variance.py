@@ -9,19 +9,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .arguments import named_args
+from .arguments import named_args, reduced_dims
 from .registry import Ctx, Rule, S, aten, register, split_on
 
 
 def parse(func: Any, args: tuple, kwargs: dict) -> tuple[list[int], float, bool]:
     """(reduced dims, correction, keepdim) of any overload (`unbiased=` is correction 1 or 0)."""
     named = named_args(func, args, kwargs)
-    nd = args[0].dim()
-    dim = named.get("dim")
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        dims = list(range(nd))
-    else:
-        dims = sorted({d % max(nd, 1) for d in ([dim] if isinstance(dim, int) else dim)})
+    dims = reduced_dims(named, args[0].dim())
     if "correction" in named:
         correction = 1 if named["correction"] is None else named["correction"]
     else:
