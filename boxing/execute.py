@@ -138,10 +138,6 @@ def _all_reduce_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
     return [piece.view(t.shape) for t, piece in zip(locals_, flat.split([t.numel() for t in locals_]))]
 
 
-def _all_gather_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
-    return _all_gather_bucket_start(plans, locals_, group, op, comm)()
-
-
 def _all_gather_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
     """One all-gather of every shard back to back; each member's piece holds its shards in plan order."""
     shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in plans]
@@ -155,10 +151,6 @@ def _all_gather_bucket_start(plans, locals_, group, op, comm) -> Callable[[], li
         return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(len(group))],
                           dim=p.steps[0].src.sbp[p.steps[0].axis].dim) for i, p in enumerate(plans)]
     return finish
-
-
-def _reduce_scatter_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
-    return _reduce_scatter_bucket_start(plans, locals_, group, op, comm)()
 
 
 def _reduce_scatter_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
@@ -185,8 +177,7 @@ def _reduce_scatter_bucket_start(plans, locals_, group, op, comm) -> Callable[[]
 
 
 _BUCKET_STARTS = {"all_gather": _all_gather_bucket_start, "reduce_scatter": _reduce_scatter_bucket_start}
-_BUCKET_RUNS = {"all_reduce": _all_reduce_bucket, "all_gather": _all_gather_bucket,
-                "reduce_scatter": _reduce_scatter_bucket}
+_BUCKET_RUNS = {"all_reduce": _all_reduce_bucket}  # run at once (the others start and finish apart)
 
 
 def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],

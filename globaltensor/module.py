@@ -264,7 +264,7 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
                                  f"{p._layout.placement.shape} of a parameter of {name or 'the root module'!r}; a "
                                  "compute placement must have the stored mesh's shape (give an nd-SBP, e.g. "
                                  "gt.broadcast, to use the stored placement)")
-            lay = compute_layout(p._layout, sbp, where, target)
+            lay = compute_layout(p._layout, sbp, target)
             lay.check_shape(tuple(p.shape), f"{where} for a parameter of {name or 'the root module'!r}")
             compute.append(lay)
         groups[mod] = ParamGroup(f"{where} on {name or 'the root module'!r}", tuple(params), tuple(slots),

@@ -72,9 +72,9 @@ class ParamGroup:
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
         mine = _state(self)
         call = mine.pop("prefetched", None) or _Call(self)
-        if _OPEN.stack and _ORDER.last is not None and _ORDER.last is not self:
-            _state(_ORDER.last)["next"] = self
-        _ORDER.last = self
+        if _OPEN.stack and _OPEN.last is not None and _OPEN.last is not self:
+            _state(_OPEN.last)["next"] = self
+        _OPEN.last = self
         params = [p for p in self.params]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             gathered = _Gather.apply(call, *params)
@@ -113,8 +113,8 @@ class _Open(threading.local):
         self.last: Optional[ParamGroup] = None
 
 
-_OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered
-_ORDER = _OPEN   # ... and the group whose forward started last
+_OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered, and the
+                 # group whose forward started last
 _STATE: "weakref.WeakKeyDictionary[ParamGroup, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -197,12 +197,9 @@ class _Call:
             self.scoped = False
             dispatch.leave_named()
 
-    def reduce(self, grads: tuple) -> list:
-        """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`)."""
-        return self.reduce_start(grads)()
-
     def reduce_start(self, grads: tuple) -> Any:
-        """`reduce`, started now (its reduce-scatter may stay in flight), finished by calling the result."""
+        """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`), started
+        now (its reduce-scatter may stay in flight), finished by calling the result."""
         g = self.group
         which = [i for i, gr in enumerate(grads) if gr is not None]
         locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
@@ -337,7 +334,7 @@ def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-def compute_layout(stored: Layout, hint: tuple, where: str, placement: Optional[Any] = None) -> Layout:
+def compute_layout(stored: Layout, hint: tuple, placement: Optional[Any] = None) -> Layout:
     """The compute layout a `params=` hint gives a parameter stored in `stored` (None keeps an axis), on
     `placement` (default: the stored one; another one of the same mesh shape moves the parameter
     there while the module runs, and its gradient back: a tied weight used on another stage)."""
