@@ -176,11 +176,14 @@ def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, resh
     return plan
 
 
-def pp_plan(stages: list, n_layer: int, inner: dict | None = None) -> dict:
+def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int = 1) -> dict:
     """Pipeline stages as placements: blocks split evenly (earlier stages take the extra ones), the
     embeddings on the first stage, the final norm on the last, and the head, whose weight is the
     embedding's, used on the last stage (moved there each forward, its gradient sent back and added to
     the embedding's: one parameter, a Partial across the two placements).
+
+    `virtual`: chunks per stage, for the interleaved schedule: the blocks split evenly into
+    `len(stages) * virtual` chunks, chunk c on stage c mod len(stages) (Megatron's virtual stages).
 
     `inner`: a plan for each stage's own mesh (e.g. `tp_plan(1, 2)` with data x tensor stages, or
     `zero_plan(...)`): its SBP entries are placed on the stage that owns the parameter; its module hints
@@ -190,8 +193,13 @@ def pp_plan(stages: list, n_layer: int, inner: dict | None = None) -> dict:
     first, last = stages[0], stages[-1]
     bcast = (Broadcast(),) * first.ndim
 
+    chunks = len(stages) * virtual
+    if not isinstance(virtual, int) or virtual < 1 or virtual > 1 and n_layer < chunks:
+        raise ValueError(f"pp_plan(virtual=): {virtual!r} chunks on each of {len(stages)} stages need at least "
+                         f"{len(stages)} x virtual blocks, the model has {n_layer}")
+
     def stage_of_layer(i: int) -> object:
-        return stages[min(i * len(stages) // n_layer, len(stages) - 1)]
+        return stages[min(i * chunks // n_layer, chunks - 1) % len(stages)]
 
     sbps = {k: v for k, v in inner.items() if not isinstance(v, ModuleLayout)}
     hints = {k: v for k, v in inner.items() if isinstance(v, ModuleLayout)}
