@@ -8,7 +8,7 @@ from .sbp import SBP, Broadcast, Partial, Split, broadcast, partial, partial_sum
 from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
-from .ops import check_replicated, reset_stats, stats
+from .ops import attention_method, check_replicated, reset_stats, stats
 from .report import comm_report
 from .visualize import visualize
 from .explain import explain
@@ -17,4 +17,4 @@ __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Pla
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain"]
+           "comm_report", "visualize", "explain", "attention_method"]

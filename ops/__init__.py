@@ -3,6 +3,7 @@ from . import registry  # noqa: F401  (rules register themselves on import, belo
 from . import attention, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
 from . import indexing, norm, sorting  # noqa: F401
 from . import batchnorm, datadependent, scalar, variance  # noqa: F401
+from .attention import attention_method
 from .dispatch import check_replicated, clear_cache, reset_stats, stats
 
-__all__ = ["stats", "reset_stats", "check_replicated", "clear_cache"]
+__all__ = ["attention_method", "stats", "reset_stats", "check_replicated", "clear_cache"]

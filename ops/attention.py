@@ -1,15 +1,69 @@
-"""scaled_dot_product_attention's CPU kernels (+ backward): batch and heads split for free.
+"""scaled_dot_product_attention's CPU kernels (+ backward) over any layout of q, k, v.
 
-q, k, v are [batch, heads, seq, head_dim]; a mask broadcasts like a
-pointwise operand of [batch, heads, q_seq, k_seq]. Splitting the query
-sequence needs whole keys and values and no causal offset, so it is offered
-only without `is_causal` and without dropout (whose draws depend on the shard).
+q, k, v are [batch, heads, seq, head_dim] (k, v may have fewer heads: GQA);
+a mask broadcasts like a pointwise operand of [batch, heads, q_seq, k_seq].
+Batch and heads split for free. A sequence split has three answers, and the
+cost model picks among them unless the user names one (`attention_method`):
+
+- "ulysses": the dispatcher converts q, k, v from S(seq) to S(heads) (one
+  all-to-all each) and runs the heads split; needs the heads to divide the
+  axis (else ranks sit idle), which "auto" requires and forcing checks.
+- "allgather": q stays split, k and v are gathered whole, their gradients
+  reduce-scattered back (Megatron's context parallelism; without causal: the
+  kernel's mask does not know the query offset).
+- "ring": q, k, v all stay split and k/v blocks travel around the ring
+  (`ops/ring_attention.py`), forward and backward, causal or not; its traffic
+  is charged by `kernel_cost`, since its inputs need no conversion. At the
+  all-gather's bytes it wins (no rank holds the whole keys).
+
+Dropout draws inside the kernel, so only the replicated run matches one
+device: with dropout no signature is offered, and the call runs replicated.
 """
 from __future__ import annotations
 
+import threading
+from typing import Any, Optional
+
 import torch
 
-from .registry import B, Ctx, S, Rule, aten, pointwise_dims, register
+from ..layout import Layout
+from ..sbp import Split
+from .registry import B, P, Ctx, Local, S, Rule, aten, pointwise_dims, register
+from .ring_attention import ring_axes, ring_backward, ring_forward, ring_recv_bytes
+
+METHODS = ("auto", "ring", "ulysses", "allgather")
+
+
+class _Method(threading.local):
+    name: str = "auto"  # a class default: reading it never raises (every dispatch of attention reads it)
+
+
+_method = _Method()
+
+
+class attention_method:
+    """How attention over a sequence split runs: "ring", "ulysses", "allgather" or "auto" (by cost).
+
+    Called, it sets the method for this rank (per thread, as a simulated rank is one), as
+    `torch.set_grad_enabled` does; in a `with` block the previous method returns at its end. The
+    backward's kernel is decided when autograd runs it: keep the method set through `backward()`.
+    Forcing a method excludes the other two for a sequence split; batch and heads splits stay free.
+    """
+
+    def __init__(self, method: str) -> None:
+        if method not in METHODS:
+            raise ValueError(f"attention_method: {method!r} is not one of {', '.join(map(repr, METHODS))}")
+        self.previous, _method.name = _method.name, method
+
+    def __enter__(self) -> "attention_method":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _method.name = self.previous
+
+
+def current_attention_method() -> str:
+    return _method.name
 
 
 def attention_signatures(backward: bool):
@@ -28,9 +82,12 @@ def attention_signatures(backward: bool):
         for d in (0, 1):
             mask = (pointwise_dims(ctx.shapes[-1], full, d),) if has_mask else ()
             sigs.append(((S(d),) * n_main + mask, (S(d),) * n_out))
-        if not backward and not causal:
+        if not causal:  # all-gather of k, v; their gradients are partial sums over the query blocks
             mask = (pointwise_dims(ctx.shapes[-1], full, 2),) if has_mask else ()
-            sigs.append(((S(2), B, B) + mask, (S(2), S(2))))
+            sigs.append((((S(2),) if backward else ()) + (S(2), B, B) + ((S(2), S(2)) if backward else ()) + mask,
+                         (S(2), P, P) if backward else (S(2), S(2))))
+        if not has_mask and (not causal or q[2] == k[2]):  # the ring: causal needs q and k to share the split
+            sigs.append(((S(2),) * n_main, (S(2),) * n_out))
         return sigs
     return signatures
 
@@ -46,13 +103,82 @@ def skip_empty(func, args, kwargs, where):
     return tuple(tensors[0].new_zeros(o.shape, dtype=o.dtype) for o in func(*meta, **mkw))
 
 
-def _dropout_key(backward: bool):
-    """The signatures read whether dropout is on (the decision cache keys on that, not on p)."""
+def _scalar_key(backward: bool):
+    """What the signatures and the cost read besides shapes: whether dropout is on (not p) and the method."""
     i = 3 + (3 if backward else 0)
-    return lambda args, kwargs: bool(args[i] if len(args) > i else kwargs.get("dropout_p", 0.0))
+    return lambda args, kwargs: (bool(args[i] if len(args) > i else kwargs.get("dropout_p", 0.0)), _method.name)
 
 
-register([aten._scaled_dot_product_flash_attention_for_cpu.default],
-         Rule(attention_signatures(False), local=skip_empty, scalar_key=_dropout_key(False)))
-register([aten._scaled_dot_product_flash_attention_for_cpu_backward.default],
-         Rule(attention_signatures(True), local=skip_empty, scalar_key=_dropout_key(True)))
+def _local(backward: bool):
+    """The ring's kernel where the keys are split on the sequence, else the kernel on its shards."""
+    ring, k_slot = (ring_backward, 2) if backward else (ring_forward, 1)
+
+    def local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
+        if ring_axes(where.in_layouts[k_slot]):
+            return ring(func, args, kwargs, where)
+        return skip_empty(func, args, kwargs, where)
+    return local
+
+
+def _sequence_cost(backward: bool):
+    """The method's rules and the ring's own traffic, for `Rule.kernel_cost`.
+
+    Per mesh axis a choice is the ring (q and k split on the sequence), the all-gather of k/v (q
+    split, k whole), Ulysses (an input split on the sequence converted into a heads split), or
+    something else (batch, replicated). A forced method is the only one taken on an axis that splits
+    the sequence (or, where it cannot be, the replicated run: correct, and visibly costly), and the
+    others are taken nowhere; "auto" excludes an uneven Ulysses (ranks idle).
+    The ring is charged what it receives, with no latency term: its steps overlap the blocks' compute.
+    """
+    off = 1 if backward else 0
+
+    def cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> Optional[tuple]:
+        method = _method.name
+        q, k = targets[off], targets[off + 1]
+        qkv_sources = sources[off:off + 3]
+        if method == "ulysses":
+            _check_ulysses(ctx, qkv_sources, off)
+        kinds = []
+        for a, s in enumerate(q.sbp):
+            on_seq = any(src.sbp[a] == Split(2) for src in qkv_sources)
+            kind = ("ring" if k.sbp[a] == Split(2) else "allgather") if s == Split(2) else \
+                "ulysses" if s == Split(1) and on_seq else "replicated" if s == B else "other"
+            if method != "auto" and (kind not in (method, "replicated") if on_seq else kind in ("ring", "allgather")):
+                return None
+            kinds.append(kind)
+        if "ring" in kinds and "allgather" in kinds:
+            return None  # the ring runs on whole key blocks of its members
+        if "ulysses" in kinds and method == "auto" and not (_even_heads(q, ctx.shapes[off]) and
+                                                            _even_heads(k, ctx.shapes[off + 1])):
+            return None
+        if "ring" not in kinds:
+            return (), 0
+        kt, vt = ctx.args[off + 1], ctx.args[off + 2]
+        return ring_recv_bytes(k, targets[off + 2], tuple(kt.shape), tuple(vt.shape), kt.dtype.itemsize,
+                               backward), 0
+    return cost
+
+
+def _even_heads(layout: Layout, shape: tuple) -> bool:
+    return len({s[1] for s in layout.local_shapes(shape)}) == 1
+
+
+def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
+    """Forced Ulysses with heads the sequence's axis does not divide: say so, and what works."""
+    for a, size in enumerate(ctx.mesh):
+        if not any(src.sbp[a] == Split(2) for src in sources):
+            continue
+        for name, src, shape in (("query", sources[0], ctx.shapes[off]), ("key/value", sources[1],
+                                                                           ctx.shapes[off + 1])):
+            heads = max(s[1] for s in src.local_shapes(shape))
+            if heads % size:
+                raise ValueError(
+                    f"attention_method('ulysses'): the {name} has {heads} heads per rank, not divisible by "
+                    f"{size}, the size of mesh axis {a} that splits the sequence (Ulysses gives each rank "
+                    f"heads/{size} of them); use gt.attention_method('ring') or 'allgather', or 'auto'")
+
+
+for _backward, _op in ((False, aten._scaled_dot_product_flash_attention_for_cpu.default),
+                       (True, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)):
+    register([_op], Rule(attention_signatures(_backward), local=_local(_backward),
+                         scalar_key=_scalar_key(_backward), kernel_cost=_sequence_cost(_backward)))

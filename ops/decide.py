@@ -196,7 +196,7 @@ def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> tuple:
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
                    inplace: bool) -> tuple:
     """(most bytes a rank receives, bytes all ranks receive, collectives, collectives now) of one
-    choice: boxing its inputs and what its outputs owe.
+    choice: boxing its inputs, what its kernel sends itself (`Rule.kernel_cost`) and what its outputs owe.
 
     An in-place op owes the conversion of its result into its target's layout; any other op owes, for
     each Partial output, the cheapest reduction (except inside a module whose boundary layouts the user
@@ -210,6 +210,9 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
         if (id(x), t) not in seen:
             seen.add((id(x), t))
             bills.append(conversion_cost(s, t, tuple(x.shape), x.dtype))
+    rule = RULES.get(ctx.func)
+    if rule is not None and rule.kernel_cost is not None:
+        bills.append(rule.kernel_cost(ctx, srcs, targets, out_layouts))
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0)
     now = sum(n for _, n in bills)
@@ -247,6 +250,8 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
 
     def owes_nothing(targets: tuple, out_layouts: tuple) -> bool:
         if targets != srcs:
+            return False
+        if rule.kernel_cost is not None and rule.kernel_cost(ctx, srcs, targets, out_layouts) != ((), 0):
             return False
         if inplace:
             return out_layouts[0] == srcs[0]

@@ -7,7 +7,8 @@ op itself); it only needs writing where a shard must know where it sits
 other dispatched ops (the `_foreach_*` family) rather than as one kernel;
 with `decompose_when`, only for the input layouts it accepts (a softmax over
 a split dim), the signatures deciding the others. `scalar_key` says what the
-signatures read of float arguments (see `ops/keys.py`). `meta` may stand in for
+signatures read of float arguments (see `ops/keys.py`). `kernel_cost` charges
+what a local kernel sends itself. `meta` may stand in for
 torch's meta kernel when a decision infers output shapes and dtypes (torch's
 elementwise meta kernels are Python references, slow on a cache miss).
 """
@@ -85,6 +86,10 @@ class Rule:
     # what the signatures read of the op's float arguments (masked_fill: is the fill zero); the decision
     # cache keys on it. Floats are otherwise not part of a decision (a learning rate changes every step)
     scalar_key: Optional[Callable[[tuple, dict], Any]] = None
+    # what the kernel itself communicates, which the boxing of its inputs does not show (ring attention passes
+    # key/value blocks between ranks): kernel_cost(ctx, sources, targets, out_layouts) -> (bytes received per
+    # global rank, collectives), added to the choice's cost; None: this choice is not to be taken
+    kernel_cost: Optional[Callable[[Ctx, tuple, tuple, tuple], Optional[tuple]]] = None
 
 
 RULES: dict[Any, Rule] = {}

@@ -228,10 +228,40 @@ class Communicator:
         view of the caller's output, which then needs no copy); it is what is returned for r.
         Other receive buffers are made on `device` (default this rank's).
         """
-        if self.rank in sends or self.rank in recvs:
-            raise ValueError(f"exchange: rank {self.rank} cannot send to or receive from itself")
         if not sends and not recvs:
+            self._receive_buffers("exchange", sends, recvs, into, device)  # checks the peers
             return {}
+        bufs = self._receive_buffers("exchange", sends, recvs, into, device)
+        tag = self._tag(key)
+        if self.p2p_async:  # a pipeline: the time spent here is time this rank waits on another stage
+            t0 = time.perf_counter()
+            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+            self.p2p_wait_s += time.perf_counter() - t0
+        else:
+            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+        self._record_send_recv(sends, recvs)
+        return bufs
+
+    def send_recv_start(self, sends: dict[int, torch.Tensor],
+                        recvs: dict[int, tuple[Sequence[int], torch.dtype]], key: int = 0,
+                        device: torch.device | None = None) -> Callable[[], dict[int, torch.Tensor]]:
+        """`exchange`, started now and finished by calling the result (what each peer sent).
+
+        So a rank computes while its messages travel (ring attention passes the next block while it
+        works on the current one). Counted when started, as `exchange` counts it. The tensors sent
+        must stay unchanged until the result is called; every started exchange must be finished.
+        """
+        bufs = self._receive_buffers("send_recv_start", sends, recvs, None, device)
+        if not sends and not recvs:
+            return lambda: {}
+        finish = self._exchange_start({r: t.contiguous() for r, t in sends.items()}, bufs, self._tag(key))
+        self._record_send_recv(sends, recvs)
+        return finish
+
+    def _receive_buffers(self, kind: str, sends: dict, recvs: dict, into: dict | None,
+                         device: torch.device | None) -> dict[int, torch.Tensor]:
+        if self.rank in sends or self.rank in recvs:
+            raise ValueError(f"{kind}: rank {self.rank} cannot send to or receive from itself")
         into = into or {}
         bufs = {}
         for r, (shape, dtype) in recvs.items():
@@ -239,20 +269,18 @@ class Communicator:
             if buf is None:
                 buf = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
             elif tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or not buf.is_contiguous():
-                raise ValueError(f"exchange(into): the buffer for rank {r} must be a contiguous {tuple(shape)} "
+                raise ValueError(f"{kind}(into): the buffer for rank {r} must be a contiguous {tuple(shape)} "
                                  f"{dtype} tensor, got {tuple(buf.shape)} {buf.dtype}")
             bufs[r] = buf
-        tag = (self.p2p_tag * 1_000_003 + key) % 2**31 if key else self.p2p_tag
-        if self.p2p_async:  # a pipeline: the time spent here is time this rank waits on another stage
-            t0 = time.perf_counter()
-            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
-            self.p2p_wait_s += time.perf_counter() - t0
-        else:
-            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+        return bufs
+
+    def _tag(self, key: int) -> int:
+        return (self.p2p_tag * 1_000_003 + key) % 2**31 if key else self.p2p_tag
+
+    def _record_send_recv(self, sends: dict, recvs: dict) -> None:
         if self._logs:
             peers = tuple(sorted(set(sends) | set(recvs) | {self.rank}))
             self._record("send_recv", peers, sum(nbytes(s, d) for s, d in recvs.values()))
-        return bufs
 
     def broadcast(self, t: torch.Tensor | None, group: Group, src: int,
                   shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -294,6 +322,11 @@ class Communicator:
 
     def _exchange(self, sends, bufs, tag):  # pragma: no cover - fill bufs[r] with what rank r sends
         raise NotImplementedError
+
+    def _exchange_start(self, sends, bufs, tag):
+        """Start `_exchange`; the result waits for it and returns `bufs` (default: done at once)."""
+        self._exchange(sends, bufs, tag)
+        return lambda: bufs
 
     def flush_sends(self) -> None:
         """Wait for the asynchronous sends still in flight (a pipeline step's end)."""

@@ -246,6 +246,37 @@ class TorchDistCommunicator(Communicator):
             if watch is not None:
                 watch.leave()
 
+    def _exchange_start(self, sends, bufs, tag=0):
+        """isend/irecv now, waited for in the result (nccl: one coalesced batch, as `_exchange`)."""
+        peers = tuple(sorted(set(sends) | set(bufs) | {self.rank}))
+        sent = list(sends.values())
+        try:
+            if self.backend == "nccl":
+                ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
+                ops += [dist.P2POp(dist.irecv, t, src) for src, t in sorted(bufs.items())]
+                works = dist.batch_isend_irecv(ops)
+            else:
+                works = [dist.isend(t, dst, tag=tag) for dst, t in sorted(sends.items())]
+                works += [dist.irecv(t, src, tag=tag) for src, t in sorted(bufs.items())]
+        except RuntimeError as e:
+            raise CollectiveError(f"send_recv on group {peers} failed on rank {self.rank}: {e}") from e
+
+        def finish():
+            watch = self._watch
+            if watch is not None:
+                watch.enter("send_recv", peers, "point-to-point")
+            try:
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:
+                raise CollectiveError(f"send_recv on group {peers} failed on rank {self.rank}: {e}") from e
+            finally:
+                if watch is not None:
+                    watch.leave()
+            sent.clear()  # the sent tensors are kept alive until here
+            return bufs
+        return finish
+
     def flush_sends(self) -> None:
         flying, self._in_flight = self._in_flight, []
         for w, _ in flying:

@@ -271,6 +271,17 @@ class SimCommunicator(Communicator):
         for src, buf in bufs.items():
             buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag))
 
+    def _exchange_start(self, sends, bufs, tag=0):
+        """Sends are buffered at once; the receives wait in the result (the scheduler runs the peers)."""
+        for dst, t in sends.items():
+            self.world.send(self.rank, dst, t, tag)
+
+        def finish():
+            for src, buf in bufs.items():
+                buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag))
+            return bufs
+        return finish
+
     def flush_sends(self) -> None:
         pass  # the simulator's sends are buffered: nothing in flight
 
