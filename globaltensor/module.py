@@ -31,7 +31,7 @@ import torch
 from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .placement import Placement
-from .runtime import context
+from .runtime import context, fiber
 from .sbp import SBP_TYPES, Broadcast, Partial
 from .tensor import GlobalTensor, distribute
 from .zero import ParamGroup, compute_layout
@@ -302,9 +302,16 @@ class _StageForward:
         self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _moved(args, self.placement), _moved(kwargs, self.placement)
+        rank = context.current().rank
+        inside = rank in self.placement
+        side = None  # in a pipeline fiber: whether this rank receives (True) or sends (False) here
+        if fiber.in_fiber() and any(isinstance(t, GlobalTensor) and t.placement != self.placement and
+                                    (inside or rank in t.placement) for t in _tensors((args, kwargs))):
+            side = inside
+            fiber.cross(entering=inside)  # may stop here: the schedule runs this chunk later
+        args, kwargs = _moved(args, self.placement, side), _moved(kwargs, self.placement, side)
         forward = type(self.module).forward
-        if context.current().rank in self.placement:
+        if inside:
             return forward(self.module, *args, **kwargs)
         ins = _tensors((args, kwargs))
         targets = [t for t in ins + list(self.module.parameters()) if isinstance(t, GlobalTensor) and t.requires_grad]
@@ -369,17 +376,37 @@ class _Elsewhere(torch.autograd.Function):
                                                             g[1]) for g in ctx.grads])
 
 
-def _moved(obj: Any, placement: Placement) -> Any:
+def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
+    """`obj`'s tensors sent to `placement`; with `side` (a pipeline fiber's crossing), marked so that
+    the backward tells the fiber where the gradient crosses back (the receiving side sends it)."""
     if isinstance(obj, GlobalTensor):
         if obj.placement == placement:
             return obj
         sbp = obj.sbp if obj.placement.shape == placement.shape else (Broadcast(),) * placement.ndim
-        return obj.to_global(placement, sbp)
+        moved = obj.to_global(placement, sbp)
+        if side is not None and moved.requires_grad:
+            return _Crossing.apply(moved, not side)
+        return moved
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_moved(o, placement) for o in obj)
+        return type(obj)(_moved(o, placement, side) for o in obj)
     if isinstance(obj, dict):
-        return {k: _moved(v, placement) for k, v in obj.items()}
+        return {k: _moved(v, placement, side) for k, v in obj.items()}
     return obj
+
+
+class _Crossing(torch.autograd.Function):
+    """Identity whose backward tells the running pipeline fiber that a gradient crosses a stage
+    boundary here, before the boundary's own backward receives (entering) or sends (leaving) it."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, entering: bool) -> GlobalTensor:  # type: ignore[override]
+        ctx.entering = entering
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
+        fiber.cross(entering=ctx.entering)
+        return grad, None
 
 
 def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:

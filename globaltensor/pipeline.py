@@ -19,6 +19,7 @@ one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -27,33 +28,59 @@ from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
 from .sbp import Broadcast, Split
+from .module import _StageForward
+from .runtime.fiber import Fiber
 from .tensor import GlobalTensor, distribute
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def schedule_actions(kind: str, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """Per stage, its actions in order: ("F", i) forward of micro-batch i, ("B", i) its backward."""
+def schedule_actions(kind: str, stages: int, microbatches: int,
+                     virtual: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per stage (rank set), its actions in order: ("F", i, c) the forward of micro-batch i through the
+    stage's chunk c (its c-th virtual stage, 0 unless interleaved), ("B", i, c) that chunk's backward.
+
+    Interleaved 1F1B (Megatron's): the stage holds `virtual` chunks, virtual stage c * stages + s; the
+    forwards go in rounds of `stages` micro-batches through chunk 0, then the same round through chunk
+    1, and so on (backwards the chunks in reverse), with a warm-up of (stages - s - 1) * 2 +
+    (virtual - 1) * stages forwards before the one-forward-one-backward steady state.
+    """
     if kind not in SCHEDULES:
         raise ValueError(f"Pipeline(schedule=): {kind!r} is not one of {SCHEDULES}")
-    m = microbatches
+    m, p, v = microbatches, stages, virtual
+    if kind != "interleaved" and v != 1:
+        raise ValueError(f"schedule_actions(virtual=): {kind!r} runs one chunk per stage; virtual stages "
+                         f"need schedule='interleaved'")
+    if kind == "interleaved" and m % p:
+        raise ValueError(f"Pipeline(microbatches=): the interleaved schedule runs micro-batches in rounds of "
+                         f"one per stage; {m} is not a multiple of the {p} stages (use {m + (-m) % p})")
     out = []
-    for s in range(stages):
+    for s in range(p):
         if kind == "gpipe":
-            out.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            out.append([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
             continue
-        warm = min(stages - s - 1, m)
-        acts = [("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            acts += [("F", warm + i), ("B", i)]
-        acts += [("B", i) for i in range(m - warm, m)]
+        total = m * v
+
+        def unit(k: int, backward: bool) -> tuple[str, int, int]:
+            rnd, within = divmod(k, p * v)
+            chunk = within // p
+            return ("B" if backward else "F", rnd * p + within % p, v - 1 - chunk if backward else chunk)
+        warm = min((p - s - 1) * 2 + (v - 1) * p if v > 1 else p - s - 1, total)
+        acts = [unit(k, False) for k in range(warm)]
+        for k in range(total - warm):
+            acts += [unit(warm + k, False), unit(k, True)]
+        acts += [unit(k, True) for k in range(total - warm, total)]
         out.append(acts)
     return out
 
 
 def draw(actions: list[list[tuple[str, int]]]) -> str:
     """A text picture of a schedule (one row per stage, in action order, no timing)."""
-    return "\n".join(f"stage {s}: " + " ".join(f"{a}{i}" for a, i in acts) for s, acts in enumerate(actions))
+    return "\n".join(f"stage {s}: " + " ".join(_label(*a) for a in acts) for s, acts in enumerate(actions))
+
+
+def _label(act: str, i: int, chunk: int) -> str:
+    return f"{act}{i}" if not chunk else f"{act}{i}.{chunk}"
 
 
 def timeline_svg(timelines: list[list[tuple]], width: int = 900) -> str:
@@ -65,13 +92,13 @@ def timeline_svg(timelines: list[list[tuple]], width: int = 900) -> str:
     for r, tl in enumerate(timelines):
         y = 5 + r * row
         parts.append(f'<text x="0" y="{y + 17}" font-size="12">rank {r}</text>')
-        for act, i, s, e, wait in tl:
+        for act, i, c, s, e, wait in tl:
             x, w = 55 + s * scale, max((e - s) * scale, 1)
             color = "#9ecae1" if act == "F" else "#3182bd"
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" '
-                         f'stroke="white"><title>{act}{i}: {1e3 * (e - s):.1f} ms, waiting {1e3 * wait:.1f}'
+                         f'stroke="white"><title>{_label(act, i, c)}: {1e3 * (e - s):.1f} ms, waiting {1e3 * wait:.1f}'
                          f'</title></rect>')
-            parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" font-size="10">{act}{i}</text>')
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" font-size="10">{_label(act, i, c)}</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 
@@ -112,7 +139,12 @@ class Pipeline:
         self.input_layout = Layout(first, (Broadcast(),) * first.ndim if input_sbp is None else
                                    normalize_sbp(input_sbp, first.ndim, "Pipeline(input_sbp=)"))
         self.target_sbp = target_sbp
-        self.actions = schedule_actions(schedule, len(self.stages), microbatches)
+        self.virtual = _virtual_stages(model, self.stages)
+        if schedule == "interleaved" and self.virtual == 1:
+            raise ValueError("Pipeline(schedule='interleaved'): each stage holds one contiguous chunk of the model; "
+                             "give each stage several (virtual stages), e.g. pp_plan(stages, n_layer, virtual=2)")
+        self.actions = schedule_actions(schedule, len(self.stages), microbatches,
+                                        self.virtual if schedule == "interleaved" else 1)
 
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
@@ -121,33 +153,54 @@ class Pipeline:
         total = x.shape[0]
         mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
         losses: dict[int, torch.Tensor] = {}
-        self.peak_in_flight = 0  # micro-batches whose activations this rank holds at once (forward done, backward not)
-        self.timeline: list = []  # (action, micro-batch, start s, end s, of which waiting s) from the step's start
+        self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
+        fibers: dict[tuple[str, int], Fiber] = {}
+        chunked = self.kind == "interleaved"
+
+        def forward(i: int) -> torch.Tensor:
+            out = self.model(distribute(xs[i], self.input_layout))
+            return self.loss_fn(out, _target_on(ts[i], out, self.target_sbp)) * (xs[i].shape[0] / total)
+
+        held = peak = 0
         old = comm.p2p_tag, comm.p2p_async
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
         try:
-            for act, i in mine:
+            for act, i, c in mine:
                 t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                 comm.p2p_tag = 2 * i + (act == "B")
-                if act == "F":
-                    out = self.model(distribute(xs[i], self.input_layout))
-                    tgt = _target_on(ts[i], out, self.target_sbp)
-                    losses[i] = self.loss_fn(out, tgt) * (xs[i].shape[0] / total)
-                    self.peak_in_flight = max(self.peak_in_flight, sum(v.requires_grad for v in losses.values()))
-                else:
-                    losses[i].backward()
+                if not chunked:  # one action runs the micro-batch's whole forward or backward
+                    done, result = True, forward(i) if act == "F" else losses[i].backward()
+                else:  # one chunk of it: a fiber stops at the next entry into this rank's stage
+                    f = fibers.get((act, i))
+                    if f is None:
+                        f = fibers[(act, i)] = Fiber(partial(forward, i) if act == "F" else losses[i].backward,
+                                                     name=f"gt-pipeline-{act}{i}")
+                    f.resume()
+                    done, result = f.done, f.result
+                    if done != (c == (self.virtual - 1 if act == "F" else 0)):
+                        raise RuntimeError(f"Pipeline: micro-batch {i}'s {'forward' if act == 'F' else 'backward'} "
+                                           f"{'ended' if done else 'went on'} after chunk {c} of {self.virtual} on "
+                                           f"rank {comm.rank}: the model must enter each stage's chunks in the "
+                                           f"plan's order (pp_plan(virtual=))")
+                held += 1 if act == "F" else -1
+                peak = max(peak, held)
+                if done and act == "F":
+                    losses[i] = result
+                elif done:
                     losses[i] = losses[i].detach()
-                self.timeline.append((act, i, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
+                self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
         finally:
             t0 = time.perf_counter()
             comm.flush_sends()
             comm.p2p_wait_s += time.perf_counter() - t0
             comm.p2p_tag, comm.p2p_async = old
+        # the most chunks whose activations this rank held at once (forward run, backward not), in micro-batches
+        self.peak_in_flight = peak if not chunked else peak / self.virtual
         total = time.perf_counter() - start
         # idle: waiting on other stages (receives, the last sends) and outside any action
-        self.bubble = (comm.p2p_wait_s + total - sum(e - s for _, _, s, e, _ in self.timeline)) / total
+        self.bubble = (comm.p2p_wait_s + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
         for mod in self.model.modules():  # stages seen whole: ranks outside them skip their ops from now on
             settle = getattr(mod.__dict__.get("forward"), "settle", None)
             if settle is not None:
@@ -156,6 +209,25 @@ class Pipeline:
         for i in range(1, self.microbatches):
             loss = loss + losses[i]
         return loss
+
+
+def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:
+    """How many chunks each stage holds: the runs of one placement among the model's stage modules in
+    the order it lists them (the order it calls them, for models written as a sequence of layers),
+    which must go round the stages in order (chunk c on stage c mod p), the same number on each."""
+    runs: list[Placement] = []
+    for mod in model.modules():
+        fwd = mod.__dict__.get("forward")
+        if isinstance(fwd, _StageForward) and (not runs or runs[-1] != fwd.placement):
+            runs.append(fwd.placement)
+    p = len(stages)
+    if not runs or len(runs) % p or any(r != stages[c % p] for c, r in enumerate(runs)):
+        if len(runs) <= p:
+            return 1
+        raise ValueError(f"Pipeline(model=): its stage modules visit the stages in the order "
+                         f"{[stages.index(r) for r in runs]}; virtual stages must go round the stages in order "
+                         f"(chunk c on stage c mod {p}), as pp_plan(virtual=) places them")
+    return len(runs) // p
 
 
 def _split(target: Any, m: int) -> Sequence:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism from placement: the GPT split into stages by its plan, GPipe and 1F1B.
+"""Pipeline parallelism from placement: the GPT split into stages by its plan, GPipe, 1F1B, interleaved 1F1B.
 
 Every case trains against the same program on one device (fp64, 1e-10) and counts what crosses the
 stage boundaries exactly: per micro-batch, the activation forward and its gradient backward at each
@@ -58,14 +58,14 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
             for s in range(n_stages)]
 
 
-def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,)):
+def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1):
     stages = _stages(n_stages, stage_mesh)
     nd = len(stage_mesh)
     inner_plan = {"none": None, "tp": lambda: tp_plan(1, 2), "zero": lambda: zero_plan(0, 1),
                   "zero2": lambda: zero_plan(0, 1, reshard_after_forward=False)}[inner]
     torch.manual_seed(0)
     model = gt.to_global(GPT(_cfg(n_layer)).double(), stages[0],
-                         pp_plan(stages, n_layer, inner_plan() if inner_plan else None))
+                         pp_plan(stages, n_layer, inner_plan() if inner_plan else None, virtual=virtual))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
     pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, input_sbp=data_sbp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -95,33 +95,88 @@ def _check_values(results, want_losses, want_state):
 
 
 @pytest.mark.parametrize("n_stages", [2, 4])
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
 def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stages, kind):
-    n_layer, micro, batch, steps = 4, 4, 8, 20
+    """Interleaved: two chunks (virtual stages) per stage, chunk c of stage s the virtual stage
+    c * n_stages + s, so each stage receives at every chunk it enters (activations) and at every chunk
+    whose output goes on (gradients)."""
+    virtual = 2 if kind == "interleaved" else 1
+    n_layer, micro, batch, steps = 4 * virtual, 4, 8, 20
     want_losses, want_state = reference(n_layer, batch, steps)
-    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps))
+    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, "none", (1,),
+                                                   virtual))
     _check_values(results, want_losses, want_state)
     act = batch // micro * T * D * F64      # one micro-batch's activation (or its gradient)
     wte = VOCAB * D * F64                   # the tied embedding/head weight (or its gradient)
+    last = n_stages * virtual - 1           # the last virtual stage
     for losses, state, held, events, peak, stage in results:
         got = sum(e.recv_bytes for e in events[-1])
         assert {e.kind for e in events[-1]} == {"send_recv"}
-        want = micro * act                                  # activations in (or gradients in, stage 0)
-        if 0 < stage < n_stages - 1:
-            want = 2 * micro * act                          # both: activations in, gradients in
+        chunks = [c * n_stages + stage for c in range(virtual)]
+        want = micro * act * (sum(vs > 0 for vs in chunks) + sum(vs < last for vs in chunks))
         if stage == n_stages - 1:
             want += micro * wte                             # the head's weight, each micro-batch
         if stage == 0:
             want += micro * wte                             # the head's weight gradient, back
         assert got == want, (stage, got, want)
-        assert peak == (micro if kind == "gpipe" else min(n_stages - stage, micro))
+        if kind == "gpipe":
+            assert peak == micro
+        elif kind == "1f1b":
+            assert peak == min(n_stages - stage, micro)
+        else:  # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forward chunks, then one more
+            assert peak == min((n_stages - stage - 1) * 2 + (virtual - 1) * n_stages + 1, micro * virtual) / virtual
 
 
-def test_pipeline_x_data_x_tensor_on_eight_ranks():
+def _replay(actions, stages, virtual, t_forward=1.0, t_backward=2.0):
+    """Run a schedule's actions on an ideal machine (each chunk's forward t_forward / virtual, its backward
+    t_backward / virtual, messages free): each rank in its own order, an action waiting for the previous
+    virtual stage's forward or the next one's backward. Returns the largest idle fraction of a rank, or
+    raises if the ranks' orders deadlock."""
+    done, free, pos, busy = {}, [0.0] * stages, [0] * stages, [0.0] * stages
+    progress = True
+    while progress:
+        progress = False
+        for s in range(stages):
+            while pos[s] < len(actions[s]):
+                act, i, c = actions[s][pos[s]]
+                vs = c * stages + s
+                if act == "F":
+                    deps = [("F", i, vs - 1)] if vs > 0 else []
+                else:
+                    deps = [("B", i, vs + 1)] if vs < stages * virtual - 1 else [("F", i, vs)]
+                if any(d not in done for d in deps):
+                    break
+                dur = (t_forward if act == "F" else t_backward) / virtual
+                done[(act, i, vs)] = free[s] = max([free[s]] + [done[d] for d in deps]) + dur
+                busy[s] += dur
+                pos[s] += 1
+                progress = True
+    assert pos == [len(a) for a in actions], f"deadlock at {pos}"
+    return max(1 - b / max(free) for b in busy)
+
+
+@pytest.mark.parametrize("kind,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("micro", [4, 8, 12, 16])
+def test_schedules_reach_their_textbook_bubble(kind, virtual, stages, micro):
+    """On an ideal machine each schedule is deadlock-free and idles exactly its textbook share:
+    (p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) interleaved (Megatron's
+    (p - 1) / (v m) of the ideal time)."""
+    if kind == "interleaved" and micro % stages:
+        with pytest.raises(ValueError, match="microbatches"):
+            schedule_actions(kind, stages, micro, virtual)
+        return
+    idle = _replay(schedule_actions(kind, stages, micro, virtual), stages, virtual)
+    assert idle == pytest.approx((stages - 1) / (virtual * micro + stages - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+def test_pipeline_x_data_x_tensor_on_eight_ranks(kind):
     """PP=2 x DP=2 x TP=2: each stage a 2x2 data x tensor mesh with Megatron TP inside."""
-    n_layer, steps = 2, 4
+    virtual = 2 if kind == "interleaved" else 1
+    n_layer, steps = 2 * virtual, 4
     want_losses, want_state = reference(n_layer, 8, steps)
-    results = gt.launch(pipelined, 8, args=(2, n_layer, "1f1b", 2, 8, steps, "tp", (2, 2)))
+    results = gt.launch(pipelined, 8, args=(2, n_layer, kind, 2, 8, steps, "tp", (2, 2), virtual))
     _check_values(results, want_losses, want_state)
 
 
@@ -136,46 +191,53 @@ def test_pipeline_x_zero(inner):
 
 @settings(deadline=None, max_examples=max(4, settings.default.max_examples // 4))  # each example trains 2-3 ranks
 @given(n_stages=st.integers(2, 3), extra_layers=st.integers(0, 2), micro=st.integers(1, 5),
-       batch=st.integers(3, 7), kind=st.sampled_from(["gpipe", "1f1b"]))
+       batch=st.integers(3, 7), kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]))
 def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layers, micro, batch, kind):
     """Uneven layer counts per stage (earlier stages take the extra blocks), micro-batch counts that do
     not divide the batch (tensor_split's sizes, differing by one; each micro-batch's loss is weighted
-    by its share of the batch, so the step equals one pass over the whole batch), both schedules."""
+    by its share of the batch, so the step equals one pass over the whole batch), every schedule
+    (interleaved: two chunks per stage, micro-batches a multiple of the stages)."""
     micro = min(micro, batch)
-    n_layer = n_stages + extra_layers
+    virtual = 1
+    if kind == "interleaved":
+        virtual, micro = 2, max(n_stages, micro - micro % n_stages)
+    n_layer = n_stages * virtual + extra_layers
     want_losses, want_state = reference(n_layer, batch, 2)
-    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 2))
+    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 2, "none", (1,), virtual))
     _check_values(results, want_losses, want_state)
 
 
 def test_schedules_are_data():
-    acts = schedule_actions("1f1b", 3, 4)
+    acts = [[a[:2] for a in row] for row in schedule_actions("1f1b", 3, 4)]
     assert acts[0] == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
     assert acts[2] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
-    assert schedule_actions("gpipe", 2, 2) == [[("F", 0), ("F", 1), ("B", 0), ("B", 1)]] * 2
+    assert schedule_actions("gpipe", 2, 2) == [[("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]] * 2
     with pytest.raises(ValueError, match="schedule"):
         schedule_actions("zigzag", 2, 2)
 
 
-def _failing(kind):
+def _failing(kind, schedule="1f1b"):
     stages = _stages(2, (1,))
     torch.manual_seed(0)
-    model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2))
+    virtual = 2 if schedule == "interleaved" else 1
+    model = gt.to_global(GPT(_cfg(2 * virtual)).double(), stages[0], pp_plan(stages, 2 * virtual, virtual=virtual))
 
     def bad_loss(out, tgt):
         if gt.rank() == 1:
             raise RuntimeError("stage 1 broke")
         return loss_fn(out, tgt)
-    micro = 2 if kind == "raise" or gt.rank() == 0 else 3    # "mismatch": the ranks disagree on the schedule
-    pipe = gt.Pipeline(model, microbatches=micro, schedule="1f1b", loss_fn=bad_loss if kind == "raise" else loss_fn)
+    micro = 2 if kind == "raise" or gt.rank() == 0 else 4    # "mismatch": the ranks disagree on the schedule
+    pipe = gt.Pipeline(model, microbatches=micro, schedule=schedule, loss_fn=bad_loss if kind == "raise" else loss_fn)
     return pipe.step(*_data(4))
 
 
-def test_a_failing_stage_and_a_schedule_mismatch_end_with_an_error():
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_failing_stage_and_a_schedule_mismatch_end_with_an_error(schedule):
+    """Interleaved: the failure happens inside a micro-batch's fiber, which hands it to its rank."""
     with pytest.raises(Exception, match="stage 1 broke"):
-        gt.launch(_failing, 2, args=("raise",), timeout=20)
+        gt.launch(_failing, 2, args=("raise", schedule), timeout=20)
     with pytest.raises(Exception, match="send_recv|never completed|mismatch"):
-        gt.launch(_failing, 2, args=("mismatch",), timeout=20)
+        gt.launch(_failing, 2, args=("mismatch", schedule), timeout=20)
 
 
 def test_pipeline_bad_input():
@@ -188,12 +250,22 @@ def test_pipeline_bad_input():
             gt.Pipeline(model, microbatches=2, schedule="zigzag", loss_fn=loss_fn)
         with pytest.raises(TypeError, match="loss_fn"):
             gt.Pipeline(model, microbatches=2)
+        with pytest.raises(ValueError, match="virtual"):  # one chunk per stage: nothing to interleave
+            gt.Pipeline(model, microbatches=2, schedule="interleaved", loss_fn=loss_fn)
+        with pytest.raises(ValueError, match="virtual"):
+            pp_plan(stages, 2, virtual=2)                   # 2 blocks cannot make 4 chunks
+        chunked = gt.to_global(GPT(_cfg(4)).double(), stages[0], pp_plan(stages, 4, virtual=2))
+        with pytest.raises(ValueError, match="microbatches"):
+            gt.Pipeline(chunked, microbatches=3, schedule="interleaved", loss_fn=loss_fn)
     gt.launch(run, 2)
 
 
 @pytest.mark.gloo
-def test_pipeline_x_data_under_gloo():
-    """PP=2 x DP=2 on 4 real processes, 1F1B."""
-    want_losses, want_state = reference(2, 8, 3)
-    results = gt.launch(pipelined, 4, args=(2, 2, "1f1b", 2, 8, 3, "none", (2,)), backend="gloo", timeout=120)
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+def test_pipeline_x_data_under_gloo(kind):
+    """PP=2 x DP=2 on 4 real processes (interleaved: the micro-batches' fibers share the process group)."""
+    virtual = 2 if kind == "interleaved" else 1
+    want_losses, want_state = reference(2 * virtual, 8, 3)
+    results = gt.launch(pipelined, 4, args=(2, 2 * virtual, kind, 2, 8, 3, "none", (2,), virtual), backend="gloo",
+                        timeout=120)
     _check_values(results, want_losses, want_state)

@@ -1,0 +1,93 @@
+"""Fibers: a micro-batch's forward or backward that can stop at a stage boundary and resume later.
+
+An interleaved pipeline schedule runs one micro-batch's forward on a rank several times, once per
+virtual stage (chunk) the rank holds, with other micro-batches' work in between. The forward is one
+unchanged global program, so the only way to stop it between two chunks is to run it on its own
+thread and hand control back and forth: exactly one of a rank's fibers (or the rank itself) runs at a
+time, so the program stays sequential per rank and the collectives keep their order.
+
+Where a fiber stops is told by the stage boundaries it crosses (`cross`, called by the modules that
+move inputs across placements, `module.py`): it stops before entering one of its rank's chunks after
+having left one, forward (a received activation) and backward alike (a received gradient). So a
+fiber's `resume()` runs exactly one chunk of work, whatever the model does between its stages.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from . import context
+
+
+class _Current(threading.local):
+    fiber: Optional["Fiber"] = None
+
+
+_CURRENT = _Current()
+
+
+class Fiber:
+    """`fn` run on its own thread in steps: each `resume()` runs it until it stops at a boundary
+    (`cross`) or returns; an exception it raises is raised by the `resume()` that ran it."""
+
+    def __init__(self, fn: Callable[[], Any], name: str = "gt-fiber") -> None:
+        self._fn = fn
+        self._comm = context.current_or_none()
+        self._go = threading.Semaphore(0)
+        self._back = threading.Semaphore(0)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._started = False
+        self._left = False  # whether this step has left one of the rank's chunks
+        self.done = False
+        self.result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def _main(self) -> None:
+        self._go.acquire()
+        context.set_thread(self._comm)  # a simulated rank's communicator is its thread's
+        _CURRENT.fiber = self
+        try:
+            self.result = self._fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the resuming thread
+            self._error = e
+        finally:
+            self.done = True
+            self._back.release()
+
+    def resume(self) -> None:
+        """Run until the next stop or the end (the calling thread waits meanwhile)."""
+        if self.done:
+            raise RuntimeError("Fiber.resume: the fiber has already finished")
+        self._left = False
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        self._go.release()
+        self._back.acquire()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _stop(self) -> None:
+        self._back.release()
+        self._go.acquire()
+        self._left = False
+
+
+def cross(entering: bool) -> None:
+    """A stage boundary, seen from this rank: `entering` one of its chunks (an activation received in
+    the forward, a gradient received in the backward) or leaving one (sent). Outside a fiber, nothing."""
+    fiber = _CURRENT.fiber
+    if fiber is None:
+        return
+    if not entering:
+        fiber._left = True
+    elif fiber._left:
+        fiber._stop()
+
+
+def in_fiber() -> bool:
+    return _CURRENT.fiber is not None
+
+
+__all__ = ["Fiber", "cross", "in_fiber"]
