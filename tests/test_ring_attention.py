@@ -1,0 +1,229 @@
+"""Attention over a sequence split: ring, Ulysses and all-gather-KV, forced or chosen by cost.
+
+Every method's forward and gradients (through `F.scaled_dot_product_attention`
+and autograd) equal one device in fp64; the ring receives exactly n - 1 key and
+value blocks per rank forward; forcing Ulysses where the heads do not divide
+the axis is an error that names them and suggests the ring.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import globaltensor as gt
+from ops_support import Mesh, mesh_placement
+
+D = torch.float64
+TOL = dict(atol=1e-10, rtol=1e-10)
+SEQ = gt.split(2)
+# the collective each method runs in the forward when q, k, v arrive split on the sequence
+MARK = {"ring": "send_recv", "ulysses": "all_to_all", "allgather": "all_gather"}
+
+
+def _inputs(b: int, heads: int, kv_heads: int, seq: int, hd: int = 4, seed: int = 0) -> list:
+    torch.manual_seed(seed)
+    return [torch.randn(b, heads, seq, hd, dtype=D)] + [torch.randn(b, kv_heads, seq, hd, dtype=D)
+                                                        for _ in range(2)]
+
+
+def _attend(q, k, v, causal: bool):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _one_device(inputs: list, causal: bool) -> tuple:
+    xs = [t.clone().requires_grad_() for t in inputs]
+    out = _attend(*xs, causal)
+    torch.manual_seed(1)
+    (out * torch.randn(out.shape, dtype=D)).sum().backward()
+    return out.detach(), [x.grad for x in xs]
+
+
+def _global(inputs: list, causal: bool, mesh: tuple, sbp: tuple, method: str) -> list:
+    """Per rank: (output, input gradients) full, the forward's and backward's comm events, output sbp."""
+    def body():
+        p = mesh_placement(mesh)
+        xs = [gt.to_global(t, p, sbp).requires_grad_() for t in inputs]
+        with gt.attention_method(method):
+            with gt.comm_log() as fwd:
+                out = _attend(*xs, causal)
+            torch.manual_seed(1)
+            loss = (out * gt.to_global(torch.randn(out.shape, dtype=D), p, out.sbp)).sum()
+            with gt.comm_log() as bwd:
+                loss.backward()
+        return out.full_tensor(), [x.grad.full_tensor() for x in xs], fwd.events, bwd.events, out.sbp
+    return gt.launch(body, math.prod(mesh))
+
+
+def _check(inputs, causal, mesh, sbp, method) -> list:
+    want_out, want_grads = _one_device(inputs, causal)
+    results = _global(inputs, causal, mesh, sbp, method)
+    for out, grads, *_ in results:
+        torch.testing.assert_close(out, want_out, **TOL)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, **TOL)
+    return results
+
+
+def _ulysses_fits(mesh: tuple, sbp: tuple, *heads: int) -> bool:
+    """Whether each sequence axis divides the heads a rank holds (after a heads split on other axes)."""
+    per_rank = [-(-h // math.prod(n for n, s in zip(mesh, sbp) if s == gt.split(1))) for h in heads]
+    return all(h % n == 0 for h in per_rank for n, s in zip(mesh, sbp) if s == SEQ)
+
+
+def _kinds(events) -> set:
+    return {e.kind for e in events}
+
+
+CASES = [  # (mesh, sbp of q/k/v, batch, heads, kv heads, seq)
+    ((2,), (SEQ,), 2, 4, 4, 8),
+    ((3,), (SEQ,), 1, 3, 3, 7),                            # uneven sequence split
+    ((4,), (SEQ,), 1, 4, 2, 10),                           # GQA, uneven
+    ((2, 2), (gt.split(0), SEQ), 2, 2, 2, 5),              # batch on axis 0, sequence on axis 1
+    ((2, 2), (SEQ, gt.split(1)), 1, 4, 2, 7),              # sequence on axis 0, heads (TP) on axis 1
+    ((2, 2), (SEQ, SEQ), 1, 4, 4, 9),                      # the sequence over both axes: a ring of 4
+]
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "allgather"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-b{c[2]}h{c[3]}kv{c[4]}s{c[5]}")
+def test_forced_method_equals_one_device(case, causal, method):
+    mesh, sbp, b, h, kvh, s = case
+    if method == "ulysses" and not _ulysses_fits(mesh, sbp, h, kvh):
+        pytest.skip("Ulysses needs heads divisible by the axis (test_forced_ulysses_names_the_heads)")
+    results = _check(_inputs(b, h, kvh, s), causal, mesh, sbp, method)
+    fwd = _kinds(results[0][2])
+    if method == "allgather" and causal:  # the gathered keys have no causal offset: the replicated run
+        assert "send_recv" not in fwd
+    elif method == "ulysses":  # the sequence's axes now split the heads (the planner may move them p2p)
+        assert all(o == gt.split(1) for o, i in zip(results[0][4], sbp) if i == SEQ), results[0][4]
+    else:
+        assert MARK[method] in fwd, (method, fwd)
+        assert not ({"send_recv", "all_to_all", "all_gather"} - {MARK[method]}) & fwd, (method, fwd)
+    if method == "ring":
+        assert results[0][4] == sbp  # the output keeps the sequence split
+
+
+def _block_bytes(shape: tuple, ranks: int, index: int) -> int:
+    b, h, s, hd = shape
+    return b * h * (s // ranks + (index < s % ranks)) * hd * 8
+
+
+@pytest.mark.parametrize("n, s, causal", [(2, 8, False), (3, 7, True), (4, 10, True)])
+def test_ring_receives_the_other_blocks_exactly(n, s, causal):
+    """Forward: n - 1 blocks of k and of v per rank; backward: those again and every block of dk, dv."""
+    inputs = _inputs(1, 2, 1, s)
+    results = _check(inputs, causal, (n,), (SEQ,), "ring")
+    shape = tuple(inputs[1].shape)
+    for rank, (_, _, fwd, bwd, _) in enumerate(results):
+        others = sum(_block_bytes(shape, n, j) for j in range(n) if j != rank)
+        everyone = sum(_block_bytes(shape, n, j) for j in range(n))
+        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1)
+        assert sum(e.recv_bytes for e in fwd) == 2 * others
+        ring = [e for e in bwd if e.kind == "send_recv"]
+        assert sum(e.recv_bytes for e in ring) == 2 * others + 2 * everyone
+
+
+def test_auto_takes_the_ring_where_heads_do_not_divide():
+    """3 heads on 2 ranks: Ulysses would leave one rank a head short; the ring keeps every rank busy."""
+    results = _check(_inputs(1, 3, 3, 8), True, (2,), (SEQ,), "auto")
+    assert _kinds(results[0][2]) == {"send_recv"}
+
+
+def test_auto_takes_ulysses_where_heads_divide():
+    """4 heads on 2 ranks, one sequence: three all-to-alls move less than the ring's key/value blocks."""
+    results = _check(_inputs(1, 4, 4, 8), True, (2,), (SEQ,), "auto")
+    assert _kinds(results[0][2]) == {"all_to_all"}
+
+
+def test_auto_prefers_the_ring_to_the_all_gather_at_equal_bytes():
+    """Without causal (both offered) on 3 heads: the same bytes, but no rank holds all keys."""
+    results = _check(_inputs(1, 3, 3, 6), False, (2,), (SEQ,), "auto")
+    assert _kinds(results[0][2]) == {"send_recv"}
+
+
+def test_forced_ulysses_names_the_heads():
+    def body():
+        p = mesh_placement((2,))
+        q, k, v = (gt.to_global(t, p, SEQ) for t in _inputs(1, 3, 3, 6))
+        with gt.attention_method("ulysses"):
+            try:
+                _attend(q, k, v, True)
+            except ValueError as e:
+                return str(e)
+    msg = gt.launch(body, 2)[0]
+    assert msg is not None and "3 heads" in msg and "not divisible by 2" in msg
+    assert "attention_method('ring')" in msg
+
+
+def test_method_is_part_of_the_decision():
+    """One program, one call site, two methods: the decision cache keys on the method."""
+    def body():
+        p = mesh_placement((2,))
+        q, k, v = (gt.to_global(t, p, SEQ) for t in _inputs(1, 4, 4, 8))
+        kinds = []
+        for method in ("ring", "ulysses", "ring", "auto"):
+            with gt.attention_method(method), gt.comm_log() as log:
+                _attend(q, k, v, False)
+            kinds.append(_kinds(log.events))
+        return kinds
+    assert gt.launch(body, 2)[0] == [{"send_recv"}, {"all_to_all"}, {"send_recv"}, {"all_to_all"}]
+
+
+def test_attention_method_checks_its_argument_and_restores():
+    with pytest.raises(ValueError, match="'zigzag' is not one of"):
+        gt.attention_method("zigzag")
+    from globaltensor.ops.attention import current_attention_method
+    with gt.attention_method("ring"):
+        assert current_attention_method() == "ring"
+    assert current_attention_method() == "auto"
+
+
+def test_dropout_runs_replicated_not_on_the_ring():
+    """A dropout mask drawn per block cannot match one device's: dropout keeps to the replicated run."""
+    def body():
+        p = mesh_placement((2,))
+        q, k, v = (gt.to_global(t, p, SEQ) for t in _inputs(1, 2, 2, 6))
+        with gt.attention_method("ring"), gt.comm_log() as log:
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        return _kinds(log.events)
+    assert "send_recv" not in gt.launch(body, 2)[0]
+
+
+@given(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (2, 1)]), st.integers(1, 9),
+       st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 3), (4, 2), (4, 4)]), st.integers(1, 2), st.booleans(),
+       st.sampled_from(["ring", "auto", "ulysses"]), st.data())
+def test_sequence_split_equals_one_device(mesh, s, heads, b, causal, method, data):
+    h, kvh = heads
+    other = data.draw(st.sampled_from([gt.broadcast, gt.split(0), gt.split(1), SEQ]))
+    sbp = (SEQ,) if len(mesh) == 1 else ((SEQ, other) if data.draw(st.booleans()) else (other, SEQ))
+    if method == "ulysses":
+        method = "auto"  # forced, it raises where the heads do not divide (its own test)
+    _check(_inputs(b, h, kvh, s, seed=s), causal, Mesh(mesh), sbp, method)
+
+
+def _gloo_ring():
+    p = gt.placement("cpu", [0, 1])
+    inputs = _inputs(1, 2, 2, 5)
+    xs = [gt.to_global(t, p, SEQ).requires_grad_() for t in inputs]
+    with gt.attention_method("ring"):
+        with gt.comm_log() as log:
+            out = _attend(*xs, True)
+        out.sum().backward()
+    return out.full_tensor(), [x.grad.full_tensor() for x in xs], _kinds(log.events)
+
+
+def test_ring_under_gloo():
+    inputs = _inputs(1, 2, 2, 5)
+    xs = [t.clone().requires_grad_() for t in inputs]
+    want = _attend(*xs, True)
+    want.sum().backward()
+    for out, grads, kinds in gt.launch(_gloo_ring, 2, backend="gloo"):
+        assert kinds == {"send_recv"}
+        torch.testing.assert_close(out, want.detach(), **TOL)
+        for g, x in zip(grads, xs):
+            torch.testing.assert_close(g, x.grad, **TOL)
