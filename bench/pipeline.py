@@ -1,6 +1,7 @@
 """Pipeline schedules side by side: gt.Pipeline vs torch.distributed.pipelining, same split, same schedule.
 
-    python bench/pipeline.py            # 2 stages on 2 gloo processes, m = 4 and 8, GPipe and 1F1B
+    python bench/pipeline.py            # 2 stages on 2 gloo processes, m = 4 and 8, GPipe, 1F1B, interleaved
+    python bench/pipeline.py --size wide
     python bench/pipeline.py --quick
 
 The GPT (`models/gpt.py`) split in two: the embeddings and the first half of the blocks on stage 0,
@@ -12,8 +13,12 @@ repetition; a step's time is its slowest rank's):
 - gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer))`, `gt.Pipeline(model, m, schedule, loss_fn)`.
   The head keeps its weight tied to the embedding: the weight goes to the last stage each micro-batch
   and its gradient comes back (the global program's one parameter).
-- torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`); the
-  head gets its own copy of the embedding weight (torch's pipelining cannot tie across stages).
+- torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`, and
+  `ScheduleInterleaved1F1B` with two stages per rank); the head gets its own copy of the embedding
+  weight (torch's pipelining cannot tie across stages).
+
+Interleaved: two chunks per stage (`pp_plan(virtual=2)`, one block each), theory bubble
+(p-1)/(vm+p-1).
 
 Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the theoretical bubble
 fraction (p-1)/(m+p-1), gt's measured one per rank (time waiting on other stages, in receives and
@@ -45,12 +50,16 @@ def loss_fn(logits, tgt):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
 
 
+VIRTUAL = 2  # chunks per stage for the interleaved schedule
+
+
 class GlobalTensorPipe:
     def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int) -> None:
         n = dist.get_world_size()
         self.stages = [gt.placement("cpu", [r]) for r in range(n)]
         torch.manual_seed(seed)
-        self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer))
+        virtual = VIRTUAL if kind == "interleaved" else 1
+        self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer, virtual=virtual))
         self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.bubbles: list = []
@@ -86,15 +95,23 @@ class _Stage(nn.Module):
 
 class TorchPipe:
     def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
         n, r = dist.get_world_size(), dist.get_rank()
         torch.manual_seed(seed)
         gpt = GPT(cfg)
-        per = [i * cfg.n_layer // n for i in range(n + 1)]
-        self.stage_module = _Stage(gpt, per[r], per[r + 1], r == 0, r == n - 1)
-        stage = PipelineStage(self.stage_module, r, n, torch.device("cpu"))
-        self.schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stage, n_microbatches=m, loss_fn=loss_fn)
-        self.opt = torch.optim.AdamW(self.stage_module.parameters(), lr=1e-3)
+        v = VIRTUAL if kind == "interleaved" else 1
+        per = [i * cfg.n_layer // (n * v) for i in range(n * v + 1)]  # as pp_plan splits the blocks
+        chunks = [c * n + r for c in range(v)]                         # virtual stage c * n + r on rank r
+        self.stage_modules = nn.ModuleList(_Stage(gpt, per[vs], per[vs + 1], vs == 0, vs == n * v - 1)
+                                           for vs in chunks)
+        stages = [PipelineStage(mod, vs, n * v, torch.device("cpu")) for mod, vs in zip(self.stage_modules, chunks)]
+        if kind == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+        else:
+            self.schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=m,
+                                                                                   loss_fn=loss_fn)
+        self.opt = torch.optim.AdamW(self.stage_modules.parameters(), lr=1e-3)
         self.first, self.last = r == 0, r == n - 1
 
     def step(self, x, t) -> None:
@@ -130,8 +147,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--size", choices=["small", "wide"], default="small",
+                    help="wide: n_embd 512 (compute per op large against the dispatch of each op)")
     args = ap.parse_args()
-    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    n_embd = 128 if args.size == "small" else 512
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=n_embd)
     micros = [4, 8]
     if args.quick:
         args.reps, args.warmup, micros = 3, 1, [4]
@@ -142,24 +162,25 @@ def main() -> None:
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | theory bubble | "
              "gt measured bubble per rank | gt micro-batches in flight per stage |", "|---|---|---|---|---|---|---|---|"]
     data = []
-    for kind in ("gpipe", "1f1b"):
+    for kind in ("gpipe", "1f1b", "interleaved"):
         for m in micros:
             times, got = gt.launch(timed, p, backend="gloo", timeout=1800,
                                    args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
             peaks, bubbles = [g[0] for g in got], [round(g[1], 2) for g in got]
+            v = VIRTUAL if kind == "interleaved" else 1
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"pipeline_{kind}_m{m}.svg"), "w") as f:
+            with open(os.path.join(args.out, f"pipeline_{args.size}_{kind}_m{m}.svg"), "w") as f:
                 f.write(timeline_svg([g[2] for g in got]))
             med = {k: statistics.median(v) for k, v in times.items()}
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
             lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
-                         f"{(p - 1) / (m + p - 1):.2f} | {bubbles} | {peaks} |")
+                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {peaks} |")
             data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks, "bubbles": bubbles,
                          "timelines": [g[2] for g in got]})
     table = "\n".join(lines)
     print(table)
-    write_results(args.out, "pipeline", table, data)
+    write_results(args.out, f"pipeline_{args.size}", table, data)
 
 
 if __name__ == "__main__":
