@@ -2,7 +2,8 @@
 
 Nothing here communicates: `tp_plan` says which weights are split
 (Megatron: q/k/v and fc column-parallel, proj rows; vocab-parallel tied
-embedding), `dp_batch` how a batch is laid out; the dispatcher and boxing
+embedding), `sp_plan` and `ulysses_plan` where the sequence is split,
+`dp_batch`/`seq_batch` how a batch is laid out; the dispatcher and boxing
 derive every collective.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from ..layout import Layout
 from ..module import ModuleLayout
-from ..sbp import Broadcast, Split
+from ..sbp import Broadcast, Partial, Split
 
 
 @dataclass
@@ -133,6 +134,59 @@ def tp_plan(tensor_axis: int, ndim: int) -> dict:
 def dp_batch(data_axis: int, ndim: int) -> tuple:
     """Data parallelism: the batch split on mesh axis `data_axis`, whole on the others."""
     return tuple(Split(0) if a == data_axis else Broadcast() for a in range(ndim))
+
+
+def sp_plan(tensor_axis: int, ndim: int) -> dict:
+    """Megatron sequence parallelism (Korthikanti et al.) on mesh axis `tensor_axis`: `tp_plan`'s weights, with
+    the activations outside the tensor-parallel regions split on the sequence (`S(1)` of [batch, seq, hidden])
+    instead of whole, so norms, dropout and the residual stream hold 1/t of them.
+
+    Each region's input is all-gathered on entry (`input=B`; the gradient's dual is a reduce-scatter) and
+    each row-parallel output is reduce-scattered to the sequence split (`output=S(1)`; an all-gather of its
+    gradient): TP's all-reduces become reduce-scatter + all-gather of the same bytes. The vocab-parallel
+    embedding's output stays Partial (`output=P`) until the position embedding is added, and `drop` takes
+    the sum split (one reduce-scatter, as Megatron scatters after the embedding): the position embedding's
+    gradient is then whole on every rank, not partial. Norm weights are Broadcast over a sequence split, so
+    their gradients are Partial and reduced with the gradient bucket. Composes with `dp_batch` on the
+    other axes (the batch comes in whole on the tensor axis).
+    """
+    def hint(s):
+        return tuple(s if a == tensor_axis else None for a in range(ndim))
+    seq, rep = hint(Split(1)), hint(Broadcast())
+    plan = tp_plan(tensor_axis, ndim)
+    plan.update({"wte": ModuleLayout(output=hint(Partial("sum"))), "drop": ModuleLayout(input=seq),
+                 "*.attn": ModuleLayout(input=rep), "*.mlp": ModuleLayout(input=rep), "head": ModuleLayout(input=rep),
+                 "*.attn.proj": ModuleLayout(output=seq), "*.mlp.proj": ModuleLayout(output=seq)})
+    return plan
+
+
+def ulysses_plan(seq_axis: int, ndim: int) -> dict:
+    """DeepSpeed-Ulysses on mesh axis `seq_axis`: every activation split on the sequence, weights whole; around
+    attention the split moves from the sequence to the heads and back, one all-to-all per tensor.
+
+    q, k and v leave their linears split on the hidden dim (`output=S(2)` of [batch, seq, hidden], which the
+    head view makes a heads split): an all-to-all each, whose backward is the dual all-to-all of the
+    gradient, so nothing is redone. The attention's output comes back to the sequence split at `proj`'s
+    input (`input=S(1)`). Per layer and rank: 4 all-to-alls forward and 4 backward, (n-1)/n^2 of the
+    activation each; heads must divide the axis. The position embedding is sliced to the rank's
+    positions (`output=S(0)` of [seq, hidden]: an all-gather of its gradient, which then needs no
+    reduction). Parameters are Broadcast, so every gradient is Partial over the axis and reduced in the
+    gradient bucket, as data parallelism's. The batch comes in split on the sequence (`seq_batch`).
+
+    The sequence split must survive the linears' flattening of [batch, seq] into one dim: it does when
+    each rank holds one sequence (the batch whole on the axis is 1, or split down to one per rank by
+    `data_axis`), as long-sequence training runs.
+    """
+    def hint(s):
+        return tuple(s if a == seq_axis else None for a in range(ndim))
+    heads = ModuleLayout(output=hint(Split(2)))
+    return {"*.attn.q": heads, "*.attn.k": heads, "*.attn.v": heads,
+            "*.attn.proj": ModuleLayout(input=hint(Split(1))), "wpe": ModuleLayout(output=hint(Split(0)))}
+
+
+def seq_batch(seq_axis: int, ndim: int, data_axis: int | None = None) -> tuple:
+    """A [batch, seq] batch split on the sequence on mesh axis `seq_axis` (and on the batch on `data_axis`)."""
+    return tuple(Split(1) if a == seq_axis else Split(0) if a == data_axis else Broadcast() for a in range(ndim))
 
 
 def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, reshard_after_forward: bool = True,

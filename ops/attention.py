@@ -181,4 +181,5 @@ def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
 for _backward, _op in ((False, aten._scaled_dot_product_flash_attention_for_cpu.default),
                        (True, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)):
     register([_op], Rule(attention_signatures(_backward), local=_local(_backward),
-                         scalar_key=_scalar_key(_backward), kernel_cost=_sequence_cost(_backward)))
+                         scalar_key=_scalar_key(_backward), kernel_cost=_sequence_cost(_backward),
+                         keep_converted_inputs=not _backward))

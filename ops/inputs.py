@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
@@ -99,26 +100,43 @@ def defer_reduction(t: Any, dst: Layout) -> None:
 
 
 def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
-    """Reduce `t` (just taken off the list) and the pending tensors whose plan is one all-reduce; clear the list.
+    """Reduce `t` (just taken off the list) and the pending tensors whose plan is bucketable collectives only
+    (all-reduce, reduce-scatter, all-gather); clear the list.
 
-    Other plans are left to the normal path, which runs them only if asked.
+    A plan of several steps (a gradient Partial on two mesh axes, e.g. a norm weight under sequence and
+    data parallelism: reduce-scatter, all-reduce, all-gather) runs step by step, each round one collective
+    per bucket, so such gradients share collectives too instead of a few each. Other plans are left to the normal path, which runs them
+    only if asked.
     """
     entries = [(t, dst)] + list(pending.items())
     pending.clear()
     plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
-    keep = [i for i, p in enumerate(plans) if boxing.all_reduce_key(p) is not None]
+    steps = {i: _one_step_plans(p) for i, p in enumerate(plans)}
+    keep = [i for i, s in steps.items() if s and all(boxing.bucket_key(q) is not None for q in s)]
     tracing = _TRACING.on
     if tracing:  # a gt.comm_report() says these collectives are the gradient bucket
         push_why(f"gradient bucket: {len(keep)} Partial gradients reduced together at their first read")
+    outs = [entries[i][0]._local for i in keep]
     try:
-        outs = boxing.execute_many([plans[i] for i in keep], [entries[i][0]._local for i in keep],
-                                   context.current())
+        for r in range(max((len(steps[i]) for i in keep), default=0)):
+            now = [j for j, i in enumerate(keep) if r < len(steps[i])]
+            done = boxing.execute_many([steps[keep[j]][r] for j in now], [outs[j] for j in now], context.current())
+            for j, out in zip(now, done):
+                outs[j] = out
     finally:
         if tracing:
             pop_why()
     for i, out in zip(keep, outs):
         u, d = entries[i]
         _memo_of(u)[d] = (_versions(u), out)
+
+
+@lru_cache(maxsize=4096)
+def _one_step_plans(plan: boxing.Plan) -> tuple:
+    """`plan` as plans of one step each, run in order (so each step can join a bucket of its own kind)."""
+    if len(plan.steps) == 1:
+        return (plan,)
+    return tuple(boxing.Plan(s.src, s.dst, plan.shape, plan.dtype, (s,), None, plan.world) for s in plan.steps)
 
 
 def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:

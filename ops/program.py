@@ -58,6 +58,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     local_hook = None if rule is None else rule.local
     overwrites = rule is not None and rule.overwrites
     fresh = rule is not None and rule.fresh
+    keep_converted = rule is not None and rule.keep_converted_inputs and not inplace
     direct = tuple(k for k, (x, s, t) in enumerate(zip(every, dec.sources, targets))
                    if isinstance(x, cls) and s == t)
     work = tuple((k, targets[k]) for k in range(len(targets)) if k not in direct)
@@ -91,6 +92,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 largs[i] = args[i]._local
             for i, dst in work_at:
                 largs[i] = local_of(func, args[i], dst, cls, placement, comm)
+                if keep_converted:
+                    _keep(args[i], largs[i], dst, cls)
             if writeback:
                 largs[slots[0]] = largs[slots[0]].clone()
         else:
@@ -99,6 +102,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 locs[k] = tensors[k]._local
             for k, dst in work:
                 locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
+                if keep_converted:
+                    _keep(tensors[k], locs[k], dst, cls)
             if writeback:
                 locs[0] = locs[0].clone()
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
@@ -203,6 +208,20 @@ def _wrap_discovered(outs: list, rebuild: Callable, dec: Decision, cls: type, co
         _shared_metas(metas if comm.rank == dec.placement.flat_ranks[0] else None, comm)
     lay = _broadcast(dec.placement)
     return rebuild([None if o is None else cls(o, lay, tuple(o.shape)) for o in outs])
+
+
+def _keep(t: Any, local: torch.Tensor, layout: Layout, cls: type) -> None:
+    """An intermediate input takes the shard it was converted to (`Rule.keep_converted_inputs`).
+
+    Its global value is unchanged; the shard it had is released (unless something else holds it: a view's
+    base keeps its own). Only autograd non-leaves: a leaf's layout (a parameter, a tensor the user laid
+    out) is the user's choice, and an in-place op's target keeps its layout by the in-place rule. A view
+    that takes its own shard no longer shares memory with its base: a later in-place write through one is
+    not seen through the other, so a tensor autograd saved (the case this is for) raises at the backward
+    if written afterwards, as torch does for any saved tensor that changes.
+    """
+    if isinstance(t, cls) and t.grad_fn is not None:
+        t._set_layout(local, layout)
 
 
 def _adopt(tensors: list, cls: type) -> bool:

@@ -81,6 +81,10 @@ class Rule:
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
+    # an input the op had converted keeps the converted shard and layout, where it is an intermediate
+    # (autograd non-leaf): what autograd saved for the backward is then what the kernel used, so the backward
+    # does not convert it again (Ulysses' q, k, v). For ops whose outputs do not alias their inputs
+    keep_converted_inputs: bool = False
     overwrites: bool = False  # writes every element of its target (copy_): may relayout a fresh target
     meta: Optional[Callable[..., Any]] = None  # meta(func, args, kwargs): func's outputs on meta tensors, faster
     # what the signatures read of the op's float arguments (masked_fill: is the fill zero); the decision
