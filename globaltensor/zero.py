@@ -11,7 +11,8 @@ bucket: the reduce-scatter. It runs when the last of the module's gradients is r
 when autograd calls it.
 
 ZeRO-3 (`reshard_after_forward=True`) frees the gathered copies when the forward leaves the module
-and gathers them again when the backward enters it. Autograd keeps the tensors it saved, but their
+and gathers them again when the backward enters it, started one module ahead (when the backward
+enters the module that ended after it in the forward), as FSDP2 prefetches. Autograd keeps the tensors it saved, but their
 shards' storage is what is freed (resized to nothing, as FSDP2 does) and later refilled in place,
 so the saved tensors and their views see the data again without a saved-tensor hook. ZeRO-2 keeps
 the gathered copies until the module's backward has reduced the gradients. Either way nothing
@@ -104,6 +105,9 @@ class ParamGroup:
             return output
         if self.reshard_after_forward:
             call.free()
+            # the backward meets the modules' ends in reverse: this call's backward comes right before
+            # that of the call that ended before it, whose re-gather it starts (prefetch)
+            call.before_in_backward, _OPEN.ended = _OPEN.ended, call
         return _mark_outputs(output, call)
 
 
@@ -111,6 +115,7 @@ class _Open(threading.local):
     def __init__(self) -> None:
         self.stack: list = []
         self.last: Optional[ParamGroup] = None
+        self.ended: Optional[_Call] = None  # the ZeRO-3 call whose forward ended last, since the last backward
 
 
 _OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered, and the
@@ -140,6 +145,8 @@ class _Call:
         self.tracked = False          # an autograd function holds this call (a backward will come)
         self.scoped = False           # its backward is running in the named scope
         self.pending: Any = None      # a started gather (prefetch) to finish
+        self.reduced = False          # its backward has run
+        self.before_in_backward: Optional[_Call] = None  # the call whose backward comes next (ZeRO-3)
 
     def start(self) -> None:
         """Start the gather now (a prefetch); `gather` finishes it."""
@@ -176,6 +183,11 @@ class _Call:
             if owned:
                 t.untyped_storage().resize_(0)
         self.freed = True
+
+    def prefetch_regather(self) -> None:
+        """Start the backward's gather now (the next module's backward is about to start)."""
+        if self.freed and not self.reduced and self.pending is None:
+            self.pending = self._start()
 
     def regather(self) -> None:
         """Gather again into the freed shards (ZeRO-3's backward all-gather)."""
@@ -254,6 +266,7 @@ class _Gather(torch.autograd.Function):
         the parameters' `.grad` when the whole backward is done (as FSDP2 does), so the bucket's
         collective overlaps the rest of the backward where the backend allows (gloo)."""
         call = ctx.call
+        call.reduced = True
         call.leave_scope()
         while len(_LANDING.pending) >= MAX_IN_FLIGHT:  # bound the memory of full-size gradient buffers
             _land(*_LANDING.pending.pop(0))
@@ -309,8 +322,14 @@ class _Regather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
-        ctx.call.regather()
-        ctx.call.enter_scope()
+        call = ctx.call
+        _OPEN.ended = None  # a forward after this backward starts a new chain
+        call.regather()
+        nxt = call.before_in_backward
+        if nxt is not None:  # overlap the next module's gather with this module's backward (FSDP2's prefetch)
+            call.before_in_backward = None
+            nxt.prefetch_regather()
+        call.enter_scope()
         return grad, None
 
 

@@ -233,6 +233,34 @@ def test_zero3_frees_gathered_parameters_between_forward_and_backward():
                 assert after_forward == root + CFG.n_layer * block
 
 
+def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
+    """FSDP2's backward prefetch: when the backward enters a module, the gather of the module whose
+    backward comes next (the one whose forward ended before) starts; so every re-gather but the
+    first finds its collective already started. Nothing else changes: the bytes are the same."""
+    seen = []
+    regather = zero._Call.regather
+
+    def spy(call):
+        if call.freed:
+            seen.append((gt.rank(), call.group.where.split("on ")[-1], call.pending is not None))
+        regather(call)
+    monkeypatch.setattr(zero._Call, "regather", spy)
+
+    def run():
+        p = _mesh((2,))
+        torch.manual_seed(0)
+        model = gt.to_global(GPT(CFG).double(), p, zero_plan(0, 1))
+        idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
+        for _ in range(2):
+            model(idx, tgt)[1].backward()
+            assert zero.gathered_bytes() == 0
+    gt.launch(run, 2)
+    blocks = [f"'blocks.{i}'" for i in reversed(range(CFG.n_layer))]
+    for rank in (0, 1):
+        mine = [(where, ahead) for r, where, ahead in seen if r == rank]
+        assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
+
+
 class _Tiny(nn.Module):
     """Uneven dims: some smaller than the mesh."""
 
