@@ -148,6 +148,8 @@ def _sequence_cost(backward: bool):
             kinds.append(kind)
         if "ring" in kinds and "allgather" in kinds:
             return None  # the ring runs on whole key blocks of its members
+        if not _heads_aligned(q, k, ctx.shapes[off], ctx.shapes[off + 1]):
+            return None
         if "ulysses" in kinds and method == "auto" and not (_even_heads(q, ctx.shapes[off]) and
                                                             _even_heads(k, ctx.shapes[off + 1])):
             return None
@@ -157,6 +159,17 @@ def _sequence_cost(backward: bool):
         return ring_recv_bytes(k, targets[off + 2], tuple(kt.shape), tuple(vt.shape), kt.dtype.itemsize,
                                backward), 0
     return cost
+
+
+def _heads_aligned(q: Layout, k: Layout, q_shape: tuple, k_shape: tuple) -> bool:
+    """Whether every rank's query heads use exactly its key/value heads (GQA: query head h reads
+    key head h // group), so that the kernel on the shards pairs them as on one device."""
+    group = q_shape[1] // k_shape[1]
+    for r in q.placement.flat_ranks:
+        (qa, qn), (ka, kn) = q.shard(q_shape, r)[1], k.shard(k_shape, r)[1]
+        if qn and (qa, qn) != (ka * group, kn * group):
+            return False
+    return True
 
 
 def _even_heads(layout: Layout, shape: tuple) -> bool:

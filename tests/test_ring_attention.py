@@ -227,3 +227,11 @@ def test_ring_under_gloo():
         torch.testing.assert_close(out, want.detach(), **TOL)
         for g, x in zip(grads, xs):
             torch.testing.assert_close(g, x.grad, **TOL)
+
+
+@pytest.mark.parametrize("mesh, sbp", [((4,), (gt.split(1),)), ((2, 2), (gt.split(1), SEQ)),
+                                       ((2, 2), (gt.split(1), gt.split(1)))])
+def test_gqa_heads_split_pairs_query_heads_with_their_keys(mesh, sbp):
+    """4 query heads over 2 key heads: a heads split is only taken where each rank's query heads read
+    exactly its own key heads (on 4 ranks the keys' 2 heads cannot be split alike)."""
+    _check(_inputs(1, 4, 2, 6), True, mesh, sbp, "auto")
