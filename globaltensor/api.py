@@ -10,6 +10,7 @@ from .module import module_to_global
 from .placement import Placement
 from .runtime import context
 from .sbp import Split
+from . import ragged as _ragged
 from .tensor import GlobalTensor, _FromLocal, device_for, distribute
 
 
@@ -20,7 +21,7 @@ def _check_placement(placement: Any, fn: str) -> Placement:
     return placement
 
 
-def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = None) -> Any:
+def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = None, sizes: Any = None) -> Any:
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
 
     A GlobalTensor is boxed instead (`GlobalTensor.to_global`, where `grad_sbp` is explained);
@@ -30,9 +31,19 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
     shard is a copy, so in-place ops on it never reach `t` (or, simulated, another rank).
     A Partial(sum) axis puts the value on its first rank and zeros on the others;
     Partial(max/min) keeps the value everywhere.
+
+    `sizes` goes with a ragged sbp (`gt.ragged(d)`): each rank's rows of d, one int per rank of the
+    ragged mesh axis; a GlobalTensor is then re-cut with one uneven all-to-all (`globaltensor/ragged.py`).
     """
+    if isinstance(obj, _ragged.RaggedTensor):
+        return obj.to_global(placement, sbp, grad_sbp, sizes)
     if isinstance(obj, GlobalTensor):
-        return obj.to_global(placement, sbp, grad_sbp)
+        if sizes is None:
+            return obj.to_global(placement, sbp, grad_sbp)
+        if grad_sbp is not None or placement != obj.placement:
+            raise ValueError("to_global(sizes): a conversion to a ragged layout stays on the tensor's placement "
+                             "and takes no grad_sbp")
+        return _ragged.convert(obj, Layout(placement, normalize_sbp(sbp, placement.ndim)), sizes)
     if grad_sbp is not None:
         raise ValueError("to_global(grad_sbp): only a GlobalTensor's conversion has a gradient to lay out; "
                          "a full tensor or module becomes a leaf (drop grad_sbp)")
@@ -46,6 +57,8 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
     placement = _check_placement(placement, "to_global")
     layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
     layout.check_shape(obj.shape)
+    if sizes is not None or layout.ragged_axes:
+        return _ragged.distribute(obj, layout, sizes, requires_grad=obj.requires_grad)
     return distribute(obj, layout, requires_grad=obj.requires_grad)
 
 
@@ -90,18 +103,26 @@ def _discover_shape(local: torch.Tensor, layout: Layout) -> tuple[int, ...]:
 
 
 def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
-               shape: Sequence[int] | None = None) -> GlobalTensor:
+               shape: Sequence[int] | None = None, sizes: Any = None) -> GlobalTensor:
     """Build a GlobalTensor from each rank's shard (differentiable).
 
     Without `shape`, the ranks exchange their shards' shapes with one small collective:
     a split layout learns its global shape (uneven shards just work) and ranks whose
     shards do not fit one global shape (Broadcast locals of different shapes) fail,
     named. With `shape`, each rank checks its own shard against it and nothing is exchanged.
+
+    A ragged sbp (`gt.ragged(d)`) takes `sizes`, each rank's rows of d (one int per rank of the
+    ragged mesh axis); one small all-gather checks that they add up to the shards' rows and that every
+    rank gives the same sizes, with or without `shape`.
     """
     if isinstance(local, GlobalTensor) or not isinstance(local, torch.Tensor):
         raise TypeError(f"from_local(local): expected a plain torch.Tensor shard, got {type(local).__name__}")
     placement = _check_placement(placement, "from_local")
     layout = Layout(placement, normalize_sbp(sbp, placement.ndim))
+    if sizes is not None or layout.ragged_axes:
+        if sizes is None:
+            _ragged.check_sizes(None, layout, None, "from_local(sizes)")  # raises, naming sizes
+        return _ragged.from_local(local, layout, sizes, None if shape is None else _check_shape_arg(shape))
     comm = context.current()
     inside = placement.coord(comm.rank) is not None
     if shape is None:  # shapes are exchanged even without a split: ranks that disagree fail here, not later

@@ -11,12 +11,12 @@ from functools import lru_cache
 from typing import Sequence
 
 from .placement import Placement
-from .sbp import SBP, SBP_TYPES, Broadcast, Partial, Split, split_range, split_sizes
+from .sbp import LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, split_range, split_sizes
 
 
 def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
     """A single SBP stands for a 1-D placement's tuple; anything else must match the mesh."""
-    if isinstance(sbp, SBP_TYPES):
+    if isinstance(sbp, LAYOUT_TYPES):
         if ndim != 1:
             raise ValueError(f"{arg}: a single SBP {sbp!r} is only accepted for a 1-D placement; "
                              f"give a tuple of {ndim} SBPs, one per mesh axis")
@@ -28,7 +28,7 @@ def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
         raise ValueError(f"{arg}: has {len(sbp)} entries but the placement mesh has {ndim} axes; "
                          f"give one SBP per mesh axis")
     for s in sbp:
-        if not isinstance(s, SBP_TYPES):
+        if not isinstance(s, LAYOUT_TYPES):
             raise TypeError(f"{arg}: {s!r} is not an SBP; use gt.split(d), gt.broadcast or gt.partial(op)")
     return tuple(sbp)
 
@@ -69,9 +69,13 @@ class Layout:
     def has_partial(self) -> bool:
         return any(isinstance(s, Partial) for s in self.sbp)
 
+    @property
+    def ragged_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Ragged))
+
     def check_shape(self, shape: Sequence[int], arg: str = "sbp") -> None:
         for s in self.sbp:
-            if isinstance(s, Split) and s.dim >= len(shape):
+            if isinstance(s, (Split, Ragged)) and s.dim >= len(shape):
                 raise ValueError(f"{arg}: {s!r} splits dim {s.dim} but the tensor has {len(shape)} dims "
                                  f"(shape {tuple(shape)}); pick a dim below {len(shape)}")
 

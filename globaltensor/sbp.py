@@ -55,12 +55,37 @@ class Partial:
         return (Partial, (self.op,))
 
 
-SBP = Union[Split, Broadcast, Partial]
-SBP_TYPES = (Split, Broadcast, Partial)
+@dataclass(frozen=True, slots=True)
+class Ragged:
+    """A Split of `dim` whose per-rank sizes are data (dropless MoE's tokens per expert), not structure.
+
+    The sizes are not part of this value, so layouts, decisions and plans stay keyed on structure;
+    the tensor carries them (`globaltensor/ragged.py`), the same on every rank of the mesh axis.
+    """
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+            raise ValueError(f"ragged(dim): dim must be an int >= 0, got {self.dim!r}")
+
+    def __repr__(self) -> str:
+        return f"R({self.dim})"
+
+    def __reduce__(self):
+        return (Ragged, (self.dim,))
+
+
+SBP = Union[Split, Broadcast, Partial, Ragged]
+SBP_TYPES = (Split, Broadcast, Partial)   # what a plan, a factory or an op may name
+LAYOUT_TYPES = SBP_TYPES + (Ragged,)      # what a Layout may hold: a ragged tensor's too
 
 
 def split(dim: int) -> Split:
     return Split(dim)
+
+
+def ragged(dim: int) -> Ragged:
+    return Ragged(dim)
 
 
 def partial(op: str = "sum") -> Partial:

@@ -263,7 +263,15 @@ def _resolve(x: GlobalTensor, placement: Any, sbp: Any) -> Layout:
         sbp = x.sbp
     dst = Layout(placement, normalize_sbp(sbp, placement.ndim))
     dst.check_shape(x.shape)
+    _no_ragged(dst, "to_global(sbp)")
     return dst
+
+
+def _no_ragged(layout: Layout, arg: str) -> None:
+    """A ragged layout needs its sizes, which only `gt.to_global(..., sizes=)` and `gt.from_local` take."""
+    if layout.ragged_axes:
+        raise ValueError(f"{arg}: {layout.sbp} is ragged and needs its per-rank sizes: "
+                         "gt.to_global(x, placement, sbp, sizes=[...]) or gt.from_local(local, placement, sbp, sizes=[...])")
 
 
 def _target_of(x: GlobalTensor, dst: Layout) -> _Target:
@@ -329,6 +337,7 @@ def distribute(full: torch.Tensor, layout: Layout, requires_grad: bool = False) 
     they are handed); a Partial(sum) axis puts the value on its first rank and zeros on the others,
     Partial(max/min) keeps it everywhere. A rank outside the placement keeps an empty shard.
     """
+    _no_ragged(layout, "sbp")
     rank = context.current().rank
     t = full.detach().to(device_for(layout.placement))
     box = layout.shard(full.shape, rank)

@@ -1,0 +1,494 @@
+"""Ragged tensors: a Split whose per-rank sizes are data (`gt.ragged(dim)`), carried by the tensor.
+
+The layout holds `Ragged(dim)` without sizes, so every cache keyed on layouts stays keyed on
+structure; a `RaggedTensor` holds the sizes (per ragged mesh axis, the same on every rank of that
+axis: they cut the one global dim). Only ops whose shards stay meaningful with any cut accept
+one, and they run here, not in the dispatcher, whose decisions assume balanced shards:
+
+- pointwise ops (sizes pass through; a Broadcast operand is sliced to the rows each rank holds),
+  `*_like` factories, sums (over the ragged dim: Partial), conversions (`to_global`), and the
+  grouped ops of `globaltensor/grouped.py`;
+- every other op refuses a ragged input naming the op and the input: a rule written for balanced
+  shards would compute wrong values silently.
+
+A ragged tensor cuts its dim over exactly one mesh axis (no other axis splits that dim), which
+keeps every conversion a re-cut of contiguous ranges over one axis group (`boxing/ragged.py`).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .boxing import convert_local
+from .boxing import ragged as _recut
+from .layout import Layout, normalize_sbp
+from .ops.pointwise import cast_meta, elementwise_meta
+from .ops.registry import RULES, is_inplace
+from .placement import Placement
+from .runtime import context
+from .sbp import Broadcast, Partial, Ragged, Split, split_range, split_sizes
+from .tensor import GlobalTensor, _wrap, _tensor_key, device_for, grad_layout
+
+aten = torch.ops.aten
+Sizes = tuple  # per mesh axis: None, or one size per rank of the axis
+
+
+class RaggedTensor(GlobalTensor):
+    """A GlobalTensor with `_sizes`: for each mesh axis that is `Ragged(d)`, the rows of d per rank."""
+
+    _sizes: Sizes
+    __slots__ = ["_sizes"]
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """Any call with a ragged input lands here (the subclass is asked first), never in the dispatcher."""
+        return _run(func, args, kwargs or {})
+
+    @property
+    def sizes(self) -> Sizes:
+        return self._sizes
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return (f"RaggedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
+                f"sbp={self.sbp}, sizes={self._sizes}, local={self._local})")
+
+    def __reduce_ex__(self, proto: int):
+        raise TypeError("torch.save: a ragged tensor's sizes are data of one step; convert it to a balanced "
+                        "split first (x.to_global(placement, gt.split(d)))")
+
+    def to_local(self) -> torch.Tensor:
+        return _ToLocal.apply(self)
+
+    def to_global(self, placement: Placement | None = None, sbp: Any = None, grad_sbp: Any = None,
+                  sizes: Any = None) -> GlobalTensor:
+        """Re-cut (ragged <-> balanced, ragged <-> ragged: one uneven all-to-all), gather or box onwards."""
+        if grad_sbp is not None:
+            raise ValueError("to_global(grad_sbp): not taken by a ragged tensor (its gradient keeps its sizes)")
+        placement = self.placement if placement is None else placement
+        if placement != self.placement:
+            raise ValueError("to_global(placement): a ragged tensor converts on its own placement; convert it to "
+                             "a balanced split (gt.split(d)) first, then move that")
+        layout = Layout(placement, normalize_sbp(self.sbp if sbp is None else sbp, placement.ndim))
+        return convert(self, layout, sizes)
+
+    def full_tensor(self) -> torch.Tensor:
+        return convert(self, Layout(self.placement, (Broadcast(),) * self.placement.ndim), None).full_tensor()
+
+
+# -- building ---------------------------------------------------------------------------------------
+def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes,
+         requires_grad: bool = False) -> GlobalTensor:
+    """The tensor for a layout and sizes: ragged where the layout is, a plain GlobalTensor otherwise."""
+    shape = tuple(shape)
+    if not layout.ragged_axes:
+        return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+    r = _wrap(RaggedTensor, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
+    r._sizes = sizes
+    return r
+
+
+def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: str = "sizes") -> Sizes:
+    """`sizes` as one tuple per mesh axis; a flat list stands for the one ragged axis'.
+
+    Checked against the layout's structure (one per rank of a ragged axis, non-negative ints, no other
+    axis cutting a ragged dim) and, where the global shape is known, against its dims.
+    """
+    axes = layout.ragged_axes
+    mesh = layout.placement.shape
+    if not axes:
+        raise ValueError(f"{arg}: sbp {layout.sbp} has no ragged axis (gt.ragged(d)) for sizes to cut; "
+                         "drop sizes or use gt.ragged(d)")
+    if sizes is None:
+        raise ValueError(f"{arg}: sbp {layout.sbp} has a ragged axis: give its per-rank sizes (one int per rank of "
+                         f"mesh axis {axes[0]}, adding up to the dim)")
+    if isinstance(sizes, torch.Tensor):
+        sizes = sizes.tolist()
+    sizes = [int(n) if isinstance(n, np.integer) else n for n in sizes]
+    if len(axes) == 1 and (all(isinstance(n, int) for n in sizes) or layout.placement.ndim == 1):
+        sizes = [sizes if a == axes[0] else None for a in range(layout.placement.ndim)]
+    if len(sizes) != layout.placement.ndim:
+        raise ValueError(f"{arg}: give one entry per mesh axis ({layout.placement.ndim}), None for the axes that "
+                         f"are not ragged; got {sizes!r}")
+    out = []
+    for a, (s, n) in enumerate(zip(layout.sbp, sizes)):
+        if not isinstance(s, Ragged):
+            if n is not None:
+                raise ValueError(f"{arg}: mesh axis {a} is {s!r}, not ragged, so its entry must be None (got {n!r})")
+            out.append(None)
+            continue
+        if isinstance(n, torch.Tensor):
+            n = n.tolist()
+        n = tuple(n) if isinstance(n, (list, tuple)) else n
+        if not isinstance(n, tuple) or len(n) != mesh[a] or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in n):
+            raise ValueError(f"{arg}: mesh axis {a} ({s!r}) has {mesh[a]} ranks, so give {mesh[a]} non-negative "
+                             f"ints, one per rank; got {n!r}")
+        others = [b for b, t in enumerate(layout.sbp) if b != a and isinstance(t, (Split, Ragged)) and t.dim == s.dim]
+        if others:
+            raise ValueError(f"sbp: {s!r} on mesh axis {a} and {layout.sbp[others[0]]!r} on axis {others[0]} cut the "
+                             "same dim; a ragged dim is cut by one mesh axis only")
+        if shape is not None and sum(n) != shape[s.dim]:
+            raise ValueError(f"{arg}: {list(n)} add up to {sum(n)}, but dim {s.dim} of the tensor (shape "
+                             f"{tuple(shape)}) is {shape[s.dim]}; the sizes must add up to the dim")
+        out.append(n)
+    return tuple(out)
+
+
+def local_shape(layout: Layout, shape: Sequence[int], sizes: Sizes, rank: int) -> tuple[int, ...]:
+    """The shard `rank` holds: balanced cuts from the layout, ragged ones from `sizes`."""
+    coord = layout.placement.coord(rank)
+    if coord is None:
+        return (0,)
+    dims = list(_balanced(layout).local_shape(shape, rank))
+    for a in layout.ragged_axes:
+        dims[layout.sbp[a].dim] = sizes[a][coord[a]]
+    return tuple(dims)
+
+
+def _balanced(layout: Layout, axis: int | None = None) -> Layout:
+    """The layout with Ragged(d) read as Broadcast (every axis, or `axis` only) for the balanced arithmetic."""
+    return Layout(layout.placement, tuple(Broadcast() if isinstance(s, Ragged) and axis in (None, a) else s
+                                          for a, s in enumerate(layout.sbp)))
+
+
+def from_local(local: torch.Tensor, layout: Layout, sizes: Any, shape: Sequence[int] | None) -> GlobalTensor:
+    """`gt.from_local(..., sizes=)`: one all-gather of (shard shape, sizes) checks that every rank's view of
+    the sizes agrees and that each shard holds its rows; the global shape follows."""
+    comm = context.current()
+    p = layout.placement
+    inside = p.coord(comm.rank) is not None
+    got = comm.all_gather_object((tuple(local.shape), sizes if not isinstance(sizes, torch.Tensor)
+                                  else sizes.tolist()) if inside else None, tuple(range(comm.world_size)))
+    views = {r: got[r] for r in p.flat_ranks}
+    first = p.flat_ranks[0]
+    differ = {r: v[1] for r, v in views.items() if _as_lists(v[1]) != _as_lists(views[first][1])}
+    if differ:
+        raise ValueError(f"from_local(sizes): the ranks' views of sizes differ (rank {first}: {views[first][1]!r}, "
+                         + ", ".join(f"rank {r}: {v!r}" for r, v in differ.items())
+                         + "); sizes describe the one global cut and must be the same on every rank")
+    norm = check_sizes(sizes, layout, shape, "from_local(sizes)")
+    ndims = {len(v[0]) for v in views.values()}
+    if len(ndims) != 1:
+        raise ValueError(f"from_local(local): shards have different numbers of dims: "
+                         f"{ {r: v[0] for r, v in views.items()} }")
+    layout.check_shape((0,) * ndims.pop(), "from_local(sbp)")
+    if shape is None:  # the other dims as from_local finds them: summed over the axes that split them
+        by_rank = {r: v[0] for r, v in views.items()}
+        shape = []
+        for d in range(len(by_rank[first])):
+            ragged = [a for a in layout.ragged_axes if layout.sbp[a].dim == d]
+            if ragged:
+                shape.append(sum(norm[ragged[0]]))
+                continue
+            axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim == d}
+            shape.append(sum(by_rank[r][d] for r in p.flat_ranks
+                             if all(c == 0 for a, c in enumerate(p.coord(r)) if a not in axes)))
+    shape = tuple(shape)
+    for r, (held, _) in views.items():
+        want = local_shape(layout, shape, norm, r)
+        if held != want:
+            axis = layout.ragged_axes[0]
+            dim = layout.sbp[axis].dim
+            raise ValueError(f"from_local(sizes): rank {r} should hold a shard of shape {want} under sizes "
+                             f"{list(norm[axis])} (global {shape}), but holds {held}; its rows of dim {dim} "
+                             "must be its entry of sizes")
+    if not inside:
+        local = local.reshape(-1)[:0]
+    return _FromLocal.apply(local.to(device_for(p)), layout, shape, norm)
+
+
+def _as_lists(v: Any) -> Any:
+    return [_as_lists(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def distribute(full: torch.Tensor, layout: Layout, sizes: Any, requires_grad: bool = False) -> GlobalTensor:
+    """`gt.to_global(full, placement, sbp, sizes=)`: each rank keeps its rows; no communication."""
+    from_full = layout.placement.coord(context.current().rank) is not None
+    norm = check_sizes(sizes, layout, full.shape, "to_global(sizes)")
+    layout.check_shape(full.shape)
+    t = full.detach().to(device_for(layout.placement))
+    if from_full:
+        t = convert_local(t, Layout(layout.placement, (Broadcast(),) * layout.placement.ndim),
+                          _balanced(layout), tuple(full.shape), context.current())
+        t = _take_ragged(t, layout, norm).clone(memory_format=torch.contiguous_format)
+    else:
+        t = t.new_empty((0,))
+    return make(t, layout, full.shape, norm, requires_grad)
+
+
+def _take_ragged(t: torch.Tensor, layout: Layout, sizes: Sizes) -> torch.Tensor:
+    coord = layout.placement.coord(context.current().rank)
+    for a in layout.ragged_axes:
+        t = _recut.take(t, layout.sbp[a].dim, sizes[a], coord[a])
+    return t
+
+
+# -- conversions ------------------------------------------------------------------------------------
+def convert(x: GlobalTensor, dst: Layout, sizes: Any) -> GlobalTensor:
+    """x in layout `dst` (with `sizes` for its ragged axes); differentiable, the backward the reverse."""
+    if dst.ragged_axes:
+        sizes = check_sizes(sizes, dst, x.shape, "to_global(sizes)")
+    elif sizes is not None:
+        check_sizes(sizes, dst, x.shape, "to_global(sizes)")  # raises: nothing to cut
+    if dst == x._layout and sizes == getattr(x, "_sizes", None):
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Convert.apply(x, dst, sizes)
+    return _convert_now(x, dst, sizes)
+
+
+def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
+    """Axis by axis: the ragged axes re-cut, gathered or sliced; everything else boxed as usual.
+
+    First every ragged axis of x that dst does not keep as it is becomes dst's (ragged -> ragged,
+    ragged -> balanced: re-cut; ragged -> Broadcast: gather) or, if dst wants anything else there,
+    a balanced split the planner takes on from. Then the non-ragged rest is boxed (one plan), with
+    the axes that dst wants ragged taken as balanced splits (or Broadcast), and re-cut (or sliced).
+    """
+    comm = context.current()
+    shape = tuple(x.shape)
+    p = x.placement
+    coord = p.coord(comm.rank)
+    local, sbp = x._local, list(x._layout.sbp)
+    have = list(getattr(x, "_sizes", None) or (None,) * p.ndim)
+    for a, s in enumerate(x._layout.sbp):
+        if not isinstance(s, Ragged) or (dst.sbp[a] == s and sizes[a] == have[a]):
+            continue
+        d, want = s.dim, dst.sbp[a]
+        if coord is not None:
+            group = p.group(comm.rank, a)
+            if isinstance(want, Broadcast):
+                local = _recut.gather(local, d, have[a], group, comm)
+            else:
+                to = sizes[a] if isinstance(want, Ragged) and want.dim == d else split_sizes(shape[d], p.shape[a])
+                local = _recut.recut(local, d, have[a], to, group, comm)
+        if isinstance(want, Broadcast):
+            sbp[a], have[a] = Broadcast(), None
+        elif isinstance(want, Ragged) and want.dim == d:
+            sbp[a], have[a] = want, sizes[a]
+        else:
+            sbp[a], have[a] = Split(d), None
+    now = Layout(p, tuple(sbp))
+    if now.ragged_axes and any(not isinstance(s, Ragged) and s != t for s, t in zip(now.sbp, dst.sbp)):
+        raise ValueError(f"to_global: from {x._layout.sbp} to {dst.sbp}: the axes that stay ragged must be the only "
+                         "ragged axes; convert the ragged axes first, then the others")
+    if not now.ragged_axes:  # the rest is ordinary boxing, with dst's ragged axes first balanced
+        mid = Layout(p, tuple(_entry(s, t) for s, t in zip(now.sbp, dst.sbp)))
+        if mid != now:
+            local = convert_local(local, now, mid, shape, comm) if coord is not None else local
+        for a in dst.ragged_axes:
+            d = dst.sbp[a].dim
+            if coord is not None:
+                if isinstance(mid.sbp[a], Split):
+                    local = _recut.recut(local, d, split_sizes(shape[d], p.shape[a]), sizes[a],
+                                         p.group(comm.rank, a), comm)
+                else:
+                    local = _recut.take(local, d, sizes[a], coord[a])
+            have[a] = sizes[a]
+        now = dst
+    return make(local if coord is not None else x._local, now, shape,
+                tuple(have) if now.ragged_axes else None)
+
+
+def _entry(src: Any, want: Any) -> Any:
+    """What the boxing before the re-cut must reach on one axis: dst's balanced stand-in for Ragged(d)
+    (Split(d), or Broadcast from a Broadcast or Partial source, which then needs only a slice)."""
+    if not isinstance(want, Ragged):
+        return want
+    return Split(want.dim) if isinstance(src, Split) and src.dim == want.dim else Broadcast()
+
+
+class _Convert(torch.autograd.Function):
+    """The gradient goes back the reverse way: into the source's (dual) layout and sizes."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:  # type: ignore[override]
+        ctx.src, ctx.sizes = grad_layout(x._layout), getattr(x, "_sizes", None)
+        return _convert_now(x, dst, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        return _convert_now(grad, ctx.src, ctx.sizes), None, None
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple, sizes: Sizes) -> GlobalTensor:  # type: ignore[override]
+        ctx.layout, ctx.sizes = grad_layout(layout), sizes
+        return make(local.view_as(local), layout, shape, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        if grad._layout != ctx.layout or getattr(grad, "_sizes", None) != ctx.sizes:
+            grad = _convert_now(grad, ctx.layout, ctx.sizes)
+        return grad._local, None, None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: RaggedTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout, ctx.shape, ctx.sizes = grad_layout(x._layout), tuple(x.shape), x._sizes
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return make(grad, ctx.layout, ctx.shape, ctx.sizes)
+
+
+# -- ops on ragged inputs ---------------------------------------------------------------------------
+_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList}
+
+
+def _is_pointwise(func: Any) -> bool:
+    rule = RULES.get(func)
+    return rule is not None and rule.meta in (elementwise_meta, cast_meta)
+
+
+def _run(func: Any, args: tuple, kwargs: dict) -> Any:
+    flat, _ = tree_flatten((args, kwargs))
+    ragged = [t for t in flat if isinstance(t, RaggedTensor)]
+    first = ragged[0]
+    if func in _SUMS:
+        return _sum(func, args, kwargs)
+    if func in _LIKE or _is_pointwise(func):
+        return _pointwise(func, args, kwargs, flat, first)
+    if func is aten.detach.default or func is aten.alias.default:
+        return _pointwise(func, args, kwargs, flat, first)
+    if func in (aten.unsqueeze.default, aten.expand.default) and args[0] is first and len(ragged) == 1:
+        return _new_dims(func, args, kwargs)
+    at = next(i for i, t in enumerate(t for t in flat if isinstance(t, torch.Tensor)) if t is first)
+    # NotImplementedError, not TypeError: torch turns a TypeError inside `x @ w` into "unsupported operand"
+    raise NotImplementedError(f"{func}: tensor input {at} is ragged ({first._layout.sbp}, sizes {_shown(first._sizes)}); "
+                    "ragged tensors are taken only by pointwise ops, sums, conversions and the grouped ops "
+                    "(gt.grouped_mm); convert it to a balanced split first: "
+                    f"x.to_global(x.placement, {_balanced_sbp(first._layout)})")
+
+
+def _shown(sizes: Sizes) -> Any:
+    kept = [list(s) for s in sizes if s is not None]
+    return kept[0] if len(kept) == 1 else sizes
+
+
+def _balanced_sbp(layout: Layout) -> tuple:
+    return tuple(Split(s.dim) if isinstance(s, Ragged) else s for s in layout.sbp)
+
+
+def _pointwise(func: Any, args: tuple, kwargs: dict, flat: list, first: RaggedTensor) -> Any:
+    """The op on the shards: ragged operands must share layout and sizes; a Broadcast operand is cut to the
+    rows this rank holds (a local slice); the outputs take the first ragged input's layout and sizes."""
+    layout, sizes = first._layout, first._sizes
+    if layout.has_partial:
+        raise TypeError(f"{func}: a ragged input with a Partial axis ({layout.sbp}) is not taken by pointwise ops; "
+                        "reduce it first")
+    comm = context.current()
+    inside = layout.placement.coord(comm.rank) is not None
+    shapes = [tuple(t.shape) for t in flat if isinstance(t, torch.Tensor)]
+    shape = shapes[0] if func in _LIKE or is_inplace(func) else tuple(torch.broadcast_shapes(*shapes))
+
+    def local(t: Any) -> Any:
+        if isinstance(t, RaggedTensor):
+            if t._layout != layout or t._sizes != sizes:
+                raise ValueError(f"{func}: ragged inputs of different layouts or sizes ({layout.sbp} sizes "
+                                 f"{_shown(sizes)} vs {t._layout.sbp} sizes {_shown(t._sizes)}); convert one to "
+                                 "the other's (x.to_global(sbp=..., sizes=...))")
+            return t._local
+        if isinstance(t, GlobalTensor):
+            if t.placement != layout.placement or not all(isinstance(s, Broadcast) for s in t.sbp):
+                raise ValueError(f"{func}: a ragged tensor meets a {t.sbp} one; other operands of a ragged one must "
+                                 "be ragged alike or Broadcast on its placement")
+            return _cut_operand(func, t._local, tuple(t.shape), shape, layout, sizes) if inside else t._local
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return _cut_operand(func, t, tuple(t.shape), shape, layout, sizes) if inside else t
+        return t
+
+    largs, lkwargs = tree_map(local, (args, kwargs))
+    result = func(*largs, **lkwargs)
+    if is_inplace(func):
+        return args[0]
+    return tree_map(lambda o: make(o, layout, shape if o.dim() == len(shape) else tuple(first.shape), sizes)
+                    if isinstance(o, torch.Tensor) else o, result)
+
+
+def _cut_operand(func: Any, t: torch.Tensor, t_shape: tuple, out_shape: tuple, layout: Layout,
+                 sizes: Sizes) -> torch.Tensor:
+    """A whole operand broadcast against the ragged output: the block of each cut dim it spans (a local slice)."""
+    coord = layout.placement.coord(context.current().rank)
+    lead = len(out_shape) - len(t_shape)
+    for a, s in enumerate(layout.sbp):
+        if not isinstance(s, (Split, Ragged)):
+            continue
+        d = s.dim - lead
+        if d < 0 or t_shape[d] == 1:
+            continue
+        if isinstance(s, Split):  # cut in mesh-axis order, as Layout.shard does
+            t = t.narrow(d, *split_range(t.shape[d], layout.placement.shape[a], coord[a]))
+        else:
+            t = _recut.take(t, d, sizes[a], coord[a])
+    return t
+
+
+def _new_dims(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
+    """unsqueeze and expand (a sum's backward) add dims or widen size-1 ones; the cut dims shift, unchanged."""
+    x = args[0]
+    ndim = x.dim()
+    if func is aten.unsqueeze.default:
+        at = args[1] % (ndim + 1)
+        moved = [d + (d >= at) for d in range(ndim)]
+        shape = tuple(x.shape[:at]) + (1,) + tuple(x.shape[at:])
+        local_args = (x._local, at)
+    else:
+        size = list(args[1] if len(args) > 1 else kwargs["size"])
+        lead = len(size) - ndim
+        moved = [d + lead for d in range(ndim)]
+        shape = tuple(n if n != -1 else x.shape[i - lead] for i, n in enumerate(size))
+        for s in x._layout.sbp:
+            if isinstance(s, (Split, Ragged)) and shape[s.dim + lead] != x.shape[s.dim]:
+                raise TypeError(f"{func}: expands dim {s.dim}, which {s!r} cuts; convert it first")
+        local_args = (x._local, [n if i < lead else -1 for i, n in enumerate(size)])
+    sbp = tuple(type(s)(moved[s.dim]) if isinstance(s, (Split, Ragged)) else s for s in x._layout.sbp)
+    inside = x.placement.coord(context.current().rank) is not None
+    local = func(*local_args) if inside else x._local
+    return make(local, Layout(x.placement, sbp), shape, x._sizes)
+
+
+def _sum(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
+    """A sum keeps the ragged cut of the dims it keeps; over a cut dim each rank's part is a term (Partial)."""
+    x = args[0]
+    if any(isinstance(t, torch.Tensor) for t in tree_flatten((args[1:], kwargs))[0]):
+        raise TypeError(f"{func}: only the summed tensor may be a tensor argument")
+    if x._layout.has_partial:
+        raise TypeError(f"{func}: a ragged input with a Partial axis ({x._layout.sbp}) cannot be summed here")
+    ndim = x.dim()
+    if func is aten.sum.default:
+        dims, keep = list(range(ndim)), False
+    else:
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        dims = list(range(ndim)) if not dims else [d % ndim for d in dims]
+    sbp, sizes = [], []
+    for a, s in enumerate(x._layout.sbp):
+        if isinstance(s, (Split, Ragged)) and s.dim in dims:
+            sbp.append(Partial())
+            sizes.append(None)
+        elif isinstance(s, (Split, Ragged)):
+            d = s.dim if keep else s.dim - sum(k < s.dim for k in dims)
+            sbp.append(type(s)(d))
+            sizes.append(x._sizes[a])
+        else:
+            sbp.append(s)
+            sizes.append(None)
+    shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape) if keep or d not in dims)
+    layout = Layout(x.placement, tuple(sbp))
+    inside = x.placement.coord(context.current().rank) is not None
+    largs = (x._local,) + tuple(args[1:])
+    local = func(*largs, **kwargs) if inside else x._local.new_empty((0,))
+    return make(local, layout, shape, tuple(sizes) if layout.ragged_axes else None)
+
+
+__all__ = ["RaggedTensor", "convert", "from_local", "distribute", "make", "check_sizes", "local_shape"]

@@ -1,0 +1,164 @@
+"""Ragged splits (`gt.ragged(dim)`, sizes carried by the tensor): conversions equal one device and move
+exactly the rows that change hands (one uneven all-to-all, forward and backward); pointwise ops and sums
+pass the sizes through; every other op refuses, naming itself and the input; bad sizes are named."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+import globaltensor as gt
+
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+def launch(fn, n, *args):
+    return gt.launch(fn, n, args=args, backend="sim")
+
+
+def _mesh(shape):
+    return gt.placement("cpu", np.arange(int(np.prod(shape))).reshape(shape).tolist())
+
+
+def _balanced(n, parts):
+    return [len(a) for a in np.array_split(np.arange(n), parts)]
+
+
+def _moved(src, dst, me, row_bytes):
+    """Bytes member `me` receives re-cutting `src` sizes into `dst` ones: its target rows it did not hold."""
+    s, d = np.cumsum([0] + list(src)), np.cumsum([0] + list(dst))
+    held = max(0, min(s[me + 1], d[me + 1]) - max(s[me], d[me]))
+    return (dst[me] - held) * row_bytes
+
+
+def _recut_step(full, mesh, axis, other, sizes, target, target_sizes):
+    """full laid out ragged on `axis` (`other` on the other axis), converted to `target`; values, bytes, grad."""
+    p = _mesh(mesh)
+    sbp = tuple(gt.ragged(0) if a == axis else other for a in range(len(mesh)))
+    x = gt.to_global(full, p, sbp, sizes=sizes).requires_grad_(True)
+    dst = tuple(target if a == axis else other for a in range(len(mesh)))
+    with gt.comm_log() as fwd:
+        y = gt.to_global(x, p, dst, sizes=target_sizes)
+    w = torch.arange(full.numel(), dtype=full.dtype).reshape(full.shape) + 1
+    loss = (y * gt.to_global(w, p, dst, sizes=target_sizes)).sum()  # its gradient arrives as y is laid out
+    with gt.comm_log() as bwd:
+        loss.backward()
+    return (y.full_tensor(), tuple(y.to_local().shape), [e.recv_bytes for e in fwd.events if e.kind == "all_to_all"],
+            [e.recv_bytes for e in bwd.events if e.kind == "all_to_all"], x.grad.full_tensor(),
+            type(x.grad).__name__, getattr(x.grad, "sizes", None))
+
+
+@settings(max_examples=25, deadline=None)
+@given(mesh=st.sampled_from([(2,), (3,), (4,), (2, 2)]), rows=st.integers(0, 11), cols=st.integers(1, 3),
+       data=st.data())
+def test_recut_equals_one_device_at_exact_bytes(mesh, rows, cols, data):
+    """ragged -> balanced and ragged -> ragged: the value is kept, each rank receives exactly the rows its
+    target range holds and its source range did not, forward; the backward re-cuts the gradient back."""
+    axis = data.draw(st.integers(0, len(mesh) - 1))
+    n = mesh[axis]
+    cut = lambda: data.draw(st.lists(st.integers(0, rows), min_size=n - 1, max_size=n - 1).map(sorted))  # noqa: E731
+    sizes = list(np.diff([0] + cut() + [rows]))
+    to_ragged = data.draw(st.booleans())
+    target_sizes = [int(v) for v in np.diff([0] + cut() + [rows])] if to_ragged else None
+    other = data.draw(st.sampled_from([gt.broadcast, gt.split(1)]))
+    assume(rows > 0 or other == gt.broadcast or len(mesh) == 1)  # the planner's (B, S(1)) -> B of a [0, c] tensor
+    full = torch.randn(rows, cols, dtype=torch.float64)
+    target = gt.ragged(0) if to_ragged else gt.split(0)
+    results = launch(_recut_step, int(np.prod(mesh)), full, mesh, axis, other, [int(v) for v in sizes], target,
+                     target_sizes)
+    dst = target_sizes or _balanced(rows, n)
+    w = torch.arange(full.numel(), dtype=full.dtype).reshape(full.shape) + 1
+    for rank, (y, local, fwd, bwd, grad, kind, grad_sizes) in enumerate(results):
+        torch.testing.assert_close(y, full, **TOL)
+        torch.testing.assert_close(grad, w, **TOL)
+        coord = np.argwhere(np.arange(int(np.prod(mesh))).reshape(mesh) == rank)[0]
+        me = coord[axis]
+        row_cols = cols if other == gt.broadcast or len(mesh) == 1 else _balanced(cols, mesh[1 - axis])[coord[1 - axis]]
+        assert local[0] == dst[me]
+        if rows:  # (an empty tensor's gradient is autograd's zeros, not converted)
+            assert kind == "RaggedTensor" and grad_sizes[axis] == tuple(sizes)
+        if n > 1 and dst != sizes:
+            assert fwd == [_moved(sizes, dst, me, row_cols * 8)], (rank, fwd)
+            assert bwd == [_moved(dst, sizes, me, row_cols * 8)], (rank, bwd)
+
+
+def _ops_step(full, sizes, bias):
+    p = _mesh((len(sizes),))
+    x = gt.to_global(full, p, gt.ragged(0), sizes=sizes).requires_grad_(True)
+    b = gt.to_global(bias, p, gt.broadcast).requires_grad_(True)
+    y = torch.nn.functional.gelu(x * 2.0 + b).tanh()
+    rowsum = y.sum(1)                  # keeps the ragged dim: still ragged
+    total = (rowsum * rowsum).sum()    # over the ragged dim: Partial, reduced where read
+    with gt.comm_log() as log:
+        total.backward()
+    return (type(y).__name__, y.sizes, type(rowsum).__name__, tuple(total.sbp), total.full_tensor(),
+            x.grad.full_tensor(), b.grad.full_tensor(), [e.kind for e in log.events])
+
+
+def test_pointwise_and_sums_pass_sizes_through():
+    """Pointwise ops keep layout and sizes (a Broadcast operand is sliced locally), a sum over another dim
+    stays ragged, a sum over the ragged dim is Partial; values and gradients equal one device."""
+    torch.manual_seed(0)
+    sizes = [4, 0, 3]
+    full, bias = torch.randn(7, 5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    x, b = full.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+    rowsum = torch.nn.functional.gelu(x * 2.0 + b).tanh().sum(1)
+    total = (rowsum * rowsum).sum()
+    total.backward()
+    for kind, sz, kind_sum, sbp, t, xg, bg, events in launch(_ops_step, 3, full, sizes, bias):
+        assert kind == kind_sum == "RaggedTensor" and sz == (tuple(sizes),)
+        assert sbp == (gt.partial_sum,)
+        torch.testing.assert_close(t, total.detach(), **TOL)
+        torch.testing.assert_close(xg, x.grad, **TOL)
+        torch.testing.assert_close(bg, b.grad, **TOL)
+        assert "all_to_all" not in events  # the gradient keeps the sizes: nothing re-cut
+
+
+def _refuse_step(op):
+    p = _mesh((2,))
+    x = gt.from_local(torch.ones(gt.rank() + 1, 3), p, gt.ragged(0), sizes=[1, 2])
+    w = gt.to_global(torch.ones(3, 3), p, gt.broadcast)
+    try:
+        {"mm": lambda: x @ w, "softmax": lambda: x.softmax(0), "cat": lambda: torch.cat([x, x]),
+         "view": lambda: x.reshape(-1)}[op]()
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("op", ["mm", "softmax", "cat", "view"])
+def test_other_ops_refuse_a_ragged_input_by_name(op):
+    for msg in launch(_refuse_step, 2, op):
+        assert msg is not None and "ragged" in msg and "input 0" in msg and "R(0)" in msg, msg
+        assert "aten." in msg
+
+
+def _bad_sizes_step(case):
+    p = _mesh((2,))
+    r = gt.rank()
+    if case == "sum":       # rank 1 holds 3 rows but sizes give it 2
+        return gt.from_local(torch.ones(r + 2, 3), p, gt.ragged(0), sizes=[2, 2])
+    if case == "differ":    # the ranks' views of the sizes disagree
+        return gt.from_local(torch.ones(2, 3), p, gt.ragged(0), sizes=[2, 2] if r == 0 else [1, 3])
+    if case == "shape":     # sizes do not add up to the given global dim
+        return gt.from_local(torch.ones(2, 3), p, gt.ragged(0), sizes=[2, 2], shape=(5, 3))
+    if case == "count":     # one size per rank of the axis
+        return gt.from_local(torch.ones(2, 3), p, gt.ragged(0), sizes=[2, 2, 0])
+    if case == "missing":
+        return gt.from_local(torch.ones(2, 3), p, gt.ragged(0))
+    if case == "to_global":
+        return gt.to_global(torch.ones(4, 3), p, gt.ragged(0), sizes=[1, 2])
+    if case == "no_sizes":
+        return gt.to_global(gt.to_global(torch.ones(4, 3), p, gt.split(0)), p, gt.ragged(0))
+
+
+@pytest.mark.parametrize("case", ["sum", "differ", "shape", "count", "missing", "to_global"])
+def test_bad_sizes_are_named(case):
+    with pytest.raises(ValueError, match=r"sizes"):
+        launch(_bad_sizes_step, 2, case)
+
+
+def test_a_ragged_target_without_sizes_is_named():
+    with pytest.raises(ValueError, match=r"sizes"):
+        launch(_bad_sizes_step, 2, "no_sizes")
