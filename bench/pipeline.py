@@ -23,7 +23,8 @@ Interleaved: two chunks per stage (`pp_plan(virtual=2)`, one block each), theory
 Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the theoretical bubble
 fraction (p-1)/(m+p-1), gt's measured one per rank (time waiting on other stages, in receives and
 the last sends, over the step; median over steps), micro-batches in flight per stage (gt's measured
-maximum: GPipe holds m, 1F1B at most p - stage), and an SVG timeline of the last step per schedule
+maximum: GPipe holds m, 1F1B at most p - stage), the peak bytes autograd saved per stage in one
+more step (`Pipeline(measure_activations=True)`), and an SVG timeline of the last step per schedule
 (`results/pipeline_<schedule>_m<m>.svg`: which rank ran which action when, from real timestamps).
 """
 from __future__ import annotations
@@ -131,8 +132,13 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     data = batches(cfg, batch, 1)[0]
     impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed), "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
     times = interleaved_times({k: (lambda v=v: v.step(*data)) for k, v in impls.items()}, reps, warmup)
-    mine = (impls["gt"].pipe.peak_in_flight, statistics.median(impls["gt"].bubbles[warmup + 1:]),
-            impls["gt"].pipe.timeline)
+    ours = impls["gt"]
+    # one more step, untimed, counting the bytes autograd saves (saved-tensor hooks cost a little time)
+    probe = gt.Pipeline(ours.model, microbatches=m, schedule=kind, loss_fn=loss_fn, measure_activations=True)
+    probe.step(*data)
+    ours.opt.zero_grad()
+    mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[warmup + 1:]), ours.pipe.timeline,
+            probe.activations.peak)
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     return (times, got) if dist.get_rank() == 0 else None
@@ -160,7 +166,8 @@ def main() -> None:
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
              f"fp32, AdamW; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | theory bubble | "
-             "gt measured bubble per rank | gt micro-batches in flight per stage |", "|---|---|---|---|---|---|---|---|"]
+             "gt measured bubble per rank | gt micro-batches in flight per stage | gt peak saved activations "
+             "per stage (KiB) |", "|---|---|---|---|---|---|---|---|---|"]
     data = []
     for kind in ("gpipe", "1f1b", "interleaved"):
         for m in micros:
@@ -175,8 +182,9 @@ def main() -> None:
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
             lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
-                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {peaks} |")
+                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {peaks} | {[g[3] // 1024 for g in got]} |")
             data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks, "bubbles": bubbles,
+                         "activation_bytes": [g[3] for g in got],
                          "timelines": [g[2] for g in got]})
     table = "\n".join(lines)
     print(table)

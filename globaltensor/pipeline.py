@@ -18,6 +18,7 @@ one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
@@ -112,13 +113,70 @@ def _stage_placements(model: torch.nn.Module) -> list[Placement]:
     return seen
 
 
+class ActivationMeter:
+    """Bytes of the tensors autograd saves for the backward (this rank's shards, each storage once,
+    the parameters' own storage excluded): live now and the most at once. Installed as saved-tensor hooks around each
+    micro-batch's forward; a saved tensor counts until autograd releases it (after its node's backward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list] = {}  # storage address -> [saved references, bytes]
+        self._model = model
+        self._params: set[int] = set()
+
+    def watch_parameters(self) -> None:
+        """Note the parameters' storages: a saved view of a weight (linear's transposed weight) is no activation."""
+        self._params = {(q._local if isinstance(q, GlobalTensor) else q).untyped_storage().data_ptr()
+                        for q in self._model.parameters()}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        storage = (t._local if isinstance(t, GlobalTensor) else t).untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        if not nbytes or key in self._params:
+            return t
+        ref = self._refs.get(key)
+        if ref is None:
+            self._refs[key] = [1, nbytes]
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        else:
+            ref[0] += 1
+        return _Saved(self, key, t)
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key: int) -> None:
+        ref = self._refs[key]
+        ref[0] -= 1
+        if not ref[0]:
+            del self._refs[key]
+            self.live -= ref[1]
+
+
+class _Saved:
+    """A saved tensor as autograd holds it: dropped when autograd releases it."""
+    __slots__ = ("meter", "key", "tensor")
+
+    def __init__(self, meter: ActivationMeter, key: int, tensor: torch.Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
 class Pipeline:
     """`step(x, target)` trains one batch as `microbatches` micro-batches in the schedule's order and
-    returns the batch's loss (a GlobalTensor on the last stage; every rank calls it)."""
+    returns the batch's loss (a GlobalTensor on the last stage; every rank calls it).
+
+    `measure_activations=True` counts the bytes autograd saves for the backward on this rank
+    (`.activations`, an `ActivationMeter`: its `.peak` is what a schedule's memory claim is about)."""
 
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
-                 input_sbp: Any = None, target_sbp: Any = None) -> None:
+                 input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
@@ -139,6 +197,7 @@ class Pipeline:
         self.input_layout = Layout(first, (Broadcast(),) * first.ndim if input_sbp is None else
                                    normalize_sbp(input_sbp, first.ndim, "Pipeline(input_sbp=)"))
         self.target_sbp = target_sbp
+        self.activations: Optional[ActivationMeter] = ActivationMeter(model) if measure_activations else None
         self.virtual = _virtual_stages(model, self.stages)
         if schedule == "interleaved" and self.virtual == 1:
             raise ValueError("Pipeline(schedule='interleaved'): each stage holds one contiguous chunk of the model; "
@@ -158,10 +217,15 @@ class Pipeline:
         chunked = self.kind == "interleaved"
 
         def forward(i: int) -> torch.Tensor:
-            out = self.model(distribute(xs[i], self.input_layout))
-            return self.loss_fn(out, _target_on(ts[i], out, self.target_sbp)) * (xs[i].shape[0] / total)
+            meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
+            with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
+                  else contextlib.nullcontext()):
+                out = self.model(distribute(xs[i], self.input_layout))
+                return self.loss_fn(out, _target_on(ts[i], out, self.target_sbp)) * (xs[i].shape[0] / total)
 
         held = peak = 0
+        if self.activations is not None:
+            self.activations.watch_parameters()
         old = comm.p2p_tag, comm.p2p_async
         comm.p2p_async = True
         start = time.perf_counter()

@@ -127,6 +127,30 @@ def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stage
             assert peak == min((n_stages - stage - 1) * 2 + (virtual - 1) * n_stages + 1, micro * virtual) / virtual
 
 
+def _peak_saved_bytes(n_stages, kind, micro, batch):
+    stages = _stages(n_stages, (1,))
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(_cfg(n_stages)).double(), stages[0], pp_plan(stages, n_stages))
+    pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, measure_activations=True)
+    pipe.step(*_data(batch))
+    assert pipe.activations.live == 0  # everything saved was released by the backward
+    return pipe.stage, pipe.activations.peak
+
+
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_1f1b_holds_stages_minus_stage_micro_batches_of_activations_gpipe_all(n_stages):
+    """Measured in bytes (the tensors autograd saves, each storage once, weights excluded): with equal
+    micro-batches, GPipe's peak per stage is m micro-batches' activations, 1F1B's exactly
+    min(p - stage, m) of them (PipeDream-flush's memory claim)."""
+    micro, batch = 8, 8
+    gpipe = dict(gt.launch(_peak_saved_bytes, n_stages, args=(n_stages, "gpipe", micro, batch)))
+    one_f_one_b = dict(gt.launch(_peak_saved_bytes, n_stages, args=(n_stages, "1f1b", micro, batch)))
+    for stage in range(n_stages):
+        one = gpipe[stage] // micro                  # one micro-batch's activations on this stage
+        assert one > 0 and gpipe[stage] == micro * one
+        assert one_f_one_b[stage] == min(n_stages - stage, micro) * one, (stage, one_f_one_b[stage], one)
+
+
 def _replay(actions, stages, virtual, t_forward=1.0, t_backward=2.0):
     """Run a schedule's actions on an ideal machine (each chunk's forward t_forward / virtual, its backward
     t_backward / virtual, messages free): each rank in its own order, an action waiting for the previous
