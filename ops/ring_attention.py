@@ -162,7 +162,8 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> tuple:
     """Two softmax-normalised partial results as one (each weighed by its share of the normaliser)."""
     new = torch.logaddexp(lse, l)
-    return out * (lse - new).exp().unsqueeze(-1) + o.to(out.dtype) * (l - new).exp().unsqueeze(-1), new
+    out.mul_((lse - new).exp_().unsqueeze(-1))  # in place: the ring's memory is a few blocks, not n
+    return out.add_(o.to(out.dtype).mul_((l - new).exp_().unsqueeze(-1))), new
 
 
 def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
@@ -203,7 +204,7 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
             dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
         if incoming is not None:
             acc = incoming()
-            dk, dv = acc["dk"] + dk, acc["dv"] + dv
+            dk, dv = acc["dk"].add_(dk), acc["dv"].add_(dv)
         # after n - 1 hops the accumulator's next member is its owner
         sent.append(_pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", step + 1)))
         if arriving is not None:
