@@ -8,9 +8,10 @@ Sizes in the arguments are global; kernels that take sizes get this rank's.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable, Sequence
 
-from ..layout import split_sizes
+from ..layout import Layout, split_sizes
 from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
 
 
@@ -61,12 +62,75 @@ def reshape_map(ins: Sequence[int], outs: Sequence[int], mesh: Sequence[int]) ->
     return m
 
 
+def inner_pairs(ins: Sequence[int], outs: Sequence[int]) -> list[tuple[int, int]]:
+    """(input dim, output dim) pairs a split may take only in company: an inner dim of a merged group to the
+    merged dim ([b, s, h] -> [b*s, h]: S(1) -> S(0)), or a split dim to an inner dim of its pieces.
+
+    Alone on a mesh axis such a split is not one run of the other side's order; it is one when the axes
+    cutting before it leave the outer dims one element per rank (a batch split down to one sequence per
+    rank, the sequence split after it: [b, s] (S(0), S(1)) -> [b*s] (S(0), S(0))). `reshape_local`
+    checks that on every rank when the decision is made.
+    """
+    if 0 in ins or math.prod(ins) != math.prod(outs):
+        return []
+    pairs = []
+    for gi, gj in reshape_groups(ins, outs):
+        gi = [k for k in gi if ins[k] != 1]
+        gj = [k for k in gj if outs[k] != 1]
+        if len(gi) > 1 and len(gj) == 1:
+            pairs += [(k, gj[0]) for k in gi[1:]]
+        elif len(gi) == 1 and len(gj) > 1:
+            pairs += [(gi[0], k) for k in gj[1:]]
+    return pairs
+
+
+def _run(box: Sequence[tuple[int, int]], dims: Sequence[int], shape: Sequence[int]) -> tuple[int, int] | None:
+    """(first element, count) of a box's elements over `dims` in row-major order; None if not one run."""
+    start, stride, count, cut = 0, 1, 1, False
+    for k in reversed(dims):
+        first, n = box[k]
+        if cut and n > 1:
+            return None
+        start, count, stride, cut = start + first * stride, count * n, stride * shape[k], cut or n < shape[k]
+    return (start, count) if count else (0, 0)
+
+
+@lru_cache(maxsize=4096)
+def reshape_keeps_order(src: Layout, dst: Layout, ins: tuple, outs: tuple) -> bool:
+    """Whether every rank's block of the input, read in order, is its block of the output."""
+    if 0 in ins:
+        return True
+    groups = reshape_groups(ins, outs)
+    for r in src.placement.flat_ranks:
+        a, b = src.shard(ins, r), dst.shard(outs, r)
+        for gi, gj in groups:
+            run = _run(a, gi, ins)
+            if run is None or run != _run(b, gj, outs):
+                return False
+    return True
+
+
+def reshape_signatures(ctx: Ctx) -> list:
+    ins, outs = ctx.shapes[0], ctx.out_shapes[0]
+    pairs = list(reshape_map(ins, outs, ctx.mesh).items()) + inner_pairs(ins, outs)
+    n_in = len(ctx.shapes)
+    return [((S(d),) * n_in, (S(o),)) for d, o in pairs] + [((P,) * n_in, (P,))]
+
+
 def reshape_local(func, args, kwargs, where: Local):
-    """Local data keeps its order, so reshaping to this rank's output shard shape is the view."""
+    """Local data keeps its order, so reshaping to this rank's output shard shape is the view.
+
+    When a decision is made (on meta shards) the nd layouts are checked too: a split carried by
+    `inner_pairs` is right only in some company, which no single axis' signature can see.
+    """
+    if args[0].device.type == "meta" and not reshape_keeps_order(where.in_layouts[0], where.out_layouts[0],
+                                                                tuple(where.ctx.shapes[0]),
+                                                                tuple(where.ctx.out_shapes[0])):
+        raise ValueError("reshape: the split does not keep the elements' order on every rank")
     return args[0].reshape(where.out_shape(0))
 
 
-RESHAPE = dim_map_rule(lambda c: reshape_map(c.shapes[0], c.out_shapes[0], c.mesh), reshape_local)
+RESHAPE = Rule(reshape_signatures, local=reshape_local)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
           aten.flatten.using_ints, aten.view_as.default], RESHAPE)
