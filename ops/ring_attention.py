@@ -180,9 +180,9 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q_box = where.in_box(1)[SEQ]
     k_layout, v_layout = where.in_layouts[2], where.in_layouts[3]
-    grad_q = torch.zeros_like(q)
+    grad_q = None
     held = {"k": k, "v": v}
-    sent: list = []  # finishes of the accumulators passed on (waited for at the end)
+    sent = None  # the accumulator passed on last step: it had a block's compute to arrive
     for step in range(n):
         owner = ring.holder(step)
         arriving = None
@@ -199,20 +199,23 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         seen = _visibility(q_box, k_box, causal)
         if seen != "none" and q.numel() and held["k"].numel():
             dq, dk, dv = func(grad_out, q, held["k"], held["v"], out, lse, 0.0, seen == "diagonal", scale=scale)
-            grad_q += dq
+            grad_q = dq if grad_q is None else grad_q.add_(dq)
+            del dq
         else:
             dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
         if incoming is not None:
             acc = incoming()
             dk, dv = acc["dk"].add_(dk), acc["dv"].add_(dv)
+        if sent is not None:
+            sent()
         # after n - 1 hops the accumulator's next member is its owner
-        sent.append(_pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", step + 1)))
+        sent = _pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", step + 1))
+        del dk, dv
         if arriving is not None:
             held = arriving()
     mine = _receive(comm, ring, {"dk": tuple(k.shape), "dv": tuple(v.shape)}, k.dtype, ("grad", n))()
-    for finish in sent:
-        finish()
-    return grad_q, mine["dk"], mine["dv"]
+    sent()
+    return torch.zeros_like(q) if grad_q is None else grad_q, mine["dk"], mine["dv"]
 
 
 def _receive(comm: Any, ring: Ring, shapes: dict[str, tuple], dtype: torch.dtype,
