@@ -263,3 +263,31 @@ def test_under_gloo_processes(kind):
     want = train(kind, None, 1, GLOO_STEPS)
     for got in gt.launch(train, 2, backend="gloo", args=(kind, (1, 2), 1, GLOO_STEPS)):
         _assert_same(got, want)
+
+
+# -- the linears' flattening of [batch, seq] ---------------------------------------------------
+def _flatten_round_trip():
+    p = _placement((2, 2))
+    full = torch.arange(2 * 8 * 4, dtype=torch.float64).reshape(2, 8, 4)
+    out = {}
+    for sbp in [(gt.split(0), gt.split(1)), (gt.split(1), gt.split(0)), (gt.broadcast, gt.split(1)),
+                (gt.split(1), gt.broadcast), (gt.split(1), gt.split(1))]:
+        x = gt.to_global(full, p, sbp)
+        with gt.comm_log() as log:
+            flat = x.view(16, 4)
+            back = (flat * 1).view(2, 8, 4)
+        out[sbp] = (flat.sbp, len(log.events), torch.equal(flat.full_tensor(), full.view(16, 4)),
+                    torch.equal(back.full_tensor(), full))
+    return out
+
+
+def test_flattening_batch_and_sequence_keeps_the_split_only_where_order_holds():
+    """[b, s] split on both (one sequence per data rank) flattens with no communication; an order the
+    merged dim cannot hold (the sequence cut first) is converted, never wrong."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = gt.launch(_flatten_round_trip, 4)[0]
+    assert all(same and back for _, _, same, back in got.values())
+    assert got[(gt.split(0), gt.split(1))][:2] == ((gt.split(0), gt.split(0)), 0)
+    assert got[(gt.broadcast, gt.split(1))][:2] == ((gt.split(0), gt.split(0)), 0)  # the batch sliced first: free
+    assert got[(gt.split(1), gt.split(0))][1] > 0
