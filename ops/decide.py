@@ -301,7 +301,7 @@ def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: 
         shapes, expect = combo[:n_in], iter(combo[n_in:])
         try:
             largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: meta_like(t, shapes[i]))
-            where = Local(ctx, targets, out_layouts, placement.flat_ranks[k])
+            where = Local(ctx, targets, out_layouts, placement.flat_ranks[k], checking=True)
             if rule.local is None:
                 got = rule.meta(ctx.func, largs, lkwargs) if rule.meta is not None else ctx.func(*largs, **lkwargs)
             else:

@@ -235,3 +235,20 @@ def test_gqa_heads_split_pairs_query_heads_with_their_keys(mesh, sbp):
     """4 query heads over 2 key heads: a heads split is only taken where each rank's query heads read
     exactly its own key heads (on 4 ranks the keys' 2 heads cannot be split alike)."""
     _check(_inputs(1, 4, 2, 6), True, mesh, sbp, "auto")
+
+
+def _ring_program():
+    p = gt.placement("cpu", [0, 1, 2])
+    q, k, v = (gt.to_global(torch.randn(1, 2, 7, 4, dtype=D), p, SEQ).requires_grad_() for _ in range(3))
+    with gt.attention_method("ring"):
+        _attend(q, k, v, True).sum().backward()
+
+
+def test_dry_run_counts_the_ring():
+    """gt.explain runs the ring on meta shards: the same messages and bytes as a real run."""
+    def real():
+        with gt.comm_log() as log:
+            _ring_program()
+        return log.recv_bytes
+    dry = [rep.recv_bytes for rep in gt.explain(_ring_program, 3)]
+    assert dry == gt.launch(real, 3) and min(dry) > 0
