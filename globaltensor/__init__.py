@@ -6,6 +6,7 @@ from .placement import Placement, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
 from .sbp import SBP, Broadcast, Partial, Ragged, Split, broadcast, partial, partial_sum, ragged, split
 from .ragged import RaggedTensor
+from .grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
@@ -16,6 +17,7 @@ from .explain import explain
 
 __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
-           "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor", "GlobalTensor",
+           "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
+           "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
            "comm_report", "visualize", "explain", "attention_method"]

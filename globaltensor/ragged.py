@@ -6,8 +6,8 @@ axis: they cut the one global dim). Only ops whose shards stay meaningful with a
 one, and they run here, not in the dispatcher, whose decisions assume balanced shards:
 
 - pointwise ops (sizes pass through; a Broadcast operand is sliced to the rows each rank holds),
-  `*_like` factories, sums (over the ragged dim: Partial), conversions (`to_global`), and the
-  grouped ops of `globaltensor/grouped.py`;
+  `*_like` factories, unsqueeze/expand (a sum's backward), sums (over the ragged dim: Partial),
+  conversions (`to_global`), and the grouped ops of `globaltensor/grouped.py`;
 - every other op refuses a ragged input naming the op and the input: a rule written for balanced
   shards would compute wrong values silently.
 
@@ -366,7 +366,7 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     # NotImplementedError, not TypeError: torch turns a TypeError inside `x @ w` into "unsupported operand"
     raise NotImplementedError(f"{func}: tensor input {at} is ragged ({first._layout.sbp}, sizes {_shown(first._sizes)}); "
                     "ragged tensors are taken only by pointwise ops, sums, conversions and the grouped ops "
-                    "(gt.grouped_mm); convert it to a balanced split first: "
+                    "(gt.grouped_linear); convert it to a balanced split first: "
                     f"x.to_global(x.placement, {_balanced_sbp(first._layout)})")
 
 

@@ -10,6 +10,13 @@ on E make the expert computation local too. Between the two, the dispatched tens
 split on G to split on E and back: `S(1) -> S(0)` and `S(0) -> S(1)`, each exactly one
 all-to-all, which is all the plan has to say (`ep_plan`). Nothing here communicates.
 
+Dropless (`MoEConfig(dropless=True)`, Megablocks' and Megatron's): no capacity, no padding. Each
+group sorts its k*S choices by expert and counts them per expert (`[G, E]`); `by_expert` turns the
+sorted rows into one expert-major tensor (on global tensors: a count exchange, then an uneven
+all-to-all of exactly the routed rows, leaving them ragged on the expert axis), the experts run a
+grouped linear layer per expert, and `by_group` takes the rows back to their groups, where each
+token sums its k gate-weighted outputs. The plan only places the experts (`ep_plan(dropless=True)`).
+
 Auxiliary loss: GShard's / Switch's load-balancing term, E * sum_e (fraction of the group's
 tokens whose first choice is e) * (mean router probability of e), averaged over groups.
 """
@@ -23,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..grouped import by_expert, by_group, grouped_linear
 from ..module import ModuleLayout
 from ..sbp import Broadcast, Split
 from .gpt import CausalSelfAttention, tp_plan
@@ -45,6 +53,7 @@ class MoEConfig:
     group_size: Optional[int] = None   # tokens per routing group; None: one sequence per group
     aux_loss_coef: float = 0.01
     normalize_top_k: bool = True       # GShard: renormalise the k gate values to sum to 1 (k > 1)
+    dropless: bool = False             # every choice computed, rows ragged per expert (capacity_factor unused)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.n_expert:
@@ -109,7 +118,12 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(e, h, d) * (0.02 / math.sqrt(2 * cfg.n_layer)))
         self.b2 = nn.Parameter(torch.zeros(e, 1, d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Capacity: x [E, G, C, d]. Dropless: x [G, R, d] each group's rows sorted by expert, counts [G, E]."""
+        if counts is not None:
+            rows, routing = by_expert(x, counts, self.w1)             # [G*R, d], expert-major (ragged)
+            h = F.gelu(grouped_linear(rows, self.w1, self.b1, routing))
+            return by_group(grouped_linear(h, self.w2, self.b2, routing), routing)
         e, g, c, d = x.shape
         h = F.gelu(torch.bmm(x.reshape(e, g * c, d), self.w1) + self.b1)
         return (torch.bmm(h, self.w2) + self.b2).reshape(e, g, c, d)
@@ -127,6 +141,7 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
         self.experts = Experts(cfg)
         self.last_kept: Optional[torch.Tensor] = None
+        self.last_choice: Optional[torch.Tensor] = None   # dropless: the last call's [G, S, k] experts chosen
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
@@ -135,6 +150,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: {b * t} tokens do not cut into groups of group_size={s}")
         tokens = x.reshape(b * t // s, s, d)                          # [G, S, d]
         probs = self.gate(tokens).softmax(-1)                         # [G, S, E]
+        if self.cfg.dropless:
+            return self.dropless(tokens, probs).reshape(b, t, d), load_balancing_loss(probs, probs.argmax(-1))
         dispatch, combine, kept = route(probs, self.cfg.top_k, capacity(self.cfg, s), self.cfg.normalize_top_k)
         self.last_kept = kept.detach()
         aux = load_balancing_loss(probs, probs.argmax(-1))
@@ -142,6 +159,24 @@ class MoE(nn.Module):
         expert_out = self.experts(expert_in)                          # [E, G, C, d]: split E -> split G
         y = torch.einsum("gsec,egcd->gsd", combine, expert_out)
         return y.reshape(b, t, d), aux
+
+
+    def dropless(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Every choice of every token computed: [G, S, d] -> [G, S, d]. Works along each group's dims only."""
+        g, s, d = tokens.shape
+        k, e = self.cfg.top_k, self.cfg.n_expert
+        top_p, top_i = probs.topk(k, dim=-1)                          # [G, S, k]
+        if self.cfg.normalize_top_k and k > 1:
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+        self.last_kept, self.last_choice = torch.ones_like(top_i).detach(), top_i.detach()
+        ids = top_i.reshape(g, s * k)                                 # choice j of token i at i*k + j
+        order = ids.argsort(dim=1, stable=True)                       # each group's choices by expert
+        counts = F.one_hot(ids, e).sum(1)                             # [G, E]
+        rows = tokens.gather(1, (order // k).unsqueeze(-1).expand(g, s * k, d))
+        out = self.experts(rows, counts)                              # [G, S*k, d], still sorted
+        gate = top_p.reshape(g, s * k).gather(1, order).unsqueeze(-1)
+        back = order.argsort(dim=1, stable=True).unsqueeze(-1).expand(g, s * k, d)
+        return (out * gate).gather(1, back).reshape(g, s, k, d).sum(2)
 
 
 class MoEBlock(nn.Module):
@@ -190,7 +225,7 @@ class MoEGPT(nn.Module):
         return logits, ce + self.cfg.aux_loss_coef * aux
 
 
-def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> dict:
+def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, dropless: bool = False) -> dict:
     """Expert parallelism on mesh axis `expert_axis` (GShard; DeepSpeed-MoE's EP x DP when the batch
     is also split on that axis, the other axes replicating the experts as data parallelism does).
 
@@ -205,12 +240,19 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> d
     forward and of their input gradient backward, on the tensor axis; the planner turns the forward's
     into a reduce-scatter, the combine all-to-all of half the tensor and an all-gather, which moves
     less); tokens are then Broadcast on the tensor axis. `moe_gpt_plan` adds tensor parallelism for the rest of the model.
+
+    `dropless=True` (for `MoEConfig(dropless=True)`): the experts placed, nothing else; the dispatch
+    and combine are `by_expert` / `by_group`, which read the expert axis off the weights' layout.
     """
     def on_axes(e, t=Broadcast()):
         return tuple(e if a == expert_axis else t if a == tensor_axis else Broadcast() for a in range(ndim))
 
     def hint(e, t=None):
         return tuple(e if a == expert_axis else t if a == tensor_axis else None for a in range(ndim))
+    if dropless:
+        if tensor_axis is not None:
+            raise ValueError("ep_plan: dropless=True with tensor_axis is not built; give one of them")
+        return {"*experts.*": on_axes(Split(0))}
     if tensor_axis is None:
         return {"*experts.*": on_axes(Split(0)),
                 "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
@@ -223,7 +265,7 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None) -> d
 
 
 def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, *, zero: bool = False,
-                 reshard_after_forward: bool = True) -> dict:
+                 reshard_after_forward: bool = True, dropless: bool = False) -> dict:
     """`MoEGPT`'s plan: `ep_plan` for the experts, and with `tensor_axis` (EP x TP) attention and the
     tied embedding tensor-parallel as `models/gpt.py`'s `tp_plan` has them (its MLP entries dropped:
     the MoE layers replace the MLPs).
@@ -236,14 +278,15 @@ def moe_gpt_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None,
     if zero and tensor_axis is not None:
         raise ValueError("moe_gpt_plan: zero=True with tensor_axis is not built; give one of them")
     plan = {} if tensor_axis is None else {k: v for k, v in tp_plan(tensor_axis, ndim).items() if ".mlp" not in k}
-    plan.update(ep_plan(expert_axis, ndim, tensor_axis))
+    plan.update(ep_plan(expert_axis, ndim, tensor_axis, dropless))
     if zero:
         on_axis = lambda s: tuple(s if a == expert_axis else Broadcast() for a in range(ndim))  # noqa: E731
         keep = lambda s: tuple(s if a == expert_axis else None for a in range(ndim))  # noqa: E731
         hint = ModuleLayout(params=keep(Broadcast()), reshard_after_forward=reshard_after_forward)
-        experts = plan["*experts"]
+        experts = plan.get("*experts")   # dropless: no boundary hint, the ragged ops move the rows
+        edges = {} if experts is None else dict(input=experts.input, output=experts.output)
         plan.update({"*": on_axis(Split(0)), "": hint, "blocks.*": hint,
-                     "*experts": ModuleLayout(input=experts.input, output=experts.output, params=keep(Split(0)))})
+                     "*experts": ModuleLayout(**edges, params=keep(Split(0)))})
     return plan
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan, moe_gpt_plan
@@ -381,3 +381,190 @@ def test_model_ep4_under_gloo_processes():
         for name, p in params.items():
             torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
         check_model_bytes((4,), 0, rank, logs, embedding)
+
+
+# -- dropless: ragged rows per expert ------------------------------------------------------------------
+
+def _dropless(cfg: MoEConfig, **kw) -> MoEConfig:
+    return MoEConfig(**{**cfg.__dict__, "dropless": True, **kw})
+
+
+def _owners(groups: int, mesh: tuple) -> list[tuple]:
+    """The mesh coordinate holding each group when every mesh axis splits the groups (axis 0 first)."""
+    owners = []
+    for g in range(groups):
+        lo, length, coord = 0, groups, []
+        for m in mesh:
+            for i, size in enumerate(_split_sizes(length, m)):
+                if lo <= g < lo + size:
+                    coord.append(i)
+                    length = size
+                    break
+                lo += size
+        owners.append(tuple(coord))
+    return owners
+
+
+def dropless_bytes(cfg: MoEConfig, choice: torch.Tensor, mesh: tuple, expert_axis: int, coord: tuple) -> tuple:
+    """What the rank at `coord` receives in one dropless layer, from the one-device routing `choice`
+    [G, S, k]: the count all-gather ([G_r, E] int64 of each other member of its expert group), the
+    dispatch (the routed rows of its experts from other members' tokens) and the combine (its tokens'
+    rows computed by other members' experts); the backward receives the dispatch's and the combine's again."""
+    groups, e, d = choice.shape[0], cfg.n_expert, cfg.n_embd
+    owners = _owners(groups, mesh)
+    expert_rank = [i for i, n in enumerate(_split_sizes(e, mesh[expert_axis])) for _ in range(n)]
+    same_slice = lambda o: all(o[a] == coord[a] for a in range(len(mesh)) if a != expert_axis)  # noqa: E731
+    me = coord[expert_axis]
+    counts = sum(1 for o in owners if same_slice(o) and o != coord) * e * 8
+    dispatch = combine = 0
+    for g in range(groups):
+        if not same_slice(owners[g]):
+            continue
+        for ex in choice[g].reshape(-1).tolist():
+            mine, here = expert_rank[ex] == me, owners[g] == coord
+            dispatch += mine and not here
+            combine += here and not mine
+    return counts, dispatch * d * 8, combine * d * 8
+
+
+def _dropless_layer_step(cfg, batch, seed, skew, mesh, expert_axis):
+    layer, x, w = _layer_inputs(cfg, batch, seed, skew)
+    p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
+    gt.to_global(layer, p, ep_plan(expert_axis, len(mesh), dropless=True))
+    x = gt.to_global(x, p, ep_batch(len(mesh))).requires_grad_(True)
+    w = gt.to_global(w, p, ep_batch(len(mesh)))
+    with gt.comm_log() as fwd:
+        y, aux = layer(x)
+    with gt.comm_log() as bwd:
+        ((y * w).sum() + aux).backward()
+    grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
+    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
+            y.full_tensor(), aux.full_tensor(), layer.last_choice.full_tensor(), x.grad.full_tensor(), grads)
+
+
+def check_dropless_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, seed: int = 0,
+                         skew: bool = False) -> None:
+    """Values and routing equal one device, nothing falls back; forward: the count exchange and two
+    all-to-alls of exactly the routed rows, backward the same two, nothing else."""
+    before = dict(gt.stats()["fallback"])
+    n = int(np.prod(mesh))
+    results = _launch(_dropless_layer_step, n, cfg, batch, seed, skew, mesh, expert_axis)
+    assert dict(gt.stats()["fallback"]) == before
+    layer, x, w = _layer_inputs(cfg, batch, seed, skew)
+    x.requires_grad_(True)
+    y_ref, aux_ref = layer(x)
+    ((y_ref * w).sum() + aux_ref).backward()
+    choice = layer.last_choice
+    for rank, (fwd, bwd, y, aux, got_choice, xg, grads) in enumerate(results):
+        torch.testing.assert_close(y, y_ref.detach(), **TOL)
+        torch.testing.assert_close(aux, aux_ref.detach(), **TOL)
+        assert torch.equal(got_choice, choice)
+        torch.testing.assert_close(xg, x.grad, **TOL)
+        for k, v in layer.named_parameters():
+            torch.testing.assert_close(grads[k], v.grad, **TOL, msg=k)
+        coord = tuple(np.argwhere(np.arange(n).reshape(mesh) == rank)[0])
+        counts, dispatch, combine = dropless_bytes(cfg, choice, mesh, expert_axis, coord)
+        if mesh[expert_axis] == 1:
+            continue
+        ours = [("all_gather", counts), ("all_to_all", dispatch), ("all_to_all", combine)]
+        if choice.shape[0] % n == 0:
+            assert fwd == ours, (rank, fwd)
+            assert bwd == ours[1:], (rank, bwd)
+        else:  # the router reboxes (see test_groups_that_do_not_divide); the dispatch and combine are still exact
+            assert _contains(fwd, ours) and _contains(bwd, ours[1:]), (rank, fwd, bwd, ours)
+
+
+def _contains(events: list, run: list) -> bool:
+    return any(events[i:i + len(run)] == run for i in range(len(events) - len(run) + 1))
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_layer_equals_one_device_at_routed_bytes(mesh, expert_axis, k):
+    check_dropless_layer(_dropless(CFG, top_k=k), BATCH, mesh, expert_axis)
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.sampled_from([1, 2]), experts=st.integers(1, 6), n=st.sampled_from([2, 3, 4]), batch=st.integers(2, 6),
+       group=st.sampled_from([None, 4]), skew=st.booleans(), seed=st.integers(0, 3))
+def test_dropless_layer_hypothesis(k, experts, n, batch, group, skew, seed):
+    """Group counts that do not divide over the ranks (ranks with one group, or none), E below or not a
+    multiple of the ranks (uneven or empty expert shards), every token to the same k experts (the others
+    get no rows): values equal one device, bytes exactly the routed rows'. (Groups smaller than a
+    sequence are taken where the batch divides: a balanced split of [B, T, d] on B is not one of
+    [G, S, d] on G otherwise, and the reshape between them moves rows, as test_groups_that_do_not_divide
+    says; a single group is a size-1 dim, which the dispatcher keeps whole.)"""
+    assume(group is None or batch % n == 0)
+    cfg = _dropless(CFG, top_k=min(k, experts), n_expert=experts, group_size=group)
+    check_dropless_layer(cfg, batch, (n,), seed=seed, skew=skew)
+
+
+def train_dropless(mesh=None, expert_axis=0, steps=20, k=2):
+    """`train`'s loop for a dropless MoEGPT (smaller, for 20 steps): losses, routing, parameters, and
+    each step's collectives forward and backward."""
+    cfg = _dropless(CFG, top_k=k, n_layer=1, n_embd=8, expert_hidden=16, vocab_size=16)
+    torch.manual_seed(0)
+    model = MoEGPT(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g) for _ in range(2))
+    if mesh is not None:
+        p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), dropless=True))
+        idx, tgt = gt.to_global(idx, p, ep_batch(len(mesh))), gt.to_global(tgt, p, ep_batch(len(mesh)))
+    whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, choices, logs = [], [], []
+    embedding = embedding_backward_events(model.wte, idx) if mesh is not None else []
+    for _ in range(steps):
+        with gt.comm_log() as fwd:
+            _, loss = model(idx, tgt)
+        opt.zero_grad()
+        with gt.comm_log() as bwd:
+            loss.backward()
+        opt.step()
+        logs.append(([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events]))
+        losses.append(whole(loss).item())
+        choices.append([whole(b.moe.last_choice) for b in model.blocks])
+    params = {n: whole(q).detach() for n, q in model.named_parameters()}
+    return losses, choices, params, logs, embedding, cfg
+
+
+@pytest.fixture(scope="module")
+def dropless_reference():
+    return {k: train_dropless(k=k) for k in (1, 2)}
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((4,), 0), ((2, 2), 1)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_model_adamw_20_steps_equals_one_device(dropless_reference, mesh, expert_axis, k):
+    """20 AdamW steps of a dropless MoEGPT on EP=4 and EP=2 x DP=2: losses, every step's routing and the
+    parameters equal one device; each step's MoE collectives are the count exchange and the two
+    all-to-alls of exactly the routed rows forward, the same two backward (besides what the token
+    embedding's backward moves alone, as in check_model_bytes)."""
+    want_losses, want_choices, want_params, _, _, cfg = dropless_reference[k]
+    before = dict(gt.stats()["fallback"])
+    n = int(np.prod(mesh))
+    results = _launch(train_dropless, n, mesh, expert_axis, 20, k)
+    assert dict(gt.stats()["fallback"]) == before
+    for rank, (losses, choices, params, logs, embedding, _) in enumerate(results):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(choices, want_choices):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        for name, q in params.items():
+            torch.testing.assert_close(q, want_params[name], **TOL, msg=name)
+        coord = tuple(np.argwhere(np.arange(n).reshape(mesh) == rank)[0])
+        for (fwd, bwd), step_choices in zip(logs, want_choices):
+            want_fwd, want_bwd = [], []
+            for choice in step_choices:
+                counts, dispatch, combine = dropless_bytes(cfg, choice, mesh, expert_axis, coord)
+                want_fwd += [("all_gather", counts), ("all_to_all", dispatch), ("all_to_all", combine)]
+                want_bwd += [("all_to_all", dispatch), ("all_to_all", combine)]
+            assert fwd[:len(want_fwd)] == want_fwd, (rank, fwd, want_fwd)
+            rest = fwd[len(want_fwd):]   # the loss's scalar (cross_entropy over a split batch, reduced axis by axis)
+            assert all(kind != "all_to_all" and b <= 8 * n for kind, b in rest), (rank, fwd)
+            assert bwd == want_bwd + embedding, (rank, bwd, want_bwd, embedding)
+
+
+def test_dropless_plan_with_tensor_axis_is_named():
+    with pytest.raises(ValueError, match="tensor_axis"):
+        ep_plan(0, 2, tensor_axis=1, dropless=True)
