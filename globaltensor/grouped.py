@@ -32,7 +32,7 @@ import torch
 from .layout import Layout
 from .ragged import RaggedTensor, convert, make
 from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split, split_range, split_sizes
+from .sbp import Broadcast, Partial, Ragged, Split, split_range
 from .tensor import GlobalTensor, grad_layout
 
 
@@ -136,10 +136,9 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
     sizes_here = tuple(sum(int(block(c, j).sum()) for c in pieces) for j in range(n))
     e0, ne = starts[me]
     local_experts = torch.arange(e0, e0 + ne)
-    received = torch.cat([block(c, me) for c in pieces]) if pieces else mine[:, :0]
-    # received rows: per sender, expert-major over its groups -> ids per sender block, then (expert, sender, group)
+    # each sender's rows arrive expert-major over its groups; a stable sort by expert makes (expert, sender, group)
     ids = torch.cat([local_experts.repeat_interleave(block(c, me).sum(0)) for c in pieces])
-    per_expert = tuple(int(v) for v in received.sum(0))
+    per_expert = tuple(int(sum(block(c, me)[:, e].sum() for c in pieces)) for e in range(ne))
     sizes = tuple(sizes_here if a == axis else None for a in range(p.ndim))
     return Routing(torch.argsort(_ids(mine, torch.arange(n_expert)), stable=True), torch.argsort(ids, stable=True),
                    send, recv, per_expert, tuple(group), xs._layout, tuple(xs.shape), expert_layout, sizes)

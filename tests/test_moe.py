@@ -499,7 +499,7 @@ def test_dropless_layer_hypothesis(k, experts, n, batch, group, skew, seed):
     check_dropless_layer(cfg, batch, (n,), seed=seed, skew=skew)
 
 
-def train_dropless(mesh=None, expert_axis=0, steps=20, k=2):
+def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False):
     """`train`'s loop for a dropless MoEGPT (smaller, for 20 steps): losses, routing, parameters, and
     each step's collectives forward and backward."""
     cfg = _dropless(CFG, top_k=k, n_layer=1, n_embd=8, expert_hidden=16, vocab_size=16)
@@ -509,7 +509,7 @@ def train_dropless(mesh=None, expert_axis=0, steps=20, k=2):
     idx, tgt = (torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g) for _ in range(2))
     if mesh is not None:
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), dropless=True))
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), zero=zero, dropless=True))
         idx, tgt = gt.to_global(idx, p, ep_batch(len(mesh))), gt.to_global(tgt, p, ep_batch(len(mesh)))
     whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -568,3 +568,34 @@ def test_dropless_model_adamw_20_steps_equals_one_device(dropless_reference, mes
 def test_dropless_plan_with_tensor_axis_is_named():
     with pytest.raises(ValueError, match="tensor_axis"):
         ep_plan(0, 2, tensor_axis=1, dropless=True)
+
+
+@pytest.mark.gloo
+def test_dropless_layer_ep4_under_gloo_processes():
+    """The count all-gather and the uneven all-to-alls through torch.distributed (gloo), not the simulator."""
+    cfg = _dropless(CFG, top_k=2)
+    layer, x, w = _layer_inputs(cfg, BATCH, 0, False)
+    x.requires_grad_(True)
+    y_ref, aux_ref = layer(x)
+    ((y_ref * w).sum() + aux_ref).backward()
+    results = _launch(_dropless_layer_step, 4, cfg, BATCH, 0, False, (4,), 0, backend="gloo")
+    for rank, (fwd, bwd, y, aux, choice, xg, grads) in enumerate(results):
+        torch.testing.assert_close(y, y_ref.detach(), **TOL)
+        torch.testing.assert_close(xg, x.grad, **TOL)
+        for k, v in layer.named_parameters():
+            torch.testing.assert_close(grads[k], v.grad, **TOL, msg=k)
+        counts, dispatch, combine = dropless_bytes(cfg, layer.last_choice, (4,), 0, (rank,))
+        assert fwd == [("all_gather", counts), ("all_to_all", dispatch), ("all_to_all", combine)], (rank, fwd)
+        assert bwd == [("all_to_all", dispatch), ("all_to_all", combine)], (rank, bwd)
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((2, 2), 1)])
+def test_dropless_model_with_zero3(dropless_reference, mesh, expert_axis):
+    """Dropless EP with ZeRO-3 on the expert axis (dense parameters stored S(0), gathered per block; the
+    experts used where they are stored): losses and routing equal one device over 3 AdamW steps."""
+    want_losses, want_choices, want_params, *_ = dropless_reference[2]
+    results = _launch(train_dropless, int(np.prod(mesh)), mesh, expert_axis, 3, 2, True)
+    for losses, choices, params, *_ in results:
+        np.testing.assert_allclose(losses, want_losses[:3], **TOL)
+        for got, ref in zip(choices, want_choices):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
