@@ -300,6 +300,17 @@ class _StageForward:
         self.module, self.placement = module, placement
         self.seen: dict = {}      # call key -> (output layout, shape, dtype, requires grad, gradient layouts)
         self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
+        self.plain: Optional[bool] = None  # whether it runs on plain tensors (see `_runs_plain`)
+
+    def _runs_plain(self) -> bool:
+        """On a one-rank placement a GlobalTensor is its local tensor, whatever its SBP: a module whose
+        parameters all live there and that names no layouts inside (no hints, no gathering) computes
+        the same on the plain local tensors, without the dispatcher (a pipeline stage of one rank runs
+        as fast as plain torch). Decided at the first call, when every hook is installed."""
+        if self.plain is None:
+            self.plain = self.placement.size == 1 and not any(
+                m.__dict__.get("_gt_layout_hooks") for m in self.module.modules())
+        return self.plain
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rank = context.current().rank
@@ -312,6 +323,8 @@ class _StageForward:
         args, kwargs = _moved(args, self.placement, side), _moved(kwargs, self.placement, side)
         forward = type(self.module).forward
         if inside:
+            if self._runs_plain():
+                return _plain_forward(self.module, forward, self.placement, args, kwargs)
             return forward(self.module, *args, **kwargs)
         ins = _tensors((args, kwargs))
         targets = [t for t in ins + list(self.module.parameters()) if isinstance(t, GlobalTensor) and t.requires_grad]
@@ -338,6 +351,71 @@ class _StageForward:
         for key, (out, layouts) in self.watching.items():
             self.seen[key] = out + (tuple(layouts),)
         self.watching.clear()
+
+
+def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, args: tuple, kwargs: dict) -> Any:
+    """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their
+    local tensors while it runs (connected to them by autograd), outputs wrapped back (Broadcast)."""
+    swapped = []
+    grad = torch.is_grad_enabled()
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in table.items():
+                if isinstance(t, GlobalTensor):
+                    swapped.append((table, name, t))
+                    table[name] = _AsLocal.apply(t) if grad and t.requires_grad else t._local
+    try:
+        out = forward(module, *_as_local((args,), grad)[0], **_as_local(kwargs, grad))
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+    return _as_global(out, Layout(placement, (Broadcast(),) * placement.ndim))
+
+
+def _as_local(obj: Any, grad: bool) -> Any:
+    if isinstance(obj, GlobalTensor):
+        return _AsLocal.apply(obj) if grad and obj.requires_grad else obj._local
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_as_local(o, grad) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _as_local(v, grad) for k, v in obj.items()}
+    return obj
+
+
+def _as_global(obj: Any, layout: Layout) -> Any:
+    if isinstance(obj, torch.Tensor) and not isinstance(obj, GlobalTensor):
+        return _AsGlobal.apply(obj, layout) if obj.requires_grad else GlobalTensor(obj, layout, tuple(obj.shape))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_as_global(o, layout) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _as_global(v, layout) for k, v in obj.items()}
+    return obj
+
+
+class _AsLocal(torch.autograd.Function):
+    """A GlobalTensor on a one-rank placement as its local tensor; the gradient comes back in its layout."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.layout, ctx.shape = x._layout, tuple(x.shape)
+        return x._local.view_as(x._local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> GlobalTensor:  # type: ignore[override]
+        return GlobalTensor(grad, ctx.layout, ctx.shape)
+
+
+class _AsGlobal(torch.autograd.Function):
+    """A plain tensor computed on a one-rank placement as the GlobalTensor it is; its gradient's local
+    tensor back (any SBP of one rank holds the whole tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: Layout) -> GlobalTensor:  # type: ignore[override]
+        return GlobalTensor(x, layout, tuple(x.shape))
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
+        return (grad._local if isinstance(grad, GlobalTensor) else grad), None
 
 
 @dataclass(frozen=True, eq=False)

@@ -151,6 +151,28 @@ def test_1f1b_holds_stages_minus_stage_micro_batches_of_activations_gpipe_all(n_
         assert one_f_one_b[stage] == min(n_stages - stage, micro) * one, (stage, one_f_one_b[stage], one)
 
 
+def test_a_stage_of_one_rank_runs_its_blocks_on_plain_tensors(monkeypatch):
+    """On a one-rank placement a GlobalTensor is its local tensor: a stage module there (no layout
+    hints inside) runs on the plain local tensors, so its matmuls never reach the dispatcher; a
+    stage of two ranks (PP x DP) dispatches them. Values equal one device either way (the tests above)."""
+    import globaltensor.tensor as gtt
+    seen = []
+    run = gtt._run
+
+    def spy(func, args, kwargs, cls):
+        where = next((a.placement for a in args if isinstance(a, gt.GlobalTensor)), None)
+        if where is not None and gt.rank() in where:  # ranks outside see a stage's ops in the first step
+            seen.append((gt.world_size(), str(func)))
+        return run(func, args, kwargs, cls)
+    monkeypatch.setattr(gtt, "_run", spy)
+    gt.launch(pipelined, 2, args=(2, 2, "1f1b", 2, 4, 1))
+    # the blocks' linears (addmm) and attention; the head (bias-free mm) gathers the tied weight: dispatched
+    assert not [f for n, f in seen if n == 2 and ("addmm" in f or "scaled_dot" in f)]
+    seen.clear()
+    gt.launch(pipelined, 4, args=(2, 2, "1f1b", 2, 4, 1, "none", (2,)))
+    assert [f for n, f in seen if n == 4 and "addmm" in f]
+
+
 def _replay(actions, stages, virtual, t_forward=1.0, t_backward=2.0):
     """Run a schedule's actions on an ideal machine (each chunk's forward t_forward / virtual, its backward
     t_backward / virtual, messages free): each rank in its own order, an action waiting for the previous
