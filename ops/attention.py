@@ -138,11 +138,16 @@ def _sequence_cost(backward: bool):
         qkv_sources = sources[off:off + 3]
         if method == "ulysses":
             _check_ulysses(ctx, qkv_sources, off)
+        offered = _offered(ctx, backward, qkv_sources)
+        # gathering a split sequence (every rank holds and computes all of it) is only the last resort
+        gather_ok = not offered if method == "auto" else method not in offered
         kinds = []
         for a, s in enumerate(q.sbp):
             on_seq = any(src.sbp[a] == Split(2) for src in qkv_sources)
             kind = ("ring" if k.sbp[a] == Split(2) else "allgather") if s == Split(2) else \
                 "ulysses" if s == Split(1) and on_seq else "replicated" if s == B else "other"
+            if on_seq and kind == "replicated" and not gather_ok:
+                return None
             if method != "auto" and (kind not in (method, "replicated") if on_seq else kind in ("ring", "allgather")):
                 return None
             kinds.append(kind)
@@ -161,6 +166,24 @@ def _sequence_cost(backward: bool):
     return cost
 
 
+def _offered(ctx: Ctx, backward: bool, sources: tuple) -> set:
+    """The sequence methods this call can take (as the signatures offer them; Ulysses where the heads
+    divide every axis that splits the sequence)."""
+    off, n_main = (1, 6) if backward else (0, 3)
+    if ctx.arg(3 + (3 if backward else 0), "dropout_p", 0.0):
+        return set()
+    causal = ctx.arg(4 + (3 if backward else 0), "is_causal", False)
+    has_mask = len(ctx.shapes) > n_main
+    offered = set()
+    if not causal:
+        offered.add("allgather")
+    if not has_mask and (not causal or ctx.shapes[off][2] == ctx.shapes[off + 1][2]):
+        offered.add("ring")
+    if _ulysses_divides(ctx, sources, off) is None:
+        offered.add("ulysses")
+    return offered
+
+
 def _heads_aligned(q: Layout, k: Layout, q_shape: tuple, k_shape: tuple) -> bool:
     """Whether every rank's query heads use exactly its key/value heads (GQA: query head h reads
     key head h // group), so that the kernel on the shards pairs them as on one device."""
@@ -176,19 +199,26 @@ def _even_heads(layout: Layout, shape: tuple) -> bool:
     return len({s[1] for s in layout.local_shapes(shape)}) == 1
 
 
-def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
-    """Forced Ulysses with heads the sequence's axis does not divide: say so, and what works."""
+def _ulysses_divides(ctx: Ctx, sources: tuple, off: int) -> Optional[str]:
+    """None where every mesh axis splitting the sequence divides the heads a rank holds; else why not."""
     for a, size in enumerate(ctx.mesh):
         if not any(src.sbp[a] == Split(2) for src in sources):
             continue
-        for name, src, shape in (("query", sources[0], ctx.shapes[off]), ("key/value", sources[1],
-                                                                           ctx.shapes[off + 1])):
+        for name, src, shape in (("query", sources[0], ctx.shapes[off]),
+                                 ("key/value", sources[1], ctx.shapes[off + 1])):
             heads = max(s[1] for s in src.local_shapes(shape))
             if heads % size:
-                raise ValueError(
-                    f"attention_method('ulysses'): the {name} has {heads} heads per rank, not divisible by "
-                    f"{size}, the size of mesh axis {a} that splits the sequence (Ulysses gives each rank "
-                    f"heads/{size} of them); use gt.attention_method('ring') or 'allgather', or 'auto'")
+                return (f"the {name} has {heads} heads per rank, not divisible by {size}, the size of mesh "
+                        f"axis {a} that splits the sequence (Ulysses gives each rank heads/{size} of them)")
+    return None
+
+
+def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
+    """Forced Ulysses with heads the sequence's axis does not divide: say so, and what works."""
+    why = _ulysses_divides(ctx, sources, off)
+    if why is not None:
+        raise ValueError(f"attention_method('ulysses'): {why}; use gt.attention_method('ring') or 'allgather', "
+                         "or 'auto'")
 
 
 for _backward, _op in ((False, aten._scaled_dot_product_flash_attention_for_cpu.default),

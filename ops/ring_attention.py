@@ -182,7 +182,7 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
     k_layout, v_layout = where.in_layouts[2], where.in_layouts[3]
     grad_q = None
     held = {"k": k, "v": v}
-    sent = None  # the accumulator passed on last step: it had a block's compute to arrive
+    sent = None  # the accumulator passed on last step
     for step in range(n):
         owner = ring.holder(step)
         arriving = None
@@ -195,6 +195,8 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         incoming = None if step == 0 else _receive(comm, ring, {
             "dk": _block_shape(k, k_layout, where.ctx.shapes[2], owner),
             "dv": _block_shape(v, v_layout, where.ctx.shapes[3], owner)}, k.dtype, ("grad", step))
+        if sent is not None:  # its receiver has posted the receive (above): freed before the kernel's peak
+            sent()
         k_box = k_layout.shard(where.ctx.shapes[2], owner)[SEQ]
         seen = _visibility(q_box, k_box, causal)
         if seen != "none" and q.numel() and held["k"].numel():
@@ -206,8 +208,6 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         if incoming is not None:
             acc = incoming()
             dk, dv = acc["dk"].add_(dk), acc["dv"].add_(dv)
-        if sent is not None:
-            sent()
         # after n - 1 hops the accumulator's next member is its owner
         sent = _pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", step + 1))
         del dk, dv

@@ -252,3 +252,20 @@ def test_dry_run_counts_the_ring():
         return log.recv_bytes
     dry = [rep.recv_bytes for rep in gt.explain(_ring_program, 3)]
     assert dry == gt.launch(real, 3) and min(dry) > 0
+
+
+@pytest.mark.parametrize("method", ["ring", "auto"])
+def test_backward_keeps_the_sequence_split(method):
+    """out.sum().backward(): the gradient arrives Broadcast; gathering q, k, v, out would move fewer
+    bytes than the ring's backward at n = 2, but every rank would hold and compute the whole sequence.
+    A sequence split is gathered only where no method can run."""
+    def body():
+        p = mesh_placement((2,))
+        q, k, v = (gt.to_global(t, p, SEQ).requires_grad_() for t in _inputs(1, 3, 3, 8))
+        with gt.attention_method(method):
+            out = _attend(q, k, v, True)
+            with gt.comm_log() as log:
+                out.sum().backward()
+        return _kinds(log.events), q.grad.sbp
+    kinds, sbp = gt.launch(body, 2)[0]
+    assert kinds == {"send_recv"} and sbp == (SEQ,)
