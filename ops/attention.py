@@ -127,7 +127,8 @@ def _sequence_cost(backward: bool):
     split, k whole), Ulysses (an input split on the sequence converted into a heads split), or
     something else (batch, replicated). A forced method is the only one taken on an axis that splits
     the sequence (or, where it cannot be, the replicated run: correct, and visibly costly), and the
-    others are taken nowhere; "auto" excludes an uneven Ulysses (ranks idle).
+    others are taken nowhere; "auto" excludes moving the sequence split into an uneven heads or batch
+    split (ranks idle), and the replicated run unless no method can run.
     The ring is charged what it receives, with no latency term: its steps overlap the blocks' compute.
     """
     off = 1 if backward else 0
@@ -155,9 +156,10 @@ def _sequence_cost(backward: bool):
             return None  # the ring runs on whole key blocks of its members
         if not _heads_aligned(q, k, ctx.shapes[off], ctx.shapes[off + 1]):
             return None
-        if "ulysses" in kinds and method == "auto" and not (_even_heads(q, ctx.shapes[off]) and
-                                                            _even_heads(k, ctx.shapes[off + 1])):
-            return None
+        if method == "auto" and ("ulysses" in kinds or "other" in kinds) and any(
+                src.sbp != t.sbp for src, t in zip(qkv_sources, targets[off:off + 3])) and not (
+                _even(q, ctx.shapes[off]) and _even(k, ctx.shapes[off + 1])):
+            return None  # moving a sequence split into heads or batch that leave ranks idle
         if "ring" not in kinds:
             return (), 0
         kt, vt = ctx.args[off + 1], ctx.args[off + 2]
@@ -195,8 +197,8 @@ def _heads_aligned(q: Layout, k: Layout, q_shape: tuple, k_shape: tuple) -> bool
     return True
 
 
-def _even_heads(layout: Layout, shape: tuple) -> bool:
-    return len({s[1] for s in layout.local_shapes(shape)}) == 1
+def _even(layout: Layout, shape: tuple) -> bool:
+    return len(set(layout.local_shapes(shape))) == 1
 
 
 def _ulysses_divides(ctx: Ctx, sources: tuple, off: int) -> Optional[str]:
