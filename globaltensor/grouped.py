@@ -41,11 +41,11 @@ class Routing:
     """One step's routing, as this rank needs it: data (counts), not structure, like a ragged size."""
     sort_local: torch.Tensor         # this rank's rows, group-major -> expert-major (a permutation)
     sort_received: torch.Tensor      # received rows, (sender, expert, group) -> (expert, sender, group)
-    send: tuple                      # rows sent to each member of the expert axis group
-    recv: tuple                      # rows received from each
+    send: tuple                      # rows sent to each of the peers
+    recv: tuple                      # rows received from each of them
     per_expert: tuple                # rows of each local expert, in order (the grouped layer's offsets)
-    group: tuple                     # the expert axis group (ranks); () on one device
-    # global tensors only: the token side's layout and shape, the expert side's layout and sizes
+    peers: tuple                     # the ranks of this rank's expert axis group; () on one device
+    # the token side's shape (and, global tensors only, its layout), the expert side's layout and sizes
     token_layout: Optional[Layout] = None
     token_shape: tuple = ()
     expert_layout: Optional[Layout] = None
@@ -122,13 +122,13 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
         empty = torch.zeros(0, dtype=torch.long)
         return Routing(empty, empty, (), (), (), (), xs._layout, tuple(xs.shape), expert_layout,
                        tuple(None for _ in sbp))
-    group = p.group(comm.rank, axis)
-    n, me = len(group), group.index(comm.rank)
+    peers = p.group(comm.rank, axis)
+    n, me = len(peers), peers.index(comm.rank)
     mine = counts._local.to(torch.long)
     if bool((mine.sum(1) != rows).any()):
         raise ValueError(f"by_expert(counts): every group's counts must add up to its {rows} rows")
-    shapes = [counts._layout.local_shape(counts.shape, q) for q in group]
-    pieces = comm.all_gather(mine, group, shapes)                 # the count exchange
+    shapes = [counts._layout.local_shape(counts.shape, q) for q in peers]
+    pieces = comm.all_gather(mine, peers, shapes)                 # the count exchange
     starts = [split_range(n_expert, n, j) for j in range(n)]      # each member's experts: (first, how many)
     block = lambda c, j: c[:, starts[j][0]:starts[j][0] + starts[j][1]]  # noqa: E731
     send = tuple(int(block(mine, j).sum()) for j in range(n))
@@ -141,7 +141,7 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
     per_expert = tuple(int(sum(block(c, me)[:, e].sum() for c in pieces)) for e in range(ne))
     sizes = tuple(sizes_here if a == axis else None for a in range(p.ndim))
     return Routing(torch.argsort(_ids(mine, torch.arange(n_expert)), stable=True), torch.argsort(ids, stable=True),
-                   send, recv, per_expert, tuple(group), xs._layout, tuple(xs.shape), expert_layout, sizes)
+                   send, recv, per_expert, tuple(peers), xs._layout, tuple(xs.shape), expert_layout, sizes)
 
 
 def by_group(y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -152,11 +152,11 @@ def by_group(y: torch.Tensor, routing: Routing) -> torch.Tensor:
 def _forward_rows(local: torch.Tensor, routing: Routing, comm: Any) -> torch.Tensor:
     """Token side -> expert side on this rank's shard: sort by expert, the all-to-all, sort the arrivals."""
     rows = local.reshape(-1, local.shape[-1])[routing.sort_local]
-    if routing.group:
+    if routing.peers:
         d = rows.shape[-1]
         out = rows.new_empty((sum(routing.recv), d))
         comm.all_to_all_into(rows.contiguous().view(-1), [k * d for k in routing.send], out.view(-1),
-                             [k * d for k in routing.recv], routing.group)
+                             [k * d for k in routing.recv], routing.peers)
         rows = out
     return rows[routing.sort_received]
 
@@ -166,10 +166,10 @@ def _backward_rows(local: torch.Tensor, routing: Routing, comm: Any, token_local
     d = local.shape[-1]
     rows = torch.empty_like(local)
     rows[routing.sort_received] = local
-    if routing.group:
+    if routing.peers:
         out = rows.new_empty((sum(routing.send), d))
         comm.all_to_all_into(rows.contiguous().view(-1), [k * d for k in routing.recv], out.view(-1),
-                             [k * d for k in routing.send], routing.group)
+                             [k * d for k in routing.send], routing.peers)
         rows = out
     back = torch.empty_like(rows)
     back[routing.sort_local] = rows
@@ -181,7 +181,7 @@ class _Regroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, routing: Routing, to_experts: bool) -> torch.Tensor:  # type: ignore[override]
-        if isinstance(x, RaggedTensor) == to_experts and routing.group:
+        if isinstance(x, RaggedTensor) == to_experts and routing.peers:
             raise ValueError("by_expert/by_group: by_expert takes the token side (split groups), by_group the "
                              "ragged expert side")
         ctx.routing, ctx.to_experts = routing, to_experts
@@ -206,7 +206,7 @@ def _to(grad: GlobalTensor, layout: Layout, sizes: Any) -> GlobalTensor:
 
 
 def _move(x: torch.Tensor, routing: Routing, to_experts: bool) -> torch.Tensor:
-    comm = context.current() if routing.group else None
+    comm = context.current() if routing.peers else None
     if not isinstance(x, GlobalTensor):
         if to_experts:
             return _forward_rows(x, routing, comm)
