@@ -1,0 +1,138 @@
+"""Attention over a long sequence split across gloo processes: ring, Ulysses, all-gather-KV vs one process.
+
+    python bench/long_seq.py                  # 2 and 4 processes, sequences 2k-16k, causal
+    python bench/long_seq.py --quick          # 2 processes, 2k and 4k
+    python bench/long_seq.py --no-causal      # all-gather-KV too (it is offered without causal only)
+
+Every process runs one thread (`torch.set_num_threads(1)`); the baseline is one process holding the
+whole sequence. Per method: forward + backward of `F.scaled_dot_product_attention` on q, k, v
+`[1, heads, seq, 64]` fp32 split on the sequence (each rank draws its own shard, `gt.from_local`),
+the method forced with `gt.attention_method`. Time: the median over repetitions of the slowest
+rank's time, methods interleaved between barriers (`bench/common.py`). Peak memory: the high-water
+mark of the process's resident memory over one call minus its resident memory before it (Linux
+`/proc/self/clear_refs` resets the mark), glibc's mmap threshold fixed so that a freed tensor
+leaves resident memory at once. Targets (issue 15) at 16k tokens: ring peak <= 1.2 x (one
+process's peak / n); ring time <= 1.3 x (one process's time / n) on 2 processes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks' glibc at start
+os.environ.setdefault("GT_CHECK_COLLECTIVES", "0")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import globaltensor as gt  # noqa: E402
+from common import interleaved_times, write_results  # noqa: E402
+
+HEAD_DIM = 64
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def peak_bytes(fn) -> int:
+    """Resident memory `fn()` adds at its peak (what it allocates and frees included)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark restarts from the current resident memory
+    before = _status("VmRSS:")
+    fn()
+    return _status("VmHWM:") - before
+
+
+def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict:
+    torch.set_num_threads(1)
+    n = gt.world_size()
+    p = gt.placement("cpu", list(range(n)))
+    shape = (1, heads, seq, HEAD_DIM)
+    local = (1, heads, seq // n + (gt.rank() < seq % n), HEAD_DIM)
+    torch.manual_seed(gt.rank())
+    q, k, v = (gt.from_local(torch.randn(local), p, gt.split(2), shape=shape).requires_grad_() for _ in range(3))
+
+    def step(method):
+        def run():
+            with gt.attention_method(method):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                out.sum().backward()
+            for t in (q, k, v):
+                t.grad = None
+        return run
+    impls = {m: step(m) for m in methods}
+    peaks = {}
+    for m, fn in impls.items():
+        fn()  # decisions made, buffers of gloo set up
+        with gt.comm_log() as log:
+            peaks[m] = peak_bytes(fn)
+        peaks[m] = (peaks[m], log.recv_bytes)
+    times = interleaved_times(impls, reps, warmup=0)
+    return {m: {"s": statistics.median(times[m]), "peak": peaks[m][0], "recv": peaks[m][1]} for m in methods}
+
+
+def _alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
+    torch.set_num_threads(1)
+    q, k, v = (torch.randn(1, heads, seq, HEAD_DIM).requires_grad_() for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+        for t in (q, k, v):
+            t.grad = None
+    run()
+    peak = peak_bytes(run)
+    times = interleaved_times({"one": run}, reps, warmup=0)
+    return {"s": statistics.median(times["one"]), "peak": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-causal", action="store_true")
+    ap.add_argument("--seqs", default="2048,4096,8192,16384")
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    seqs = [2048, 4096] if args.quick else [int(s) for s in args.seqs.split(",")]
+    ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
+    causal = not args.no_causal
+    methods = ["ring", "ulysses"] + ([] if causal else ["allgather"])
+    rows, data = [], []
+    for seq in seqs:
+        one = gt.launch(_alone, 1, backend="gloo", args=(seq, args.heads, causal, args.reps))[0]
+        for n in ranks:
+            res = gt.launch(_ranks, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps))
+            for m in methods:
+                s = max(r[m]["s"] for r in res)
+                peak = max(r[m]["peak"] for r in res)
+                recv = max(r[m]["recv"] for r in res)
+                rows.append(f"| {seq} | {n} | {m} | {s * 1e3:.0f} | {s / (one['s'] / n):.2f} | {peak / 2**20:.1f} | "
+                            f"{peak / (one['peak'] / n):.2f} | {recv / 2**20:.1f} |")
+                data.append({"seq": seq, "ranks": n, "method": m, "s": s, "peak": peak, "recv": recv,
+                             "one_s": one["s"], "one_peak": one["peak"]})
+            print(rows[-len(methods):], f"one process: {one['s'] * 1e3:.0f} ms, {one['peak'] / 2**20:.1f} MiB",
+                  flush=True)
+        rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | 1.00 x n | {one['peak'] / 2**20:.1f} | "
+                    f"1.00 x n | 0 |")
+    table = "\n".join([f"heads {args.heads}, head_dim {HEAD_DIM}, fp32, {'causal' if causal else 'not causal'}, "
+                       "forward + backward, one thread per process",
+                       "",
+                       "| seq | procs | method | ms | time / (one process / n) | peak MiB | "
+                       "peak / (one process / n) | MiB received |",
+                       "|---|---|---|---|---|---|---|---|"] + rows)
+    print(table)
+    write_results(args.out, f"long_seq{'' if causal else '_nocausal'}", table, data)
+
+
+if __name__ == "__main__":
+    main()
