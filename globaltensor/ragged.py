@@ -256,6 +256,10 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
     coord = p.coord(comm.rank)
     local, sbp = x._local, list(x._layout.sbp)
     have = list(getattr(x, "_sizes", None) or (None,) * p.ndim)
+    unknown = [a for a in x._layout.ragged_axes if have[a] is None]
+    if unknown:
+        raise ValueError(f"to_global: mesh axis {unknown[0]} of {x._layout.sbp} is ragged with sizes known only inside "
+                         "each slice (gt.by_expert's rows on EP x DP); take them back with gt.by_group")
     for a, s in enumerate(x._layout.sbp):
         if not isinstance(s, Ragged) or (dst.sbp[a] == s and sizes[a] == have[a]):
             continue

@@ -162,3 +162,22 @@ def test_bad_sizes_are_named(case):
 def test_a_ragged_target_without_sizes_is_named():
     with pytest.raises(ValueError, match=r"sizes"):
         launch(_bad_sizes_step, 2, "no_sizes")
+
+
+def _grouped_step(case):
+    p = _mesh((2, 2))
+    ids = gt.to_global(torch.arange(24).reshape(4, 6) % 4, p, (gt.split(0), gt.split(0)))
+    counts = torch.nn.functional.one_hot(ids, 4).sum(1)
+    xs = gt.to_global(torch.randn(4, 6, 3, dtype=torch.float64), p, (gt.split(0), gt.split(0)))
+    w = gt.to_global(torch.randn(4, 3, 2, dtype=torch.float64), p, (gt.broadcast, gt.split(0)))
+    if case == "counts":   # a group's counts must add up to its rows
+        return gt.by_expert(xs, counts * 2, w)
+    rows, _ = gt.by_expert(xs, counts, w)
+    if case == "slice":    # EP x DP: the rows are ragged per data slice, sizes known inside it only
+        return rows.full_tensor()
+
+
+@pytest.mark.parametrize("case, match", [("counts", "by_expert\\(counts\\)"), ("slice", "by_group")])
+def test_grouped_ops_name_what_is_wrong(case, match):
+    with pytest.raises(ValueError, match=match):
+        launch(_grouped_step, 4, case)
