@@ -7,7 +7,8 @@ import os
 import random
 import statistics
 import time
-from typing import Callable
+import traceback
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -67,6 +68,53 @@ def interleaved_times(impls: dict[str, Callable[[], object]], reps: int, warmup:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, times)
     return {k: [max(g[k][i] for g in gathered) for i in range(reps)] for k in impls}
+
+
+def agree_on_failures(errors: dict[str, str]) -> dict[str, str]:
+    """Every rank drops an implementation that failed on any rank (else the next collective hangs)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    out: dict[str, str] = {}
+    for r, errs in enumerate(gathered):
+        for k, v in errs.items():
+            out.setdefault(k, f"rank {r}: {v}")
+    return out
+
+
+def attempt(errors: dict, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), or None with the failure noted under `name`: a benchmark reports, it does not crash."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+        errors[name] = msg
+        return None
+
+
+def build_and_time(builders: dict[str, Callable[[], Any]], data: list, reps: int,
+                   warmup: int) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, str]]:
+    """Build each implementation (an object with `step(*batch)`), run one untimed first step each
+    (caches, first-call costs), drop everywhere what failed anywhere, then time interleaved steps,
+    each on the next batch of `data`. Returns (the live implementations, their times, the failures)."""
+    errors: dict[str, str] = {}
+    built = {k: attempt(errors, k, build) for k, build in builders.items()}
+    errors = agree_on_failures(errors)
+    for k, impl in built.items():
+        if k not in errors:
+            attempt(errors, k, impl.step, *data[0])
+    errors = agree_on_failures(errors)
+    live = {k: impl for k, impl in built.items() if k not in errors}
+    counters = {k: 1 for k in live}
+
+    def stepper(k: str) -> Callable[[], None]:
+        def fn() -> None:
+            live[k].step(*data[counters[k]])
+            counters[k] += 1
+        return fn
+    times = interleaved_times({k: stepper(k) for k in live}, reps, warmup) if live else {}
+    return live, times, errors
 
 
 def write_results(out_dir: str, stem: str, table: str, data: object) -> None:

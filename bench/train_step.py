@@ -33,9 +33,9 @@ import argparse
 import os
 import platform
 import statistics
-import traceback
 import types
 import warnings
+from functools import partial
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import globaltensor as gt
-from common import interleaved_times, paired_ratio, write_results
+from common import agree_on_failures, attempt, build_and_time, paired_ratio, write_results
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 IMPLS = ("globaltensor", "DTensor")
@@ -206,28 +206,6 @@ class DTensorTrainer(Trainer):
 BUILDERS = {"globaltensor": GlobalTensorTrainer, "DTensor": DTensorTrainer}
 
 
-def _agree_on_failures(errors: dict[str, str]) -> dict[str, str]:
-    """Every rank drops an implementation that failed on any rank (else the next collective hangs)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, errors)
-    out: dict[str, str] = {}
-    for r, errs in enumerate(gathered):
-        for k, v in errs.items():
-            out.setdefault(k, f"rank {r}: {v}")
-    return out
-
-
-def _try(errors: dict, name: str, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not crash
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if gt.rank() == 0:
-            traceback.print_exc()
-        errors[name] = msg
-        return None
-
-
 # ---------------------------------------------------------------- rank bodies
 
 def timed(cfg: GPTConfig, dp: int, tp: int, batch: int, reps: int, warmup: int, lr: float, seed: int,
@@ -236,23 +214,8 @@ def timed(cfg: GPTConfig, dp: int, tp: int, batch: int, reps: int, warmup: int, 
     warnings.simplefilter("ignore")
     torch.set_num_threads(threads)
     data = batches(cfg, batch, 1 + warmup + reps)
-    errors: dict[str, str] = {}
-    trainers = {k: _try(errors, k, BUILDERS[k], cfg, dp, tp, lr, seed) for k in IMPLS}
-    errors = _agree_on_failures(errors)
-    for k in IMPLS:  # the first step (caches filled, first-call costs) is not timed
-        if k not in errors:
-            _try(errors, k, trainers[k].step, *data[0])
-    errors = _agree_on_failures(errors)
-    live = {k: t for k, t in trainers.items() if k not in errors}
-    counters = {k: 1 for k in live}
-
-    def stepper(k):
-        def fn():
-            trainers[k].step(*data[counters[k]])
-            counters[k] += 1
-        return fn
-
-    times = interleaved_times({k: stepper(k) for k in live}, reps, warmup) if live else {}
+    live, times, errors = build_and_time({k: partial(BUILDERS[k], cfg, dp, tp, lr, seed) for k in IMPLS}, data,
+                                         reps, warmup)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = paired_ratio(times, "globaltensor", "DTensor") if len(times) == 2 else None
     losses = {k: t.loss_values() for k, t in live.items()}
@@ -274,13 +237,13 @@ def peak_memory(impl: str, cfg: GPTConfig, dp: int, tp: int, batch: int, steps: 
     _reset_peak()
     base = _status("VmRSS")
     errors: dict[str, str] = {}
-    t = _try(errors, impl, BUILDERS[impl], cfg, dp, tp, lr, seed)
-    errors = _agree_on_failures(errors)
+    t = attempt(errors, impl, BUILDERS[impl], cfg, dp, tp, lr, seed)
+    errors = agree_on_failures(errors)
     for i in range(steps):
         if errors:
             break
-        _try(errors, impl, t.step, *data[i])
-        errors = _agree_on_failures(errors)
+        attempt(errors, impl, t.step, *data[i])
+        errors = agree_on_failures(errors)
     peak = _status("VmHWM") - base
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, peak)

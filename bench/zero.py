@@ -29,14 +29,15 @@ import os
 import platform
 import statistics
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
+from common import build_and_time, paired_ratio, paired_ratio_ci, write_results
 from globaltensor.models.gpt import GPT, GPTConfig, zero_plan
-from train_step import _agree_on_failures, _reset_peak, _status, _try, batches
+from train_step import _reset_peak, _status, batches
 
 IMPLS = ("gt ZeRO-3", "FSDP2", "gt ZeRO-2", "FSDP2 no-reshard", "DDP")
 PAIRS = (("gt ZeRO-3", "FSDP2"), ("gt ZeRO-2", "FSDP2 no-reshard"))
@@ -130,22 +131,7 @@ def timed(cfg: GPTConfig, batch: int, reps: int, warmup: int, lr: float, seed: i
     torch.set_num_threads(threads)
     n = dist.get_world_size()
     data = batches(cfg, batch, 1 + warmup + reps)
-    errors: dict[str, str] = {}
-    trainers = {k: _try(errors, k, build, k, cfg, n, lr, seed) for k in IMPLS}
-    errors = _agree_on_failures(errors)
-    for k in IMPLS:
-        if k not in errors:
-            _try(errors, k, trainers[k].step, *data[0])
-    errors = _agree_on_failures(errors)
-    live = {k: t for k, t in trainers.items() if k not in errors}
-    counters = {k: 1 for k in live}
-
-    def stepper(k):
-        def fn():
-            live[k].step(*data[counters[k]])
-            counters[k] += 1
-        return fn
-    times = interleaved_times({k: stepper(k) for k in live}, reps, warmup)
+    live, times, errors = build_and_time({k: partial(build, k, cfg, n, lr, seed) for k in IMPLS}, data, reps, warmup)
     state: list = [None] * n
     dist.all_gather_object(state, {k: t.state_bytes() for k, t in live.items()})
     losses = {k: t.loss_values() for k, t in live.items()}
