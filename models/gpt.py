@@ -160,7 +160,7 @@ def sp_plan(tensor_axis: int, ndim: int) -> dict:
     return plan
 
 
-def ulysses_plan(seq_axis: int, ndim: int) -> dict:
+def ulysses_plan(seq_axis: int, ndim: int, *, heads_at_linears: bool = True) -> dict:
     """DeepSpeed-Ulysses on mesh axis `seq_axis`: every activation split on the sequence, weights whole; around
     attention the split moves from the sequence to the heads and back, one all-to-all per tensor.
 
@@ -173,15 +173,22 @@ def ulysses_plan(seq_axis: int, ndim: int) -> dict:
     reduction). Parameters are Broadcast, so every gradient is Partial over the axis and reduced in the
     gradient bucket, as data parallelism's. The batch comes in split on the sequence (`seq_batch`).
 
+    `heads_at_linears=False` leaves q, k and v split on the sequence into attention, whose rule then
+    decides (`gt.attention_method`, or the cost): Ulysses there is the same all-to-alls, converted by the
+    dispatcher (the attention keeps the converted q, k, v for its backward; the backward converts their
+    gradients once), and ring attention runs with the same plan.
+
     The sequence split must survive the linears' flattening of [batch, seq] into one dim: it does when
     each rank holds one sequence (the batch whole on the axis is 1, or split down to one per rank by
     `data_axis`), as long-sequence training runs.
     """
     def hint(s):
         return tuple(s if a == seq_axis else None for a in range(ndim))
-    heads = ModuleLayout(output=hint(Split(2)))
-    return {"*.attn.q": heads, "*.attn.k": heads, "*.attn.v": heads,
-            "*.attn.proj": ModuleLayout(input=hint(Split(1))), "wpe": ModuleLayout(output=hint(Split(0)))}
+    plan = {"*.attn.proj": ModuleLayout(input=hint(Split(1))), "wpe": ModuleLayout(output=hint(Split(0)))}
+    if heads_at_linears:
+        heads = ModuleLayout(output=hint(Split(2)))
+        plan.update({"*.attn.q": heads, "*.attn.k": heads, "*.attn.v": heads})
+    return plan
 
 
 def seq_batch(seq_axis: int, ndim: int, data_axis: int | None = None) -> tuple:

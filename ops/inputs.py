@@ -8,9 +8,10 @@ bucket, as DDP does.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -49,15 +50,22 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     dispatcher and shared with its views and detached aliases. The shard's
     own counter and identity are checked too, for writes that bypass the
     dispatcher (`to_local()` views, a replaced shard). Only Partial sources
-    are remembered: re-reducing is what costs, and other conversions would
-    only pin memory (a ZeRO-3 all-gathered weight) for no saved bytes.
+    are remembered for good: re-reducing is what costs, and other conversions
+    would pin memory (a ZeRO-3 all-gathered weight) for bytes rarely read
+    twice. Except within one autograd node of the backward, whose ops often
+    read one tensor in one other layout (a linear's input and weight gradients
+    both read the output's gradient, which Ulysses' attention leaves split on
+    the heads): there a conversion is remembered until another node runs.
     A gradient noted by `defer_reduction` is reduced together with the other pending ones.
     """
     src = t._layout
     if src == dst:
         return t._local
     if not src.has_partial:
-        return box(t._local, src, dst, t.shape)
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return box(t._local, src, dst, t.shape)
+        return _once_in_node(t, dst, id(node))
     memo = _memo_of(t)
     now = _versions(t)
     hit = memo.get(dst)
@@ -71,6 +79,34 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
             if hit is not None and hit[0] == now:
                 return hit[1]
     out = box(t._local, src, dst, t.shape)
+    memo[dst] = (now, out)
+    return out
+
+
+class _NodeConversions(threading.local):
+    """The conversions made while one autograd node runs (per thread: a simulated rank is one)."""
+
+    def __init__(self) -> None:
+        self.node: Optional[int] = None
+        self.memo: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+_IN_NODE = _NodeConversions()
+
+
+def _once_in_node(t: Any, dst: Layout, node: int) -> torch.Tensor:
+    """`t` converted to `dst` once while the autograd node `node` (an id) runs; forgotten when another runs."""
+    seen = _IN_NODE
+    if seen.node != node:
+        seen.node, seen.memo = node, WeakIdKeyDictionary()
+    memo = seen.memo.get(t)
+    if memo is None:
+        memo = seen.memo[t] = {}
+    now = _versions(t)
+    hit = memo.get(dst)
+    if hit is not None and hit[0] == now:
+        return hit[1]
+    out = box(t._local, t._layout, dst, t.shape)
     memo[dst] = (now, out)
     return out
 
