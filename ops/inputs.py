@@ -11,7 +11,7 @@ import os
 import threading
 import weakref
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -65,7 +65,7 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
         node = torch._C._current_autograd_node()
         if node is None:
             return box(t._local, src, dst, t.shape)
-        return _once_in_node(t, dst, id(node))
+        return _once_in_node(t, dst, node)
     memo = _memo_of(t)
     now = _versions(t)
     hit = memo.get(dst)
@@ -84,20 +84,24 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
 
 
 class _NodeConversions(threading.local):
-    """The conversions made while one autograd node runs (per thread: a simulated rank is one)."""
+    """The conversions made while one autograd node runs (per thread: a simulated rank is one).
+
+    The node itself is held, not its id: an id reused by a later node on one rank but not on another
+    would make one rank skip a collective its peers run.
+    """
 
     def __init__(self) -> None:
-        self.node: Optional[int] = None
+        self.node: Any = None
         self.memo: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 _IN_NODE = _NodeConversions()
 
 
-def _once_in_node(t: Any, dst: Layout, node: int) -> torch.Tensor:
-    """`t` converted to `dst` once while the autograd node `node` (an id) runs; forgotten when another runs."""
+def _once_in_node(t: Any, dst: Layout, node: Any) -> torch.Tensor:
+    """`t` converted to `dst` once while the autograd node `node` runs; forgotten when another runs."""
     seen = _IN_NODE
-    if seen.node != node:
+    if seen.node is not node:
         seen.node, seen.memo = node, WeakIdKeyDictionary()
     memo = seen.memo.get(t)
     if memo is None:
