@@ -8,7 +8,8 @@ Every process runs one thread (`torch.set_num_threads(1)`); the baseline is one 
 whole sequence. Per method: forward + backward of `F.scaled_dot_product_attention` on q, k, v
 `[1, heads, seq, 64]` fp32 split on the sequence (each rank draws its own shard, `gt.from_local`),
 the method forced with `gt.attention_method`. Time: the median over repetitions of the slowest
-rank's time, methods interleaved between barriers (`bench/common.py`). Peak memory: the high-water
+rank's time, methods interleaved between barriers (`bench/common.py`); CPU time: the slowest
+rank's median CPU seconds per call (what a loaded machine's wall clock hides). Peak memory: the high-water
 mark of the process's resident memory over one call minus its resident memory before it (Linux
 `/proc/self/clear_refs` resets the mark), glibc's mmap threshold fixed so that a freed tensor
 leaves resident memory at once. Targets (issue 15) at 16k tokens: ring peak <= 1.2 x (one
@@ -20,6 +21,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned ranks' glibc at start
 os.environ.setdefault("GT_CHECK_COLLECTIVES", "0")
@@ -68,7 +70,8 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict
             for t in (q, k, v):
                 t.grad = None
         return run
-    impls = {m: step(m) for m in methods}
+    cpu: dict = {m: [] for m in methods}
+    impls = {m: _cpu_timed(step(m), cpu[m]) for m in methods}
     peaks = {}
     for m, fn in impls.items():
         fn()  # decisions made, buffers of gloo set up
@@ -76,7 +79,18 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict
             peaks[m] = peak_bytes(fn)
         peaks[m] = (peaks[m], log.recv_bytes)
     times = interleaved_times(impls, reps, warmup=0)
-    return {m: {"s": statistics.median(times[m]), "peak": peaks[m][0], "recv": peaks[m][1]} for m in methods}
+    return {m: {"s": statistics.median(times[m]), "cpu": statistics.median(cpu[m][-reps:]), "peak": peaks[m][0],
+                "recv": peaks[m][1]} for m in methods}
+
+
+def _cpu_timed(fn, into: list):
+    """fn, noting the CPU seconds this process spends in each call (its gloo threads included): the
+    work a rank does, which a loaded machine's wall clock does not show."""
+    def run():
+        t0 = time.process_time()
+        fn()
+        into.append(time.process_time() - t0)
+    return run
 
 
 def _alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
@@ -87,10 +101,12 @@ def _alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
         F.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
         for t in (q, k, v):
             t.grad = None
-    run()
-    peak = peak_bytes(run)
-    times = interleaved_times({"one": run}, reps, warmup=0)
-    return {"s": statistics.median(times["one"]), "peak": peak}
+    cpu: list = []
+    timed = _cpu_timed(run, cpu)
+    timed()
+    peak = peak_bytes(timed)
+    times = interleaved_times({"one": timed}, reps, warmup=0)
+    return {"s": statistics.median(times["one"]), "cpu": statistics.median(cpu[-reps:]), "peak": peak}
 
 
 def main() -> None:
@@ -114,22 +130,24 @@ def main() -> None:
             res = gt.launch(_ranks, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps))
             for m in methods:
                 s = max(r[m]["s"] for r in res)
+                cpu = max(r[m]["cpu"] for r in res)
                 peak = max(r[m]["peak"] for r in res)
                 recv = max(r[m]["recv"] for r in res)
-                rows.append(f"| {seq} | {n} | {m} | {s * 1e3:.0f} | {s / (one['s'] / n):.2f} | {peak / 2**20:.1f} | "
+                rows.append(f"| {seq} | {n} | {m} | {s * 1e3:.0f} | {s / (one['s'] / n):.2f} | "
+                            f"{cpu / (one['cpu'] / n):.2f} | {peak / 2**20:.1f} | "
                             f"{peak / (one['peak'] / n):.2f} | {recv / 2**20:.1f} |")
-                data.append({"seq": seq, "ranks": n, "method": m, "s": s, "peak": peak, "recv": recv,
-                             "one_s": one["s"], "one_peak": one["peak"]})
+                data.append({"seq": seq, "ranks": n, "method": m, "s": s, "cpu": cpu, "peak": peak, "recv": recv,
+                             "one_s": one["s"], "one_cpu": one["cpu"], "one_peak": one["peak"]})
             print(rows[-len(methods):], f"one process: {one['s'] * 1e3:.0f} ms, {one['peak'] / 2**20:.1f} MiB",
                   flush=True)
-        rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | 1.00 x n | {one['peak'] / 2**20:.1f} | "
-                    f"1.00 x n | 0 |")
+        rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | n | n | {one['peak'] / 2**20:.1f} | "
+                    f"n | 0 |")
     table = "\n".join([f"heads {args.heads}, head_dim {HEAD_DIM}, fp32, {'causal' if causal else 'not causal'}, "
                        "forward + backward, one thread per process",
                        "",
-                       "| seq | procs | method | ms | time / (one process / n) | peak MiB | "
-                       "peak / (one process / n) | MiB received |",
-                       "|---|---|---|---|---|---|---|---|"] + rows)
+                       "| seq | procs | method | ms | time / (one process / n) | CPU time / (one process / n) | "
+                       "peak MiB | peak / (one process / n) | MiB received |",
+                       "|---|---|---|---|---|---|---|---|---|"] + rows)
     print(table)
     write_results(args.out, f"long_seq{'' if causal else '_nocausal'}", table, data)
 
