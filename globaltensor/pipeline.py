@@ -32,6 +32,7 @@ from .sbp import Broadcast, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
 from .tensor import GlobalTensor, distribute
+from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -115,7 +116,7 @@ def _stage_placements(model: torch.nn.Module) -> list[Placement]:
 
 class ActivationMeter:
     """Bytes of the tensors autograd saves for the backward (this rank's shards, each storage once,
-    the parameters' own storage excluded): live now and the most at once. Installed as saved-tensor hooks around each
+    the parameters' storages and their gathered copies excluded): live now and the most at once. Installed as saved-tensor hooks around each
     micro-batch's forward; a saved tensor counts until autograd releases it (after its node's backward)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -133,7 +134,7 @@ class ActivationMeter:
     def pack(self, t: torch.Tensor) -> Any:
         storage = (t._local if isinstance(t, GlobalTensor) else t).untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
-        if not nbytes or key in self._params:
+        if not nbytes or key in self._params or key in gathered_storages():
             return t
         ref = self._refs.get(key)
         if ref is None:
@@ -231,30 +232,33 @@ class Pipeline:
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
         try:
-            for act, i, c in mine:
-                t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
-                comm.p2p_tag = 2 * i + (act == "B")
-                if not chunked:  # one action runs the micro-batch's whole forward or backward
-                    done, result = True, forward(i) if act == "F" else losses[i].backward()
-                else:  # one chunk of it: a fiber stops at the next entry into this rank's stage
-                    f = fibers.get((act, i))
-                    if f is None:
-                        f = fibers[(act, i)] = Fiber(partial(forward, i) if act == "F" else losses[i].backward,
-                                                     name=f"gt-pipeline-{act}{i}")
-                    f.resume()
-                    done, result = f.done, f.result
-                    if done != (c == (self.virtual - 1 if act == "F" else 0)):
-                        raise RuntimeError(f"Pipeline: micro-batch {i}'s {'forward' if act == 'F' else 'backward'} "
-                                           f"{'ended' if done else 'went on'} after chunk {c} of {self.virtual} on "
-                                           f"rank {comm.rank}: the model must enter each stage's chunks in the "
-                                           f"plan's order (pp_plan(virtual=))")
-                held += 1 if act == "F" else -1
-                peak = max(peak, held)
-                if done and act == "F":
-                    losses[i] = result
-                elif done:
-                    losses[i] = losses[i].detach()
-                self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
+            # a weight kept gathered (the tied head on the last stage) moves once per step each way
+            with accumulating():
+                for act, i, c in mine:
+                    t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
+                    comm.p2p_tag = 2 * i + (act == "B")
+                    if not chunked:  # one action runs the micro-batch's whole forward or backward
+                        done, result = True, forward(i) if act == "F" else losses[i].backward()
+                    else:  # one chunk of it: a fiber stops at the next entry into this rank's stage
+                        f = fibers.get((act, i))
+                        if f is None:
+                            f = fibers[(act, i)] = Fiber(partial(forward, i) if act == "F" else losses[i].backward,
+                                                         name=f"gt-pipeline-{act}{i}")
+                        f.resume()
+                        done, result = f.done, f.result
+                        if done != (c == (self.virtual - 1 if act == "F" else 0)):
+                            raise RuntimeError(f"Pipeline: micro-batch {i}'s {'forward' if act == 'F' else 'backward'} "
+                                               f"{'ended' if done else 'went on'} after chunk {c} of {self.virtual} on "
+                                               f"rank {comm.rank}: the model must enter each stage's chunks in the "
+                                               f"plan's order (pp_plan(virtual=))")
+                    held += 1 if act == "F" else -1
+                    peak = max(peak, held)
+                    if done and act == "F":
+                        losses[i] = result
+                    elif done:
+                        losses[i] = losses[i].detach()
+                    self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
+                comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
         finally:
             t0 = time.perf_counter()
             comm.flush_sends()

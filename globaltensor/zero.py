@@ -25,10 +25,11 @@ parameter's dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -72,7 +73,11 @@ class ParamGroup:
         The next module is the one that followed this one in the previous forward (inside the same
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
         mine = _state(self)
-        call = mine.pop("prefetched", None) or _Call(self)
+        scope = _SCOPES.get(context.current())
+        kept = scope.calls.get(self) if scope is not None and not self.reshard_after_forward else None
+        call = kept or mine.pop("prefetched", None) or _Call(self)
+        if scope is not None and not self.reshard_after_forward:
+            scope.calls[self] = call
         if _OPEN.stack and _OPEN.last is not None and _OPEN.last is not self:
             _state(_OPEN.last)["next"] = self
         _OPEN.last = self
@@ -84,7 +89,7 @@ class ParamGroup:
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
         nxt = mine.get("next")
-        if nxt is not None and "prefetched" not in _state(nxt):
+        if nxt is not None and "prefetched" not in _state(nxt) and not (scope is not None and nxt in scope.calls):
             ahead = _state(nxt)["prefetched"] = _Call(nxt)
             ahead.start()
         _OPEN.stack.append(call)
@@ -100,6 +105,9 @@ class ParamGroup:
         call = _OPEN.stack.pop()
         for mod, name, i in self.slots:
             mod._parameters[name] = self.params[i]
+        kept = _SCOPES.get(context.current())
+        if kept is not None and kept.calls.get(self) is call:  # kept for the scope's next micro-batches
+            return _mark_outputs(output, call) if call.tracked else output
         if not call.tracked:      # no backward will come for these: nothing to keep
             call.free()
             return output
@@ -169,10 +177,13 @@ class _Call:
                                          context.current())
 
     def gather(self) -> list:
-        """The parameters in their compute layouts, as GlobalTensors on the gathered shards."""
+        """The parameters in their compute layouts, as GlobalTensors on the gathered shards (gathered
+        once per call; a call kept by `accumulating()` hands out the same shards to every micro-batch)."""
         g = self.group
-        self.locals = self._gathered_locals()
-        self.owned = [_storage(out) != _storage(p._local) for out, p in zip(self.locals, g.params)]
+        if not self.locals or self.freed:
+            self.locals = self._gathered_locals()
+            self.owned = [_storage(out) != _storage(p._local) for out, p in zip(self.locals, g.params)]
+            self.freed = False
         return [GlobalTensor(out, c, tuple(p.shape)) for out, c, p in zip(self.locals, g.compute, g.params)]
 
     def free(self) -> None:
@@ -247,6 +258,13 @@ def gathered_bytes() -> int:
                for t, owned in zip(call.locals, call.owned) if owned)
 
 
+def gathered_storages() -> set[int]:
+    """Addresses of the storages this rank's gathered parameter copies live in (a saved view of one is
+    a parameter, not an activation)."""
+    rank = context.current().rank
+    return {_storage(t) for call in list(_LIVE) if call.rank == rank and not call.freed for t in call.locals}
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -266,8 +284,12 @@ class _Gather(torch.autograd.Function):
         the parameters' `.grad` when the whole backward is done (as FSDP2 does), so the bucket's
         collective overlaps the rest of the backward where the backend allows (gloo)."""
         call = ctx.call
-        call.reduced = True
         call.leave_scope()
+        scope = _SCOPES.get(context.current())
+        if scope is not None and scope.calls.get(call.group) is call:  # reduced once, when the scope closes
+            scope.add(call, grads)
+            return (None,) * (1 + len(grads))
+        call.reduced = True
         while len(_LANDING.pending) >= MAX_IN_FLIGHT:  # bound the memory of full-size gradient buffers
             _land(*_LANDING.pending.pop(0))
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
@@ -279,6 +301,57 @@ class _Gather(torch.autograd.Function):
 
 
 MAX_IN_FLIGHT = 1  # reduce-scatters left running while the backward goes on (FSDP2 keeps one too)
+
+
+class _Accumulation:
+    """What `accumulating()` keeps: per group that keeps its gathered parameters, the call whose shards
+    every micro-batch uses, and the gradients summed over the micro-batches in the compute layouts."""
+
+    def __init__(self) -> None:
+        self.calls: dict = {}   # ParamGroup -> _Call
+        self.grads: dict = {}   # _Call -> [gradient (compute layout) or None per parameter]
+
+    def add(self, call: "_Call", grads: tuple) -> None:
+        have = self.grads.get(call)
+        if have is None:
+            self.grads[call] = list(grads)
+            return
+        for i, g in enumerate(grads):
+            if g is not None:
+                have[i] = g if have[i] is None else have[i] + g
+
+    def close(self) -> None:
+        """Reduce each group's summed gradients into the stored layouts (one bucket per group, in the
+        order the groups were first called: the same on every rank) and free the gathered copies."""
+        for group, call in self.calls.items():
+            grads = self.grads.get(call)
+            if grads is not None:
+                call.reduced = True
+                _land(group.params, call.reduce_start(tuple(grads)))
+            call.free()
+
+
+_SCOPES: "weakref.WeakKeyDictionary[Any, _Accumulation]" = weakref.WeakKeyDictionary()  # per rank (communicator)
+
+
+@contextlib.contextmanager
+def accumulating() -> Iterator[None]:
+    """Micro-batches of one step: a module that keeps its gathered parameters
+    (`reshard_after_forward=False`: ZeRO-2, or a tied weight used on another stage) gathers them once
+    for all the micro-batches and reduces their summed gradients once, when the scope closes, instead
+    of once per micro-batch (FSDP2's `set_requires_gradient_sync(False)` until the last micro-batch;
+    Megatron's one all-reduce of the tied embedding's gradient per step). ZeRO-3 modules still gather
+    per micro-batch (their memory bound is the point). Per rank; `gt.Pipeline.step` opens one."""
+    comm = context.current()
+    if comm in _SCOPES:
+        yield
+        return
+    scope = _SCOPES[comm] = _Accumulation()
+    try:
+        yield
+    finally:
+        del _SCOPES[comm]
+    scope.close()
 
 
 class _Landing(threading.local):

@@ -115,9 +115,9 @@ def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stage
         chunks = [c * n_stages + stage for c in range(virtual)]
         want = micro * act * (sum(vs > 0 for vs in chunks) + sum(vs < last for vs in chunks))
         if stage == n_stages - 1:
-            want += micro * wte                             # the head's weight, each micro-batch
+            want += wte                                     # the head's weight, once per step
         if stage == 0:
-            want += micro * wte                             # the head's weight gradient, back
+            want += wte                                     # its gradient summed over the micro-batches, back
         assert got == want, (stage, got, want)
         if kind == "gpipe":
             assert peak == micro
