@@ -12,6 +12,7 @@ bytes than the textbook's count, chosen by cost; the paper's count is then an up
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import Counter
@@ -259,6 +260,52 @@ def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
     for rank in (0, 1):
         mine = [(where, ahead) for r, where, ahead in seen if r == rank]
         assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
+
+
+def _accumulated(stage: int, micro: int, scoped: bool):
+    """One step of `micro` micro-batches (gradient accumulation), optionally inside zero.accumulating()."""
+    p = _mesh((2,))
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(CFG).double(), p, zero_plan(0, 1, reshard_after_forward=stage == 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx, tgt = _tokens(1), _tokens(2)
+    with gt.comm_log() as log:
+        with zero.accumulating() if scoped else contextlib.nullcontext():
+            for xs, ts in zip(idx.tensor_split(micro), tgt.tensor_split(micro)):
+                xs, ts = (gt.to_global(t, p, gt.split(0)) for t in (xs, ts))
+                (model(xs, ts)[1] * (xs.shape[0] / idx.shape[0])).backward()
+    moved = Counter()
+    for e in log.events:
+        moved[e.kind] += e.recv_bytes
+    opt.step()
+    return moved, {k: v.full_tensor() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulating_micro_batches_gathers_and_reduces_zero2_once_per_step(stage):
+    """Gradient accumulation over 4 micro-batches. Inside `zero.accumulating()` a ZeRO-2 module gathers
+    its parameters once and reduce-scatters their summed gradients once (FSDP2's deferred gradient
+    sync): the bytes of one micro-batch's step; ZeRO-3 still gathers and reduces per micro-batch (its
+    memory bound: no full-size gradient kept between micro-batches). Values equal one device either way."""
+    micro = 4
+    torch.manual_seed(0)
+    ref = GPT(CFG).double()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    idx, tgt = _tokens(1), _tokens(2)
+    for xs, ts in zip(idx.tensor_split(micro), tgt.tensor_split(micro)):
+        (ref(xs, ts)[1] * (xs.shape[0] / idx.shape[0])).backward()
+    opt.step()
+    once = gt.launch(_accumulated, 2, args=(stage, 1, False))
+    plain = gt.launch(_accumulated, 2, args=(stage, micro, False))
+    scoped = gt.launch(_accumulated, 2, args=(stage, micro, True))
+    for (one, _), (each, _), (kept, state) in zip(once, plain, scoped):
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
+        assert each["all_gather"] == micro * one["all_gather"]
+        assert each["reduce_scatter"] == micro * one["reduce_scatter"]
+        times = 1 if stage == 2 else micro
+        assert kept["reduce_scatter"] == times * one["reduce_scatter"]
+        assert kept["all_gather"] == times * one["all_gather"]
 
 
 class _Tiny(nn.Module):
