@@ -120,10 +120,10 @@ def reshape_signatures(ctx: Ctx) -> list:
 def reshape_local(func, args, kwargs, where: Local):
     """Local data keeps its order, so reshaping to this rank's output shard shape is the view.
 
-    When a decision is made (on meta shards) the nd layouts are checked too: a split carried by
+    When a decision is made (`where.checking`) the nd layouts are checked too: a split carried by
     `inner_pairs` is right only in some company, which no single axis' signature can see.
     """
-    if args[0].device.type == "meta" and not reshape_keeps_order(where.in_layouts[0], where.out_layouts[0],
+    if where.checking and not reshape_keeps_order(where.in_layouts[0], where.out_layouts[0],
                                                                 tuple(where.ctx.shapes[0]),
                                                                 tuple(where.ctx.out_shapes[0])):
         raise ValueError("reshape: the split does not keep the elements' order on every rank")
