@@ -59,9 +59,10 @@ def _ids(counts: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
 
 def _expert_axis(experts: GlobalTensor) -> int:
     axes = [a for a, s in enumerate(experts.sbp) if isinstance(s, Split) and s.dim == 0]
-    if len(axes) != 1 or any(isinstance(s, Split) and a not in axes for a, s in enumerate(experts.sbp)):
+    if len(axes) != 1 or any(isinstance(s, Partial) for s in experts.sbp):
         raise ValueError(f"by_expert(experts): the expert weight must be split on dim 0 over exactly one mesh axis "
-                         f"(the expert axis) and Broadcast elsewhere; it is {experts.sbp}")
+                         f"(the expert axis), and Broadcast or split on another dim (tensor parallel) elsewhere; "
+                         f"it is {experts.sbp}")
     return axes[0]
 
 
@@ -226,7 +227,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], 
     """x [N, a] expert-major rows (from `by_expert`) -> [N, c]: rows of expert e times w[e] [a, c], plus b[e].
 
     On global tensors x is ragged on the expert axis and w, b split on dim 0 there: each rank runs its
-    own experts on the rows it holds, nothing moves (forward or backward).
+    own experts on the rows it holds, nothing moves. A mesh axis that splits w on another dim is a
+    tensor axis (Megatron, per expert): split on c (column-parallel; x whole there) the output is split
+    on its dim 1 and the input gradient is Partial (its consumer, `by_expert`'s backward, reduces it
+    once); split on a (row-parallel; x split on dim 1 there) the products are Partial and reduced here,
+    once, before the bias is added (otherwise every rank of the axis would add it).
     """
     return _GroupedLinear.apply(x, w, b, routing)
 
@@ -243,10 +248,42 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], per_ex
     return out
 
 
-def _weight_grad_layout(w: GlobalTensor, x: GlobalTensor) -> Layout:
-    """Where the tokens are cut (their rows differ), each rank's weight gradient is one term: Partial."""
-    return Layout(w.placement, tuple(s if isinstance(s, Split) else Partial() if isinstance(t, (Ragged, Split))
-                                     else s for s, t in zip(w.sbp, x.sbp)))
+def _add_bias(out: torch.Tensor, b: torch.Tensor, per_expert: tuple) -> torch.Tensor:
+    start = 0
+    for e, n in enumerate(per_expert):
+        out[start:start + n] += b[e].reshape(1, -1)
+        start += n
+    return out
+
+
+def _param_grad_layout(p: GlobalTensor, x: GlobalTensor) -> Layout:
+    """Where the rows are cut (each rank holds other tokens' rows), each rank's gradient is one term: Partial."""
+    return Layout(p.placement, tuple(s if isinstance(s, Split) else Partial()
+                                     if isinstance(t, (Ragged, Split)) and t.dim == 0 else s
+                                     for s, t in zip(p.sbp, x.sbp)))
+
+
+def _tensor_layouts(x: GlobalTensor, w: GlobalTensor, b: Optional[GlobalTensor]) -> tuple[Layout, Layout, Layout]:
+    """(output's layout before any reduction, after it, input gradient's) from the roles w's split gives each
+    mesh axis: expert (dim 0), column-parallel (dim 2: x whole there), row-parallel (dim 1: x split on
+    its dim 1), or none (Broadcast: x's cut there passes through)."""
+    out, reduced, dx = [], [], []
+    for a, (s, t) in enumerate(zip(w.sbp, x.sbp)):
+        bias = None if b is None else b.sbp[a]
+        if isinstance(s, Split) and s.dim == 2 and isinstance(t, Broadcast) and bias in (None, Split(2)):
+            out.append(Split(1)), reduced.append(Split(1)), dx.append(Partial())
+        elif isinstance(s, Split) and s.dim == 1 and t == Split(1) and bias in (None, Broadcast()):
+            out.append(Partial()), reduced.append(Broadcast()), dx.append(t)
+        elif isinstance(s, Split) and s.dim == 0 and isinstance(t, Ragged) and t.dim == 0 or \
+                isinstance(s, Broadcast) and not isinstance(t, Partial) and not (isinstance(t, Split) and t.dim):
+            out.append(t), reduced.append(t), dx.append(t)
+        else:
+            raise ValueError(f"grouped_linear: on mesh axis {a} the rows are {t!r}, the weight {s!r} and the bias "
+                             f"{bias!r}; expected rows ragged where the weight is S(0) (experts), whole where it is "
+                             "S(2) (column-parallel, bias S(2)), S(1) where it is S(1) (row-parallel, bias B), "
+                             "or a Broadcast weight")
+    p = x.placement
+    return Layout(p, tuple(out)), Layout(p, tuple(reduced)), Layout(p, tuple(dx))
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -257,25 +294,39 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.b_shape = None if b is None else tuple(b.shape)
         if not isinstance(x, GlobalTensor):
             return _grouped(x, w, b, routing.per_expert)
-        if not isinstance(x, RaggedTensor) or x._layout != routing.expert_layout:
+        if not isinstance(x, RaggedTensor) or x._layout.ragged_axes != routing.expert_layout.ragged_axes:
             raise ValueError(f"grouped_linear(x): expected by_expert's rows (ragged {routing.expert_layout.sbp}), got "
                              f"{getattr(x, 'sbp', None)}")
+        out_layout, reduced, dx_layout = _tensor_layouts(x, w, b)
+        ctx.b_layout = None if b is None else b._layout
+        ctx.out_layout, ctx.dx_layout = reduced, dx_layout
         inside = x.placement.coord(context.current().rank) is not None
-        local = _grouped(x._local, w._local, None if b is None else b._local, routing.per_expert) if inside \
-            else x._local.new_empty((0,))
-        return make(local, x._layout, (x.shape[0], w.shape[-1]), x._sizes)
+        late_bias = out_layout != reduced and b is not None
+        local = _grouped(x._local, w._local, None if b is None or late_bias else b._local, routing.per_expert) \
+            if inside else x._local.new_empty((0,))
+        y = make(local, out_layout, (x.shape[0], w.shape[-1]), x._sizes)
+        if out_layout != reduced:      # row-parallel: the one reduction of the Partial products
+            y = convert(y, reduced, x._sizes)
+            if late_bias and inside:
+                _add_bias(y._local, b._local, routing.per_expert)
+        return y
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
         x, w = ctx.saved_tensors
         routing = ctx.routing
         glob = isinstance(x, GlobalTensor)
-        if glob and (gy._layout != x._layout or getattr(gy, "_sizes", None) != x._sizes):
-            gy = _to(gy, x._layout, x._sizes)
+        if glob and (gy._layout != ctx.out_layout or getattr(gy, "_sizes", None) != x._sizes):
+            gy = _to(gy, ctx.out_layout, x._sizes)
         xl, wl, gl = (x._local, w._local, gy._local) if glob else (x, w, gy)
         inside = not glob or x.placement.coord(context.current().rank) is not None
         dx, dw = torch.zeros_like(xl), torch.zeros_like(wl)
-        db = torch.zeros((wl.shape[0],) + ctx.b_shape[1:], dtype=wl.dtype) if ctx.has_bias else None
+        db = None
+        if ctx.has_bias and inside:
+            b_local = ctx.b_shape if not glob else ctx.b_layout.local_shape(ctx.b_shape, context.current().rank)
+            db = wl.new_zeros((wl.shape[0],) + tuple(b_local[1:]))
+        elif ctx.has_bias:
+            db = wl.new_empty((0,))
         if inside:
             start = 0
             for e, n in enumerate(routing.per_expert):
@@ -287,6 +338,6 @@ class _GroupedLinear(torch.autograd.Function):
                 start += n
         if not glob:
             return dx, dw, db, None
-        wlay = _weight_grad_layout(w, x)
-        dbt = None if db is None else GlobalTensor(db if inside else db.new_empty((0,)), wlay, ctx.b_shape)
-        return (make(dx, x._layout, tuple(x.shape), x._sizes), GlobalTensor(dw, wlay, tuple(w.shape)), dbt, None)
+        dbt = None if db is None else GlobalTensor(db, _param_grad_layout(ctx.b_layout, x), ctx.b_shape)
+        return (make(dx, ctx.dx_layout, tuple(x.shape), x._sizes),
+                GlobalTensor(dw, _param_grad_layout(w, x), tuple(w.shape)), dbt, None)

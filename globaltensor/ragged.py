@@ -256,7 +256,8 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
     coord = p.coord(comm.rank)
     local, sbp = x._local, list(x._layout.sbp)
     have = list(getattr(x, "_sizes", None) or (None,) * p.ndim)
-    unknown = [a for a in x._layout.ragged_axes if have[a] is None]
+    kept = [a for a in x._layout.ragged_axes if dst.sbp[a] == x._layout.sbp[a] and sizes[a] == have[a]]
+    unknown = [a for a in x._layout.ragged_axes if have[a] is None and a not in kept]
     if unknown:
         raise ValueError(f"to_global: mesh axis {unknown[0]} of {x._layout.sbp} is ragged with sizes known only inside "
                          "each slice (gt.by_expert's rows on EP x DP); take them back with gt.by_group")
@@ -278,6 +279,13 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
         else:
             sbp[a], have[a] = Split(d), None
     now = Layout(p, tuple(sbp))
+    if now.ragged_axes and now != dst and _boxes_beside(now, dst):
+        if coord is not None:  # every rank of a changing axis' group holds the same rows: box the shards
+            rows = [local.shape[now.sbp[a].dim] if a in now.ragged_axes else None for a in range(p.ndim)]
+            lshape = tuple(next((r for a, r in enumerate(rows) if r is not None and now.sbp[a].dim == d), n)
+                           for d, n in enumerate(shape))
+            local = convert_local(local, _balanced(now), _balanced(dst), lshape, comm)
+        now = dst
     if now.ragged_axes and any(not isinstance(s, Ragged) and s != t for s, t in zip(now.sbp, dst.sbp)):
         raise ValueError(f"to_global: from {x._layout.sbp} to {dst.sbp}: the axes that stay ragged must be the only "
                          "ragged axes; convert the ragged axes first, then the others")
@@ -297,6 +305,15 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
         now = dst
     return make(local if coord is not None else x._local, now, shape,
                 tuple(have) if now.ragged_axes else None)
+
+
+def _boxes_beside(now: Layout, dst: Layout) -> bool:
+    """Ragged axes that stay as they are, and other axes whose change cuts no ragged dim (a tensor-parallel
+    Partial of ragged rows reduced over the tensor axis): ordinary boxing of the shards, with the ragged
+    axes read as Broadcast and the ragged dims at this rank's rows, which its axis group shares."""
+    ragged_dims = {now.sbp[a].dim for a in now.ragged_axes}
+    return all(s == t if isinstance(s, Ragged) or isinstance(t, Ragged) else
+               not (isinstance(t, Split) and t.dim in ragged_dims) for s, t in zip(now.sbp, dst.sbp))
 
 
 def _entry(src: Any, want: Any) -> Any:

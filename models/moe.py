@@ -242,22 +242,26 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, drop
     less); tokens are then Broadcast on the tensor axis. `moe_gpt_plan` adds tensor parallelism for the rest of the model.
 
     `dropless=True` (for `MoEConfig(dropless=True)`): the experts placed, nothing else; the dispatch
-    and combine are `by_expert` / `by_group`, which read the expert axis off the weights' layout.
+    and combine are `by_expert` / `by_group`, which read the expert axis off the weights' layout. With
+    `tensor_axis` the same Megatron split of each expert: `grouped_linear` reads column- and row-parallel
+    off the weights' splits, reduces the second layer's Partial rows once on the tensor axis (forward)
+    and `by_expert`'s backward the first layer's input gradient once; the rows are whole on that axis.
     """
     def on_axes(e, t=Broadcast()):
         return tuple(e if a == expert_axis else t if a == tensor_axis else Broadcast() for a in range(ndim))
 
     def hint(e, t=None):
         return tuple(e if a == expert_axis else t if a == tensor_axis else None for a in range(ndim))
-    if dropless:
-        if tensor_axis is not None:
-            raise ValueError("ep_plan: dropless=True with tensor_axis is not built; give one of them")
+    if tensor_axis is not None and tensor_axis == expert_axis:
+        raise ValueError(f"ep_plan: tensor_axis={tensor_axis} is the expert axis; give another mesh axis")
+    if dropless and tensor_axis is None:
         return {"*experts.*": on_axes(Split(0))}
+    if dropless:
+        return {"*experts.w1": on_axes(Split(0), Split(2)), "*experts.b1": on_axes(Split(0), Split(2)),
+                "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0))}
     if tensor_axis is None:
         return {"*experts.*": on_axes(Split(0)),
                 "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
-    if tensor_axis == expert_axis:
-        raise ValueError(f"ep_plan: tensor_axis={tensor_axis} is the expert axis; give another mesh axis")
     return {"*experts.w1": on_axes(Split(0), Split(2)), "*experts.b1": on_axes(Split(0), Split(2)),
             "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0)),
             "*experts": ModuleLayout(input=hint(Split(0), Broadcast()), input_grad=hint(None, Broadcast()),

@@ -499,7 +499,7 @@ def test_dropless_layer_hypothesis(k, experts, n, batch, group, skew, seed):
     check_dropless_layer(cfg, batch, (n,), seed=seed, skew=skew)
 
 
-def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False):
+def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False, tensor_axis=None):
     """`train`'s loop for a dropless MoEGPT (smaller, for 20 steps): losses, routing, parameters, and
     each step's collectives forward and backward."""
     cfg = _dropless(CFG, top_k=k, n_layer=1, n_embd=8, expert_hidden=16, vocab_size=16)
@@ -509,8 +509,9 @@ def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False):
     idx, tgt = (torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g) for _ in range(2))
     if mesh is not None:
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), zero=zero, dropless=True))
-        idx, tgt = gt.to_global(idx, p, ep_batch(len(mesh))), gt.to_global(tgt, p, ep_batch(len(mesh)))
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero, dropless=True))
+        batch = ep_batch(len(mesh), tensor_axis)
+        idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
     whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, choices, logs = [], [], []
@@ -565,9 +566,92 @@ def test_dropless_model_adamw_20_steps_equals_one_device(dropless_reference, mes
             assert bwd == want_bwd + embedding, (rank, bwd, want_bwd, embedding)
 
 
-def test_dropless_plan_with_tensor_axis_is_named():
+def test_dropless_plan_with_tensor_axis_on_the_expert_axis_is_named():
     with pytest.raises(ValueError, match="tensor_axis"):
-        ep_plan(0, 2, tensor_axis=1, dropless=True)
+        ep_plan(0, 2, tensor_axis=0, dropless=True)
+
+
+def _dropless_layer_step_tp(cfg, batch):
+    layer, x, w = _layer_inputs(cfg, batch, 0, False)
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    gt.to_global(layer, p, ep_plan(0, 2, tensor_axis=1, dropless=True))
+    x = gt.to_global(x, p, ep_batch(2, tensor_axis=1)).requires_grad_(True)
+    w = gt.to_global(w, p, ep_batch(2, tensor_axis=1))
+    with gt.comm_log() as fwd:
+        y, aux = layer(x)
+    with gt.comm_log() as bwd:
+        ((y * w).sum() + aux).backward()
+    grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
+    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
+            y.full_tensor(), x.grad.full_tensor(), grads, layer.last_choice.full_tensor())
+
+
+def tp_rows_bytes(cfg: MoEConfig, choice: torch.Tensor, expert_rank: int, ranks: int) -> int:
+    """The rows the experts of `expert_rank` hold (every group's choices of them), in bytes: what one
+    all-reduce of them on a 2-rank tensor axis receives."""
+    mine = [e for e, r in enumerate(i for i, n in enumerate(_split_sizes(cfg.n_expert, ranks)) for _ in range(n))
+            if r == expert_rank]
+    return int(sum((choice == e).sum() for e in mine)) * cfg.n_embd * 8
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_layer_ep_x_tp_2x2(k):
+    """EP=2 (axis 0) x TP=2 (axis 1: each expert's hidden dim split, w1/b1 column-parallel, w2 row-
+    parallel): values and routing equal one device; forward the count exchange, the dispatch of exactly
+    the routed rows, one all-reduce of the expert rows' Partial products on the tensor axis (Megatron's),
+    the combine; backward the combine's dual, one all-reduce of the first layer's input gradient, the
+    dispatch's dual. Besides those, only the router's backward moves a few hundred bytes on the tensor
+    axis (the dispatcher's own choices for the replicated router, as in the capacity EP x TP layer)."""
+    cfg = _dropless(CFG, top_k=k)
+    before = dict(gt.stats()["fallback"])
+    results = _launch(_dropless_layer_step_tp, 4, cfg, BATCH)
+    assert dict(gt.stats()["fallback"]) == before
+    layer, x, w = _layer_inputs(cfg, BATCH, 0, False)
+    x.requires_grad_(True)
+    y_ref, aux_ref = layer(x)
+    ((y_ref * w).sum() + aux_ref).backward()
+    choice = layer.last_choice
+    probs = BATCH * cfg.block_size * cfg.n_expert * 8
+    for rank, (fwd, bwd, y, xg, grads, got_choice) in enumerate(results):
+        torch.testing.assert_close(y, y_ref.detach(), **TOL)
+        torch.testing.assert_close(xg, x.grad, **TOL)
+        assert torch.equal(got_choice, choice)
+        for name, v in layer.named_parameters():
+            torch.testing.assert_close(grads[name], v.grad, **TOL, msg=name)
+        counts, dispatch, combine = dropless_bytes(cfg, choice, (2,), 0, (rank // 2,))
+        rows = tp_rows_bytes(cfg, choice, rank // 2, 2)
+        assert fwd == [("all_gather", counts), ("all_to_all", dispatch), ("all_reduce", rows),
+                       ("all_to_all", combine)], (rank, fwd)
+        moe = [("all_to_all", dispatch), ("all_reduce", rows), ("all_to_all", combine)]
+        assert bwd[:3] == moe, (rank, bwd)
+        assert all(b <= probs for _, b in bwd[3:]), (rank, bwd)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_model_ep_x_tp_adamw_20_steps_equals_one_device(dropless_reference, k):
+    """20 AdamW steps of a dropless MoEGPT on EP=2 x TP=2 (experts split on E and Megatron-style on their
+    hidden dim, attention and the tied embedding tensor-parallel): losses, every step's routing and the
+    parameters equal one device, nothing falls back; each step's all-to-alls are exactly the routed rows'
+    (dispatch and combine forward, their duals backward), and the expert rows' all-reduces on the tensor
+    axis are one forward and one backward per layer, of exactly the rows the rank's experts hold."""
+    want_losses, want_choices, want_params, _, _, cfg = dropless_reference[k]
+    before = dict(gt.stats()["fallback"])
+    results = _launch(train_dropless, 4, (2, 2), 0, 20, k, False, 1)
+    assert dict(gt.stats()["fallback"]) == before
+    for rank, (losses, choices, params, logs, _, _) in enumerate(results):
+        np.testing.assert_allclose(losses, want_losses, **TOL)
+        for got, ref in zip(choices, want_choices):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        for name, q in params.items():
+            torch.testing.assert_close(q, want_params[name], **TOL, msg=name)
+        for (fwd, bwd), step_choices in zip(logs, want_choices):
+            want_a2a, rows = [], []
+            for choice in step_choices:
+                _, dispatch, combine = dropless_bytes(cfg, choice, (2,), 0, (rank // 2,))
+                want_a2a += [("all_to_all", dispatch), ("all_to_all", combine)]
+                rows.append(("all_reduce", tp_rows_bytes(cfg, choice, rank // 2, 2)))
+            assert [e for e in fwd if e[0] == "all_to_all"] == want_a2a, (rank, fwd)
+            assert all(r in fwd and r in bwd for r in rows), (rank, fwd, bwd, rows)
 
 
 @pytest.mark.gloo
