@@ -29,11 +29,9 @@ import torch
 from ..layout import Layout
 from ..runtime import context
 from ..sbp import Split
-from .registry import Local, aten
+from .registry import Local
 
 SEQ = 2  # q, k, v are [batch, heads, seq, head_dim]
-FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
-BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,8 @@ def _key(*what: Any) -> int:
 
 
 def _visibility(q_box: tuple, k_box: tuple, causal: bool) -> str:
-    """"full", "none" or "diagonal": what query rows q_box[0]... see of key rows k_box[0]... (causal: j <= i)."""
+    """What query rows see of key rows, each a (global start, size) box: "full", "none" or "diagonal"
+    (causal: row i sees key j <= i; q and k share the split, so only a block's own keys are partial)."""
     (qa, qn), (ka, kn) = q_box, k_box
     if qn == 0 or kn == 0:
         return "none"
@@ -113,7 +112,7 @@ def _visibility(q_box: tuple, k_box: tuple, causal: bool) -> str:
 
 
 def _pass_on(comm: Any, ring: Ring, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple],
-             dtype: torch.dtype, step: int) -> Callable[[], dict[str, torch.Tensor]]:
+             dtype: torch.dtype, step: Any) -> Callable[[], dict[str, torch.Tensor]]:
     """Send `tensors` to the next member and receive tensors of `shapes` from the previous one; the
     result waits for both."""
     names = sorted(set(tensors) | set(shapes))
