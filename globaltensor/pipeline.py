@@ -210,21 +210,12 @@ class Pipeline:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
         comm = context.current()
         xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
-        total = x.shape[0]
+        weights = [xi.shape[0] / x.shape[0] for xi in xs]  # each loss's share: the step is one pass over the batch
         mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
         losses: dict[int, torch.Tensor] = {}
-        self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
         fibers: dict[tuple[str, int], Fiber] = {}
-        chunked = self.kind == "interleaved"
-
-        def forward(i: int) -> torch.Tensor:
-            meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
-            with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
-                  else contextlib.nullcontext()):
-                out = self.model(distribute(xs[i], self.input_layout))
-                return self.loss_fn(out, _target_on(ts[i], out, self.target_sbp)) * (xs[i].shape[0] / total)
-
-        held = peak = 0
+        self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
+        held = peak = 0  # chunks whose activations this rank holds (forward run, backward not), and their most
         if self.activations is not None:
             self.activations.watch_parameters()
         old = comm.p2p_tag, comm.p2p_async
@@ -232,31 +223,16 @@ class Pipeline:
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
         try:
-            # a weight kept gathered (the tied head on the last stage) moves once per step each way
-            with accumulating():
+            with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for act, i, c in mine:
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                     comm.p2p_tag = 2 * i + (act == "B")
-                    if not chunked:  # one action runs the micro-batch's whole forward or backward
-                        done, result = True, forward(i) if act == "F" else losses[i].backward()
-                    else:  # one chunk of it: a fiber stops at the next entry into this rank's stage
-                        f = fibers.get((act, i))
-                        if f is None:
-                            f = fibers[(act, i)] = Fiber(partial(forward, i) if act == "F" else losses[i].backward,
-                                                         name=f"gt-pipeline-{act}{i}")
-                        f.resume()
-                        done, result = f.done, f.result
-                        if done != (c == (self.virtual - 1 if act == "F" else 0)):
-                            raise RuntimeError(f"Pipeline: micro-batch {i}'s {'forward' if act == 'F' else 'backward'} "
-                                               f"{'ended' if done else 'went on'} after chunk {c} of {self.virtual} on "
-                                               f"rank {comm.rank}: the model must enter each stage's chunks in the "
-                                               f"plan's order (pp_plan(virtual=))")
+                    run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else losses[i].backward
+                    done, result = self._chunk(fibers, act, i, c, run)
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
-                    if done and act == "F":
-                        losses[i] = result
-                    elif done:
-                        losses[i] = losses[i].detach()
+                    if done:
+                        losses[i] = result if act == "F" else losses[i].detach()
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
         finally:
@@ -264,8 +240,7 @@ class Pipeline:
             comm.flush_sends()
             comm.p2p_wait_s += time.perf_counter() - t0
             comm.p2p_tag, comm.p2p_async = old
-        # the most chunks whose activations this rank held at once (forward run, backward not), in micro-batches
-        self.peak_in_flight = peak if not chunked else peak / self.virtual
+        self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         total = time.perf_counter() - start
         # idle: waiting on other stages (receives, the last sends) and outside any action
         self.bubble = (comm.p2p_wait_s + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
@@ -277,6 +252,34 @@ class Pipeline:
         for i in range(1, self.microbatches):
             loss = loss + losses[i]
         return loss
+
+    @property
+    def chunks(self) -> int:
+        """Chunks of the model each stage runs per micro-batch: its virtual stages when interleaved."""
+        return self.virtual if self.kind == "interleaved" else 1
+
+    def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+        meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
+        with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
+              else contextlib.nullcontext()):
+            out = self.model(distribute(x, self.input_layout))
+            return self.loss_fn(out, _target_on(target, out, self.target_sbp)) * weight
+
+    def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
+        """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
+        it (a fiber that stops at the next entry into this rank's stage). Returns (finished, result)."""
+        if self.chunks == 1:
+            return True, run()
+        f = fibers.get((act, i))
+        if f is None:
+            f = fibers[(act, i)] = Fiber(run, name=f"gt-pipeline-{act}{i}")
+        f.resume()
+        if f.done != (c == (self.chunks - 1 if act == "F" else 0)):
+            raise RuntimeError(f"Pipeline: micro-batch {i}'s {'forward' if act == 'F' else 'backward'} "
+                               f"{'ended' if f.done else 'went on'} after chunk {c} of {self.chunks} on rank "
+                               f"{context.current().rank}: the model must enter each stage's chunks in the "
+                               f"plan's order (pp_plan(virtual=))")
+        return f.done, f.result
 
 
 def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:
