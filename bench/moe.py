@@ -22,9 +22,24 @@ call's time is its slowest rank's):
   experts, and the partial outputs are summed back to each rank's tokens (an all-reduce on gloo, which
   has no reduce-scatter; counted below as the reduce-scatter a bandwidth-optimal backend would run).
 
+Dropless (`MoEConfig(dropless=True)`, every choice computed, the rows ragged per expert), the same
+tokens and weights:
+
+- gt dropless: `ep_plan(0, 1, dropless=True)`: `gt.by_expert` (the count all-gather, one uneven
+  all-to-all of exactly the routed rows), `gt.grouped_linear` twice, `gt.by_group` (the all-to-all
+  back); the backward the two all-to-alls reversed.
+- dropless floor: hand-written Megatron-style on local tensors: sort the rank's k*T choices by expert,
+  count them, exchange the counts (`all_to_all_single` of [E] int64), `all_to_all_single` of the sorted
+  rows with uneven splits, sort the arrivals by local expert, one matmul per local expert (the same
+  loop as `grouped_linear`: `torch._grouped_mm` takes no fp64 and wants 16-byte strides on CPU), the
+  all-to-all back, unsort, gate-weighted sum of each token's k outputs.
+- all-gather dropless (DTensor style): every rank all-gathers all tokens, routes them all, runs its
+  experts on the rows that chose them, and the partial outputs are summed back to each rank's tokens.
+
 Bytes received per rank for forward + backward: gt's counted by `gt.comm_log()`; the others worked
 out from their collectives (all-to-all (n-1)/n of the local part; all-gather and reduce-scatter
-(n-1)/n of the whole token tensor each, forward and again backward).
+(n-1)/n of the whole token tensor each, forward and again backward; the dropless floor's from its
+actual split sizes: the counts, then the routed rows received, twice forward and twice backward).
 """
 from __future__ import annotations
 
@@ -42,8 +57,11 @@ import globaltensor as gt
 from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
 from globaltensor.models.moe import MoE, MoEConfig, capacity, ep_plan, route
 
-IMPLS = ("gt EP", "a2a floor", "all-gather", "gt replicated")
-PAIRS = (("gt EP", "a2a floor"), ("gt EP", "all-gather"), ("gt EP", "gt replicated"), ("a2a floor", "all-gather"))
+IMPLS = ("gt EP", "a2a floor", "all-gather", "gt replicated", "gt dropless", "dropless floor", "all-gather dropless")
+DROPLESS = ("gt dropless", "dropless floor", "all-gather dropless")
+PAIRS = (("gt EP", "a2a floor"), ("gt EP", "all-gather"), ("gt EP", "gt replicated"), ("a2a floor", "all-gather"),
+         ("gt dropless", "dropless floor"), ("gt dropless", "all-gather dropless"), ("gt dropless", "all-gather"),
+         ("gt dropless", "gt EP"), ("dropless floor", "all-gather dropless"))
 
 
 def layer_and_tokens(cfg: MoEConfig, tokens_per_rank: int, n: int, seed: int):
@@ -60,7 +78,7 @@ class GlobalTensorLayer:
         n = dist.get_world_size()
         layer, x, w = layer_and_tokens(cfg, tokens_per_rank, n, seed)
         p = gt.placement("cpu", list(range(n)))
-        self.layer = gt.to_global(layer, p, ep_plan(0, 1) if experts_split else {})
+        self.layer = gt.to_global(layer, p, ep_plan(0, 1, dropless=cfg.dropless) if experts_split else {})
         self.x = gt.to_global(x, p, gt.split(0)).requires_grad_(True)
         self.w = gt.to_global(w, p, gt.split(0))
         self.bytes = 0
@@ -144,7 +162,95 @@ class TorchLayer:
             q.grad = None
 
 
+class TorchDroplessLayer:
+    """Plain tensors on each rank, dropless: the hand-written floor, or the all-gather style."""
+
+    def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
+        self.n, self.r, self.kind, self.cfg = dist.get_world_size(), dist.get_rank(), kind, cfg
+        layer, x, w = layer_and_tokens(cfg, tokens_per_rank, self.n, seed)
+        ge = cfg.n_expert // self.n
+        self.first = self.r * ge
+        mine = slice(self.first, self.first + ge)
+        ex = layer.experts
+        self.gate = layer.gate.weight.detach().clone().requires_grad_(True)
+        self.w1, self.b1, self.w2, self.b2 = (t.detach()[mine].clone().requires_grad_(True)
+                                              for t in (ex.w1, ex.b1, ex.w2, ex.b2))
+        g_r = x.shape[0] // self.n
+        self.x = x[self.r * g_r:(self.r + 1) * g_r].clone().requires_grad_(True)
+        self.w = w[self.r * g_r:(self.r + 1) * g_r].clone()
+        self.item = x.element_size()
+        self.bytes = 0
+        if kind == "all-gather dropless":  # all-gather + reduce-scatter of [G, S, d] forward, and again backward
+            self.bytes = 4 * (self.n - 1) * x.numel() * self.item // self.n
+
+    def routed(self, tokens: torch.Tensor):
+        """Top-k of every token: (gates [T*k], experts [T*k], aux), choice j of token i at i*k + j."""
+        cfg = self.cfg
+        probs = (tokens @ self.gate.t()).softmax(-1)                                   # [G, S, E]
+        top_p, top_i = probs.topk(cfg.top_k, dim=-1)
+        if cfg.normalize_top_k and cfg.top_k > 1:
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+        e = cfg.n_expert
+        aux = (torch.nn.functional.one_hot(probs.argmax(-1), e).to(probs.dtype).mean(1) * probs.mean(1)).sum(-1)
+        return top_p.reshape(-1), top_i.reshape(-1), aux.sum() * e
+
+    def experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
+        """One matmul per local expert on its contiguous rows (as `gt.grouped_linear`), both layers."""
+        outs, start = [], 0
+        for e, m in enumerate(per_expert):
+            h = torch.nn.functional.gelu(torch.addmm(self.b1[e], rows[start:start + m], self.w1[e]))
+            outs.append(torch.addmm(self.b2[e], h, self.w2[e]))
+            start += m
+        return torch.cat(outs)
+
+    def step(self) -> None:
+        n, k, e = self.n, self.cfg.top_k, self.cfg.n_expert
+        tokens = self.x if self.kind == "dropless floor" else torch.cat(dnn.all_gather(self.x))
+        d = tokens.shape[-1]
+        flat = tokens.reshape(-1, d)
+        gates, ids, aux = self.routed(tokens)
+        if self.kind == "dropless floor":
+            order = torch.argsort(ids, stable=True)                                    # the rank's choices by expert
+            counts = torch.bincount(ids, minlength=e)                                  # [E]
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts)                                        # the count exchange
+            ge = e // n
+            send = counts.reshape(n, ge).sum(1).tolist()
+            recv_counts = got.reshape(n, ge)                                           # [sender, local expert]
+            recv = recv_counts.sum(1).tolist()
+            rows = flat[order // k]
+            arrived = dnn.all_to_all_single(rows.new_empty((sum(recv), d)), rows, recv, send)
+            local_ids = torch.arange(ge).repeat(n).repeat_interleave(recv_counts.reshape(-1))
+            by_expert = torch.argsort(local_ids, stable=True)                          # (sender, e) -> (e, sender)
+            out = self.experts(arrived[by_expert], recv_counts.sum(0).tolist())
+            back = out[torch.argsort(by_expert)]                                        # back to (sender, e)
+            home = dnn.all_to_all_single(back.new_empty((sum(send), d)), back, send, recv)
+            y = home[torch.argsort(order)] * gates.unsqueeze(-1)                       # choices in token order
+            y = y.reshape(-1, k, d).sum(1).reshape(self.x.shape)
+            own = counts[self.first:self.first + ge].sum().item()
+            self.bytes = (e * (n - 1) // n * counts.element_size()
+                          + 2 * (sum(recv) - own + sum(send) - own) * d * self.item)
+        else:
+            mine = (ids >= self.first) & (ids < self.first + e // n)
+            sel = torch.nonzero(mine).squeeze(1)
+            sel = sel[torch.argsort(ids[sel], stable=True)]
+            out = self.experts(flat[sel // k], torch.bincount(ids[sel] - self.first, minlength=e // n).tolist())
+            y = torch.zeros_like(flat).index_add(0, sel // k, out * gates[sel].unsqueeze(-1))
+            g_r = self.x.shape[0]
+            y = dnn.all_reduce(y.reshape(tokens.shape))[self.r * g_r:(self.r + 1) * g_r]   # sum, my tokens
+        self.y = y.detach()
+        ((y * self.w).sum() + aux / n).backward()
+        self.x.grad = None
+        for q in (self.gate, self.w1, self.b1, self.w2, self.b2):
+            q.grad = None
+
+
 def build(impl: str, cfg: MoEConfig, tokens: int, seed: int):
+    dropless = MoEConfig(**{**cfg.__dict__, "dropless": True})
+    if impl == "gt dropless":
+        return GlobalTensorLayer(dropless, tokens, seed, experts_split=True)
+    if impl in DROPLESS:
+        return TorchDroplessLayer(dropless, tokens, seed, impl)
     if impl.startswith("gt"):
         return GlobalTensorLayer(cfg, tokens, seed, experts_split=impl == "gt EP")
     return TorchLayer(cfg, tokens, seed, impl)
@@ -156,7 +262,8 @@ def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, thread
     layers = {k: build(k, cfg, tokens, seed) for k in IMPLS}
     for t in layers.values():
         t.step()
-    diffs = {k: (t.y - layers["gt EP"].y).abs().max().item() for k, t in layers.items()}  # the same layer?
+    same = lambda k: layers["gt dropless" if k in DROPLESS else "gt EP"].y  # noqa: E731  (the same layer?)
+    diffs = {k: (t.y - same(k)).abs().max().item() for k, t in layers.items()}
     times = interleaved_times({k: t.step for k, t in layers.items()}, reps, warmup)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, diffs)
@@ -169,15 +276,17 @@ def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, thread
 def report(results: list[dict], args) -> str:
     lines = [f"One MoE layer, forward + backward, on {args.ranks} gloo processes ({platform.node()}, "
              f"{os.cpu_count()} CPUs, torch {torch.__version__}), fp32, top-2, capacity factor "
-             f"{args.factor}, d = {args.d}, expert hidden {args.hidden}, {args.tokens} tokens per rank in groups "
+             f"{args.factor} (and dropless), d = {args.d}, expert hidden {args.hidden}, {args.tokens} tokens per rank in groups "
              f"of {args.group}; medians of {args.reps} interleaved calls after {args.warmup + 1} warm-up; ratios: "
              "medians of per-call ratios with ~95% intervals", ""]
     for res in results:
         t = res["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
         diff = max(res["max_output_difference"].values())
-        lines += [f"**E = {res['experts']}** (outputs agree to {diff:.1e}; dispatched [E, G, C, d] per rank: {res['dispatched']:,} bytes; "
-                  f"ideal all-to-all bytes per rank, 2 forward + 2 backward: {res['ideal']:,})", "",
+        lines += [f"**E = {res['experts']}** (outputs agree to {diff:.1e}, each with its own kind's gt layer; "
+                  f"dispatched [E, G, C, d] per rank: {res['dispatched']:,} bytes; capacity's ideal all-to-all bytes "
+                  f"per rank, 2 forward + 2 backward: {res['ideal']:,}; dropless: the routed rows' bytes are the "
+                  f"dropless floor's (rank 0's counts and rows, 2 forward + 2 backward))", "",
                   "| implementation | ms | bytes recv/rank |", "|---|---|---|"]
         for k in IMPLS:
             lines.append(f"| {k} | {med[k] * 1e3:.1f} | {res['bytes'][k]:,} |")

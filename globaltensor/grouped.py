@@ -242,8 +242,8 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], per_ex
     out = x.new_empty((x.shape[0], w.shape[-1]))
     start = 0
     for e, n in enumerate(per_expert):
-        rows = x[start:start + n]
-        out[start:start + n] = rows @ w[e] if b is None else torch.addmm(b[e].reshape(1, -1), rows, w[e])
+        rows, into = x[start:start + n], out[start:start + n]   # written in place: no copy of each product
+        torch.mm(rows, w[e], out=into) if b is None else torch.addmm(b[e].reshape(1, -1), rows, w[e], out=into)
         start += n
     return out
 
@@ -320,7 +320,7 @@ class _GroupedLinear(torch.autograd.Function):
             gy = _to(gy, ctx.out_layout, x._sizes)
         xl, wl, gl = (x._local, w._local, gy._local) if glob else (x, w, gy)
         inside = not glob or x.placement.coord(context.current().rank) is not None
-        dx, dw = torch.zeros_like(xl), torch.zeros_like(wl)
+        dx, dw = torch.empty_like(xl), torch.empty_like(wl)
         db = None
         if ctx.has_bias and inside:
             b_local = ctx.b_shape if not glob else ctx.b_layout.local_shape(ctx.b_shape, context.current().rank)
@@ -331,11 +331,13 @@ class _GroupedLinear(torch.autograd.Function):
             start = 0
             for e, n in enumerate(routing.per_expert):
                 rows, g = xl[start:start + n], gl[start:start + n]
-                dx[start:start + n] = g @ wl[e].T
-                dw[e] = rows.T @ g
+                torch.mm(g, wl[e].T, out=dx[start:start + n])
+                torch.mm(rows.T, g, out=dw[e])     # an expert without rows: zeros
                 if db is not None:
-                    db[e] = g.sum(0).reshape(db.shape[1:])
+                    torch.sum(g, 0, out=db[e].view(-1))
                 start += n
+        else:
+            dx.zero_(), dw.zero_()
         if not glob:
             return dx, dw, db, None
         dbt = None if db is None else GlobalTensor(db, _param_grad_layout(ctx.b_layout, x), ctx.b_shape)
