@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from . import context
 from .dist import TorchDistCommunicator
-from .failure import RankError, default_timeout, raise_rank_failure
+from .failure import CollectiveError, RankError, default_timeout, raise_rank_failure
 from .sim import SimCommunicator, SimWorld
 
 BACKENDS = ("sim", "gloo", "nccl")
@@ -125,7 +125,10 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks sharing a machine must not oversubscribe it
         torch.set_num_threads(1)
     try:
-        comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
+        try:
+            comm = TorchDistCommunicator.init(backend, rank, world_size, f"file://{init_file}", timeout)
+        except RuntimeError as e:  # a peer that failed (or exited) early closes its connections under us
+            raise CollectiveError(f"rank {rank} could not join the {backend} process group: {e}") from e
         comm.watch_collectives(functools.partial(_fail_stuck, rank, results))
         context.set_process(comm)
         out = pickle.dumps(fn(*args))  # plain bytes: shared-memory tensors would die with this process
