@@ -303,7 +303,13 @@ def test_pipeline_bad_input():
         chunked = gt.to_global(GPT(_cfg(4)).double(), stages[0], pp_plan(stages, 4, virtual=2))
         with pytest.raises(ValueError, match="microbatches"):
             gt.Pipeline(chunked, microbatches=3, schedule="interleaved", loss_fn=loss_fn)
-    gt.launch(run, 2)
+        with pytest.raises(ValueError, match="interleaved"):  # 1F1B would deadlock on a looping plan
+            gt.Pipeline(chunked, microbatches=2, schedule="1f1b", loss_fn=loss_fn)
+        wide = [gt.placement("cpu", [[0, 1]]), gt.placement("cpu", [[2, 3]])]
+        zero = gt.to_global(GPT(_cfg(4)).double(), wide[0], pp_plan(wide, 4, zero_plan(1, 2), virtual=2))
+        with pytest.raises(NotImplementedError, match="ZeRO"):
+            gt.Pipeline(zero, microbatches=2, schedule="interleaved", loss_fn=loss_fn)
+    gt.launch(run, 4)
 
 
 @pytest.mark.gloo
