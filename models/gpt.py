@@ -73,19 +73,22 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    block: type = Block                     # the layer (models/moe.py's MoEGPT: MoE blocks)
+    scaled_init: str = "proj.weight"        # GPT-2's residual projections, drawn smaller ("": none)
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # tied
         self.apply(self._init)
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if self.scaled_init and name.endswith(self.scaled_init):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -96,11 +99,17 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        b, t = idx.shape
-        pos = torch.arange(t, dtype=torch.long, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
+        return self.output(x, targets)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], dtype=torch.long, device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None):
+        """logits, or (logits, cross-entropy) with targets."""
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

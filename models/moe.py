@@ -33,19 +33,13 @@ import torch.nn.functional as F
 from ..grouped import by_expert, by_group, grouped_linear
 from ..module import ModuleLayout
 from ..sbp import Broadcast, Split
-from .gpt import CausalSelfAttention, tp_plan
+from .gpt import GPT, CausalSelfAttention, GPTConfig, tp_plan
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(GPTConfig):
     """nanoGPT's sizes plus the MoE layer's: E experts of hidden size `expert_hidden`, top-k routing
     with a capacity factor, routing groups of `group_size` tokens, the aux loss's weight."""
-    vocab_size: int = 64
-    block_size: int = 16
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 32
-    dropout: float = 0.0
     n_expert: int = 4
     expert_hidden: int = 64
     top_k: int = 2
@@ -191,37 +185,23 @@ class MoEBlock(nn.Module):
         return x + y, aux
 
 
-class MoEGPT(nn.Module):
-    """nanoGPT's shape with every MLP an MoE layer; the loss adds aux_loss_coef x the layers' aux losses."""
+class MoEGPT(GPT):
+    """nanoGPT's shape with every MLP an MoE layer; the loss adds aux_loss_coef x the layers' aux losses.
 
-    def __init__(self, cfg: MoEConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, 0.0, 0.02)
-                if isinstance(m, nn.Linear) and m.bias is not None:
-                    nn.init.zeros_(m.bias)
+    GPT's embeddings, tied head and initialisation, except that the attention's output projections keep
+    the plain 0.02 (the experts' second layer is drawn smaller in `Experts` instead)."""
+    block = MoEBlock
+    scaled_init = ""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        b, t = idx.shape
-        pos = torch.arange(t, dtype=torch.long, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        auxes = []
+        x, auxes = self.embed(idx), []
         for block in self.blocks:
             x, a = block(x)
             auxes.append(a)
         aux = torch.stack(auxes).sum()  # not 0.0 + ...: a constant added to a Partial sum forces its reduction
-        logits = self.head(self.ln_f(x))
         if targets is None:
-            return logits
-        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+            return self.output(x, None)
+        logits, ce = self.output(x, targets)
         return logits, ce + self.cfg.aux_loss_coef * aux
 
 
