@@ -312,14 +312,30 @@ class _StageForward:
                 m.__dict__.get("_gt_layout_hooks") for m in self.module.modules())
         return self.plain
 
+    def _side(self, args: tuple, kwargs: dict) -> Optional[bool]:
+        """In a pipeline fiber, whether this rank receives (True) or sends (False) the inputs here; None
+        where nothing crosses to or from it (or outside a fiber)."""
+        if not fiber.in_fiber():
+            return None
+        rank = context.current().rank
+        inside = rank in self.placement
+        if any(isinstance(t, GlobalTensor) and t.placement != self.placement and (inside or rank in t.placement)
+               for t in _tensors((args, kwargs))):
+            return inside
+        return None
+
+    def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook, run before the module's other hooks (a ZeRO gather, a boundary's conversion,
+        which belong to the chunk): a pipeline fiber entering this rank's chunk may stop here, its
+        schedule running the chunk later."""
+        side = self._side(args, kwargs)
+        if side is not None:
+            fiber.cross(entering=side)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rank = context.current().rank
         inside = rank in self.placement
-        side = None  # in a pipeline fiber: whether this rank receives (True) or sends (False) here
-        if fiber.in_fiber() and any(isinstance(t, GlobalTensor) and t.placement != self.placement and
-                                    (inside or rank in t.placement) for t in _tensors((args, kwargs))):
-            side = inside
-            fiber.cross(entering=inside)  # may stop here: the schedule runs this chunk later
+        side = self._side(args, kwargs)  # marks the crossing for the backward's stops
         args, kwargs = _moved(args, self.placement, side), _moved(kwargs, self.placement, side)
         forward = type(self.module).forward
         if inside:
@@ -557,14 +573,16 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                         done[id(t)].register_post_accumulate_grad_hook(_defer_grad_reduction)
                 table[name] = done[id(t)]
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
-        for handle in mod.__dict__.pop("_gt_layout_hooks", ()):
+        for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
         if isinstance(mod.__dict__.get("forward"), _StageForward):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
     stages = _stage_hooks(module, groups)
     for mod, where in stages.items():
-        mod.__dict__["forward"] = _StageForward(mod, where)
+        stage = mod.__dict__["forward"] = _StageForward(mod, where)
+        mod.__dict__["_gt_stage_hooks"] = (mod.register_forward_pre_hook(stage.enter, prepend=True,
+                                                                         with_kwargs=True),)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []
