@@ -94,14 +94,16 @@ class GlobalTensorLayer:
             q.grad = None
 
 
-class TorchLayer:
-    """Plain tensors on each rank: the hand-written all-to-all floor, or the all-gather style."""
+class LocalShards:
+    """The layer's weights and tokens as one rank of a hand-written implementation holds them: the
+    router whole, its E/n experts, its G/n groups."""
 
     def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
         self.n, self.r, self.kind, self.cfg = dist.get_world_size(), dist.get_rank(), kind, cfg
         layer, x, w = layer_and_tokens(cfg, tokens_per_rank, self.n, seed)
         ge = cfg.n_expert // self.n
-        mine = slice(self.r * ge, (self.r + 1) * ge)
+        self.first = self.r * ge
+        mine = slice(self.first, self.first + ge)
         ex = layer.experts
         self.gate = layer.gate.weight.detach().clone().requires_grad_(True)
         self.w1, self.b1, self.w2, self.b2 = (t.detach()[mine].clone().requires_grad_(True)
@@ -109,13 +111,29 @@ class TorchLayer:
         g_r = x.shape[0] // self.n
         self.x = x[self.r * g_r:(self.r + 1) * g_r].clone().requires_grad_(True)
         self.w = w[self.r * g_r:(self.r + 1) * g_r].clone()
-        self.full = x.clone().requires_grad_(True) if kind == "all-gather" else None
+        self.numel, self.item = x.numel(), x.element_size()
+
+    def backward(self, y: torch.Tensor, aux: torch.Tensor) -> None:
+        """The same loss as the gt layers' (the aux loss of the local groups: the global mean's scale
+        does not change the time), its backward, and the gradients dropped."""
+        self.y = y.detach()
+        ((y * self.w).sum() + aux / self.n).backward()
+        self.x.grad = None
+        for q in (self.gate, self.w1, self.b1, self.w2, self.b2):
+            q.grad = None
+
+
+class TorchLayer(LocalShards):
+    """Plain tensors on each rank: the hand-written all-to-all floor, or the all-gather style."""
+
+    def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
+        super().__init__(cfg, tokens_per_rank, seed, kind)
+        g_r, x, item = self.x.shape[0], self.x, self.item
         c = capacity(cfg, cfg.block_size)
-        item = x.element_size()
         if kind == "a2a floor":   # [E, G/n, C, d] local, (n-1)/n of it per all-to-all, 2 forward + 2 backward
             self.bytes = 4 * (self.n - 1) * cfg.n_expert * g_r * c * cfg.n_embd * item // self.n
         else:                     # all-gather + reduce-scatter of [G, S, d] forward, and again backward
-            self.bytes = 4 * (self.n - 1) * x.numel() * item // self.n
+            self.bytes = 4 * (self.n - 1) * self.numel * item // self.n
 
     def experts(self, h: torch.Tensor) -> torch.Tensor:
         e, g, c, d = h.shape
@@ -141,10 +159,6 @@ class TorchLayer:
             out = self.experts(h).reshape(e // n, n, g_r, c, d).transpose(0, 1).contiguous().reshape(send.shape)
             back = dnn.all_to_all_single(torch.empty_like(out), out)                   # [E, G/n, C, d]
             y = torch.einsum("gsec,egcd->gsd", combine, back)
-            self.y = y.detach()
-            # the aux loss of the local groups; the global mean's scale does not change the time
-            ((y * self.w).sum() + aux / n).backward()
-            self.x.grad = None
         else:
             parts = dnn.all_gather(self.x)                                              # every token everywhere
             tokens = torch.cat(parts)
@@ -155,33 +169,17 @@ class TorchLayer:
             y = torch.einsum("gsec,egcd->gsd", combine[:, :, mine], self.experts(h))   # partial: my experts
             g_r = self.x.shape[0]
             y = dnn.all_reduce(y)[r * g_r:(r + 1) * g_r]                                # sum, my tokens
-            self.y = y.detach()
-            ((y * self.w).sum() + aux / n).backward()
-            self.x.grad = None
-        for q in (self.gate, self.w1, self.b1, self.w2, self.b2):
-            q.grad = None
+        self.backward(y, aux)
 
 
-class TorchDroplessLayer:
+class TorchDroplessLayer(LocalShards):
     """Plain tensors on each rank, dropless: the hand-written floor, or the all-gather style."""
 
     def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
-        self.n, self.r, self.kind, self.cfg = dist.get_world_size(), dist.get_rank(), kind, cfg
-        layer, x, w = layer_and_tokens(cfg, tokens_per_rank, self.n, seed)
-        ge = cfg.n_expert // self.n
-        self.first = self.r * ge
-        mine = slice(self.first, self.first + ge)
-        ex = layer.experts
-        self.gate = layer.gate.weight.detach().clone().requires_grad_(True)
-        self.w1, self.b1, self.w2, self.b2 = (t.detach()[mine].clone().requires_grad_(True)
-                                              for t in (ex.w1, ex.b1, ex.w2, ex.b2))
-        g_r = x.shape[0] // self.n
-        self.x = x[self.r * g_r:(self.r + 1) * g_r].clone().requires_grad_(True)
-        self.w = w[self.r * g_r:(self.r + 1) * g_r].clone()
-        self.item = x.element_size()
-        self.bytes = 0
+        super().__init__(cfg, tokens_per_rank, seed, kind)
+        self.bytes = 0            # the floor's: from its split sizes, each step
         if kind == "all-gather dropless":  # all-gather + reduce-scatter of [G, S, d] forward, and again backward
-            self.bytes = 4 * (self.n - 1) * x.numel() * self.item // self.n
+            self.bytes = 4 * (self.n - 1) * self.numel * self.item // self.n
 
     def routed(self, tokens: torch.Tensor):
         """Top-k of every token: (gates [T*k], experts [T*k], aux), choice j of token i at i*k + j."""
@@ -238,11 +236,7 @@ class TorchDroplessLayer:
             y = torch.zeros_like(flat).index_add(0, sel // k, out * gates[sel].unsqueeze(-1))
             g_r = self.x.shape[0]
             y = dnn.all_reduce(y.reshape(tokens.shape))[self.r * g_r:(self.r + 1) * g_r]   # sum, my tokens
-        self.y = y.detach()
-        ((y * self.w).sum() + aux / n).backward()
-        self.x.grad = None
-        for q in (self.gate, self.w1, self.b1, self.w2, self.b2):
-            q.grad = None
+        self.backward(y, aux)
 
 
 def build(impl: str, cfg: MoEConfig, tokens: int, seed: int):

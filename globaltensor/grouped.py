@@ -18,6 +18,11 @@ expert (`torch._grouped_mm` takes no float64 and wants 16-byte strides on CPU in
 is exact, as the tests need). `by_group` is the same path reversed, and each one's backward is the
 other's forward: the backward moves exactly the routed rows' gradients, and no counts.
 
+A mesh axis that splits the expert weights on another dim is a tensor axis (EP x TP, Megatron per
+expert): the rows are whole there, `grouped_linear` reads column- or row-parallel off the weight's
+split, and the two Partial results each direction has (the second layer's products, the first
+layer's input gradient) are reduced once on that axis.
+
 Mesh axes other than the expert axis that also split the groups (EP x DP) make independent slices:
 each slice routes its own tokens, the expert-side rows are ragged on those axes too with sizes known
 only inside the slice (None), so such a tensor converts only back through `by_group`.

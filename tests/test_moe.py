@@ -145,9 +145,10 @@ def test_layer_ep_x_dp_2x2():
 
 
 def _layer_step_tp(cfg, batch):
+    """One layer on EP=2 (axis 0) x TP=2 (axis 1): collectives forward and backward, values, routing."""
     layer, x, w = _layer_inputs(cfg, batch, 0, False)
     p = gt.placement("cpu", [[0, 1], [2, 3]])
-    gt.to_global(layer, p, ep_plan(0, 2, tensor_axis=1))
+    gt.to_global(layer, p, ep_plan(0, 2, tensor_axis=1, dropless=cfg.dropless))
     x = gt.to_global(x, p, ep_batch(2, tensor_axis=1)).requires_grad_(True)
     w = gt.to_global(w, p, ep_batch(2, tensor_axis=1))
     with gt.comm_log() as fwd:
@@ -155,7 +156,9 @@ def _layer_step_tp(cfg, batch):
     with gt.comm_log() as bwd:
         ((y * w).sum() + aux).backward()
     grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
-    return fwd.recv_bytes, bwd.recv_bytes, y.full_tensor(), x.grad.full_tensor(), grads
+    choice = layer.last_choice.full_tensor() if cfg.dropless else None
+    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
+            y.full_tensor(), x.grad.full_tensor(), grads, choice)
 
 
 def test_layer_ep_x_tp_2x2():
@@ -170,11 +173,12 @@ def test_layer_ep_x_tp_2x2():
     dispatch, combine = ideal_all_to_all(CFG, BATCH, CFG.block_size, 2)[0]
     local = CFG.n_expert // 2 * BATCH * capacity(CFG, CFG.block_size) * CFG.n_embd * 8
     bound = dispatch + combine + local        # an all-reduce on 2 ranks receives the tensor once
-    for fwd, bwd, y, xg, grads in results:
+    for fwd, bwd, y, xg, grads, _ in results:
         torch.testing.assert_close(y, y_ref, **TOL)
         torch.testing.assert_close(xg, xg_ref, **TOL)
         for k, g in grads.items():
             torch.testing.assert_close(g, g_ref[k], **TOL, msg=k)
+        fwd, bwd = sum(b for _, b in fwd), sum(b for _, b in bwd)
         assert fwd <= bound and bwd <= bound, (fwd, bwd, bound)
 
 
@@ -271,9 +275,17 @@ def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None, zero=False):
         gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero))
         batch = ep_batch(len(mesh), tensor_axis)
         idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
+    return adamw_steps(model, idx, tgt, steps, "last_kept", mesh is not None)
+
+
+def adamw_steps(model: MoEGPT, idx, tgt, steps: int, decisions: str, placed: bool) -> tuple:
+    """AdamW steps: each step's loss, the MoE layers' routing decisions (attribute `decisions`) and
+    collectives forward and backward, then the parameters, and what the token embedding's backward
+    moves alone (`embedding_backward_events`)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, kept, logs = [], [], []
-    embedding = embedding_backward_events(model.wte, idx) if mesh is not None else []
+    whole = (lambda t: t.full_tensor()) if placed else (lambda t: t)  # noqa: E731
+    losses, routing, logs = [], [], []
+    embedding = embedding_backward_events(model.wte, idx) if placed else []
     for _ in range(steps):
         with gt.comm_log() as fwd:
             _, loss = model(idx, tgt)
@@ -282,11 +294,20 @@ def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None, zero=False):
             loss.backward()
         opt.step()
         logs.append(([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events]))
-        whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
         losses.append(whole(loss).item())
-        kept.append([whole(b.moe.last_kept) for b in model.blocks])
-    params = {n: (p.full_tensor() if mesh else p).detach() for n, p in model.named_parameters()}
-    return losses, kept, params, logs, embedding
+        routing.append([whole(getattr(b.moe, decisions)) for b in model.blocks])
+    params = {n: whole(q).detach() for n, q in model.named_parameters()}
+    return losses, routing, params, logs, embedding
+
+
+def assert_same_training(losses: list, routing: list, params: dict, want_losses: list, want_routing: list,
+                         want_params: dict) -> None:
+    """Losses and parameters equal to fp64 1e-10, every step's routing decisions exactly."""
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    for got, ref in zip(routing, want_routing):
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    for name, q in params.items():
+        torch.testing.assert_close(q, want_params[name], **TOL, msg=name)
 
 
 def embedding_backward_events(wte: torch.nn.Embedding, idx: torch.Tensor) -> list:
@@ -311,11 +332,7 @@ def test_model_adamw_equals_one_device(reference, mesh, expert_axis):
     results = _launch(train, int(np.prod(mesh)), mesh, expert_axis)
     assert dict(gt.stats()["fallback"]) == before
     for rank, (losses, kept, params, logs, embedding) in enumerate(results):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(kept, want_kept):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, p in params.items():
-            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
         check_model_bytes(mesh, expert_axis, rank, logs, embedding)
 
 
@@ -339,11 +356,7 @@ def test_model_ep_x_tp_2x2(reference):
     want_losses, want_kept, want_params, *_ = reference
     before = dict(gt.stats()["fallback"])
     for losses, kept, params, *_ in _launch(train, 4, (2, 2), 0, STEPS, 1):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(kept, want_kept):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, p in params.items():
-            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
     assert dict(gt.stats()["fallback"]) == before
 
 
@@ -361,11 +374,7 @@ def test_model_ep_with_zero3(reference, mesh, expert_axis):
     want = ideal_all_to_all(CFG, BATCH // (n // m), CFG.block_size, m)
     experts_bytes = sum(q.numel() for q in MoE(CFG).experts.parameters()) * 8 // m
     for rank, (losses, kept, params, logs, _) in enumerate(results):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(kept, want_kept):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, p in params.items():
-            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
         for fwd, bwd in logs:
             assert [e for e in fwd if e[0] == "all_to_all"] == [("all_to_all", b) for b in want[rank % m]] * 2
             assert all(b < experts_bytes for k, b in fwd + bwd if k == "all_gather"), (fwd, bwd)
@@ -375,11 +384,7 @@ def test_model_ep_with_zero3(reference, mesh, expert_axis):
 def test_model_ep4_under_gloo_processes():
     want_losses, want_kept, want_params, *_ = train(steps=2)
     for rank, (losses, kept, params, logs, embedding) in enumerate(_launch(train, 4, (4,), 0, 2, backend="gloo")):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(kept, want_kept):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, p in params.items():
-            torch.testing.assert_close(p, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
         check_model_bytes((4,), 0, rank, logs, embedding)
 
 
@@ -512,22 +517,7 @@ def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False, tensor_a
         gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero, dropless=True))
         batch = ep_batch(len(mesh), tensor_axis)
         idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
-    whole = (lambda t: t.full_tensor()) if mesh else (lambda t: t)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, choices, logs = [], [], []
-    embedding = embedding_backward_events(model.wte, idx) if mesh is not None else []
-    for _ in range(steps):
-        with gt.comm_log() as fwd:
-            _, loss = model(idx, tgt)
-        opt.zero_grad()
-        with gt.comm_log() as bwd:
-            loss.backward()
-        opt.step()
-        logs.append(([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events]))
-        losses.append(whole(loss).item())
-        choices.append([whole(b.moe.last_choice) for b in model.blocks])
-    params = {n: whole(q).detach() for n, q in model.named_parameters()}
-    return losses, choices, params, logs, embedding, cfg
+    return adamw_steps(model, idx, tgt, steps, "last_choice", mesh is not None) + (cfg,)
 
 
 @pytest.fixture(scope="module")
@@ -548,11 +538,7 @@ def test_dropless_model_adamw_20_steps_equals_one_device(dropless_reference, mes
     results = _launch(train_dropless, n, mesh, expert_axis, 20, k)
     assert dict(gt.stats()["fallback"]) == before
     for rank, (losses, choices, params, logs, embedding, _) in enumerate(results):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(choices, want_choices):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, q in params.items():
-            torch.testing.assert_close(q, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, choices, params, want_losses, want_choices, want_params)
         coord = tuple(np.argwhere(np.arange(n).reshape(mesh) == rank)[0])
         for (fwd, bwd), step_choices in zip(logs, want_choices):
             want_fwd, want_bwd = [], []
@@ -569,21 +555,6 @@ def test_dropless_model_adamw_20_steps_equals_one_device(dropless_reference, mes
 def test_dropless_plan_with_tensor_axis_on_the_expert_axis_is_named():
     with pytest.raises(ValueError, match="tensor_axis"):
         ep_plan(0, 2, tensor_axis=0, dropless=True)
-
-
-def _dropless_layer_step_tp(cfg, batch):
-    layer, x, w = _layer_inputs(cfg, batch, 0, False)
-    p = gt.placement("cpu", [[0, 1], [2, 3]])
-    gt.to_global(layer, p, ep_plan(0, 2, tensor_axis=1, dropless=True))
-    x = gt.to_global(x, p, ep_batch(2, tensor_axis=1)).requires_grad_(True)
-    w = gt.to_global(w, p, ep_batch(2, tensor_axis=1))
-    with gt.comm_log() as fwd:
-        y, aux = layer(x)
-    with gt.comm_log() as bwd:
-        ((y * w).sum() + aux).backward()
-    grads = {k: v.grad.full_tensor() for k, v in layer.named_parameters()}
-    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
-            y.full_tensor(), x.grad.full_tensor(), grads, layer.last_choice.full_tensor())
 
 
 def tp_rows_bytes(cfg: MoEConfig, choice: torch.Tensor, expert_rank: int, ranks: int) -> int:
@@ -604,7 +575,7 @@ def test_dropless_layer_ep_x_tp_2x2(k):
     axis (the dispatcher's own choices for the replicated router, as in the capacity EP x TP layer)."""
     cfg = _dropless(CFG, top_k=k)
     before = dict(gt.stats()["fallback"])
-    results = _launch(_dropless_layer_step_tp, 4, cfg, BATCH)
+    results = _launch(_layer_step_tp, 4, cfg, BATCH)
     assert dict(gt.stats()["fallback"]) == before
     layer, x, w = _layer_inputs(cfg, BATCH, 0, False)
     x.requires_grad_(True)
@@ -639,11 +610,7 @@ def test_dropless_model_ep_x_tp_adamw_20_steps_equals_one_device(dropless_refere
     results = _launch(train_dropless, 4, (2, 2), 0, 20, k, False, 1)
     assert dict(gt.stats()["fallback"]) == before
     for rank, (losses, choices, params, logs, _, _) in enumerate(results):
-        np.testing.assert_allclose(losses, want_losses, **TOL)
-        for got, ref in zip(choices, want_choices):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        for name, q in params.items():
-            torch.testing.assert_close(q, want_params[name], **TOL, msg=name)
+        assert_same_training(losses, choices, params, want_losses, want_choices, want_params)
         for (fwd, bwd), step_choices in zip(logs, want_choices):
             want_a2a, rows = [], []
             for choice in step_choices:
