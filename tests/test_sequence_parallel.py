@@ -97,7 +97,7 @@ def _assert_same(got, want, atol=1e-10):
 CASES = [("sp", (1, 2)), ("sp", (2, 2)), ("ulysses", (1, 2)), ("ulysses", (2, 2)), ("ulysses-dispatch", (2, 2))]
 
 
-@pytest.mark.parametrize("kind,mesh", CASES + [("ring", (1, 2))])
+@pytest.mark.parametrize("kind,mesh", CASES + [("ring", (1, 2)), ("ring", (2, 2))])
 def test_training_equals_one_device(kind, mesh):
     batch = _batch(kind, mesh)
     want = train(kind, None, batch)
