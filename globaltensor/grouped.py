@@ -254,6 +254,7 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], per_ex
 
 
 def _add_bias(out: torch.Tensor, b: torch.Tensor, per_expert: tuple) -> torch.Tensor:
+    """The row-parallel bias, added after the reduction (once, not once per rank of the tensor axis)."""
     start = 0
     for e, n in enumerate(per_expert):
         out[start:start + n] += b[e].reshape(1, -1)
@@ -261,7 +262,7 @@ def _add_bias(out: torch.Tensor, b: torch.Tensor, per_expert: tuple) -> torch.Te
     return out
 
 
-def _param_grad_layout(p: GlobalTensor, x: GlobalTensor) -> Layout:
+def _param_grad_layout(p: GlobalTensor | Layout, x: GlobalTensor) -> Layout:
     """Where the rows are cut (each rank holds other tokens' rows), each rank's gradient is one term: Partial."""
     return Layout(p.placement, tuple(s if isinstance(s, Split) else Partial()
                                      if isinstance(t, (Ragged, Split)) and t.dim == 0 else s
