@@ -243,6 +243,10 @@ class Pipeline:
                         losses[i] = result if act == "F" else losses[i].detach()
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
+        except BaseException:
+            for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
+                f.cancel()
+            raise
         finally:
             t0 = time.perf_counter()
             comm.flush_sends()

@@ -7,6 +7,8 @@ boundary, and the tied embedding/head weight sent to the last stage and its grad
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -281,11 +283,15 @@ def _failing(kind, schedule="1f1b"):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_a_failing_stage_and_a_schedule_mismatch_end_with_an_error(schedule):
-    """Interleaved: the failure happens inside a micro-batch's fiber, which hands it to its rank."""
+    """Interleaved: the failure happens inside a micro-batch's fiber, which hands it to its rank; the
+    other micro-batches' fibers, stopped mid-way, are unwound (no thread left waiting)."""
+    before = {t for t in threading.enumerate() if t.name.startswith("gt-pipeline")}
     with pytest.raises(Exception, match="stage 1 broke"):
         gt.launch(_failing, 2, args=("raise", schedule), timeout=20)
     with pytest.raises(Exception, match="send_recv|never completed|mismatch"):
         gt.launch(_failing, 2, args=("mismatch", schedule), timeout=20)
+    time.sleep(0.2)
+    assert {t for t in threading.enumerate() if t.name.startswith("gt-pipeline")} <= before
 
 
 def test_pipeline_bad_input():

@@ -37,6 +37,7 @@ class Fiber:
         self._back = threading.Semaphore(0)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = False
+        self._cancelled = False
         self._left = False  # whether this step has left one of the rank's chunks
         self.done = False
         self.result: Any = None
@@ -48,6 +49,8 @@ class Fiber:
         _CURRENT.fiber = self
         try:
             self.result = self._fn()
+        except _Cancelled:
+            pass
         except BaseException as e:  # noqa: BLE001 - handed to the resuming thread
             self._error = e
         finally:
@@ -68,10 +71,24 @@ class Fiber:
             error, self._error = self._error, None
             raise error
 
+    def cancel(self) -> None:
+        """Unwind a stopped fiber (its step failed elsewhere): its thread ends instead of waiting forever
+        inside a forward or an autograd backward, which would abort the process when it exits."""
+        if self._started and not self.done:
+            self._cancelled = True
+            self._go.release()
+            self._back.acquire()
+
     def _stop(self) -> None:
         self._back.release()
         self._go.acquire()
+        if self._cancelled:
+            raise _Cancelled()
         self._left = False
+
+
+class _Cancelled(BaseException):
+    """Raised inside a cancelled fiber where it stopped, to unwind it."""
 
 
 def cross(entering: bool) -> None:
