@@ -165,15 +165,15 @@ def _reduce_scatter_bucket_start(plans, locals_, group, op, comm) -> Callable[[]
     lengths = [sum(numel(b[j]) for b in boxes) for j in range(len(group))]
     flat = locals_[0].new_empty(sum(lengths))
     chunks = list(flat.split(lengths))
-    # a weight's gradient is often a transposed view: made contiguous at once (torch's transpose kernel),
-    # its pieces are then plain block copies, each copied once, straight into place
-    whole = [t if t.is_contiguous() else t.contiguous() for t in locals_]
-    for j, chunk in enumerate(chunks):
-        at = 0
-        for t, b in zip(whole, boxes):
-            piece = slice_box(t, b[j])
-            chunk[at:at + piece.numel()].view(piece.shape).copy_(piece)
-            at += piece.numel()
+    # a weight's gradient is often a transposed view: made contiguous at once (torch's transpose kernel,
+    # one tensor at a time), its pieces are then plain block copies, each straight into its place
+    at = [0] * len(chunks)
+    for t, b in zip(locals_, boxes):
+        whole = t if t.is_contiguous() else t.contiguous()
+        for j, chunk in enumerate(chunks):
+            piece = slice_box(whole, b[j])
+            chunk[at[j]:at[j] + piece.numel()].view(piece.shape).copy_(piece)
+            at[j] += piece.numel()
     done = comm.reduce_scatter_start(chunks, group, op)
     me = group.index(comm.rank)
 
