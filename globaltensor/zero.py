@@ -115,7 +115,7 @@ class ParamGroup:
             call.free()
             # the backward meets the modules' ends in reverse: this call's backward comes right before
             # that of the call that ended before it, whose re-gather it starts (prefetch)
-            call.before_in_backward, _OPEN.ended = _OPEN.ended, call
+            call.before_in_backward, _OPEN.ended = _OPEN.ended, weakref.ref(call)
         return _mark_outputs(output, call)
 
 
@@ -123,7 +123,9 @@ class _Open(threading.local):
     def __init__(self) -> None:
         self.stack: list = []
         self.last: Optional[ParamGroup] = None
-        self.ended: Optional[_Call] = None  # the ZeRO-3 call whose forward ended last, since the last backward
+        # the ZeRO-3 call whose forward ended last, since the last backward; weak, as the links between calls
+        # are: a forward never backpropagated (its graph dropped) leaves no call for a later backward to prefetch
+        self.ended: Optional["weakref.ref[_Call]"] = None
 
 
 _OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered, and the
@@ -154,7 +156,7 @@ class _Call:
         self.scoped = False           # its backward is running in the named scope
         self.pending: Any = None      # a started gather (prefetch) to finish
         self.reduced = False          # its backward has run
-        self.before_in_backward: Optional[_Call] = None  # the call whose backward comes next (ZeRO-3)
+        self.before_in_backward: Optional["weakref.ref[_Call]"] = None  # the call whose backward comes next
 
     def start(self) -> None:
         """Start the gather now (a prefetch); `gather` finishes it."""
@@ -398,9 +400,9 @@ class _Regather(torch.autograd.Function):
         call = ctx.call
         _OPEN.ended = None  # a forward after this backward starts a new chain
         call.regather()
-        nxt = call.before_in_backward
+        link, call.before_in_backward = call.before_in_backward, None
+        nxt = link() if link is not None else None
         if nxt is not None:  # overlap the next module's gather with this module's backward (FSDP2's prefetch)
-            call.before_in_backward = None
             nxt.prefetch_regather()
         call.enter_scope()
         return grad, None

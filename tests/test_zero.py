@@ -262,6 +262,25 @@ def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
         assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
 
 
+def _step_after_a_dropped_forward(drop_first: bool):
+    p = _mesh((2,))
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(CFG).double(), p, zero_plan(0, 1))
+    idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
+    if drop_first:
+        model(idx, tgt)  # grad enabled, never backpropagated: its graph is dropped here
+    with gt.comm_log() as log:
+        model(idx, tgt)[1].backward()
+    return sum(e.recv_bytes for e in log.events if e.kind == "all_gather")
+
+
+def test_a_forward_never_backpropagated_leaves_nothing_to_prefetch():
+    """The backward's prefetch links are weak: a dropped forward's modules are not gathered again by the
+    next backward (which would move bytes nobody reads and leave a collective unfinished)."""
+    assert gt.launch(_step_after_a_dropped_forward, 2, args=(True,)) == \
+        gt.launch(_step_after_a_dropped_forward, 2, args=(False,))
+
+
 def _accumulated(stage: int, micro: int, scoped: bool):
     """One step of `micro` micro-batches (gradient accumulation), optionally inside zero.accumulating()."""
     p = _mesh((2,))
