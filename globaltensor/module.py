@@ -22,9 +22,10 @@ instead of one collective per parameter (`dispatch.defer_reduction`).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -33,7 +34,7 @@ from .ops import dispatch
 from .placement import Placement
 from .runtime import context, fiber
 from .sbp import SBP_TYPES, Broadcast, Partial
-from .tensor import GlobalTensor, distribute
+from .tensor import GlobalTensor, _FromLocal, distribute
 from .zero import ParamGroup, compute_layout
 
 
@@ -130,18 +131,19 @@ class _Boundary:
         return self.apply(output)
 
 
-class _ScopeMark(torch.autograd.Function):
-    """Identity at a module boundary whose backward enters (at the output) or leaves (at the input) the
-    named scope: the module's backward runs between the two, as its forward ran between the hooks."""
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls `then()` before the gradient goes on: marks where a module's
+    backward begins or ends (the named scope), or where a gradient crosses a stage boundary (a
+    pipeline fiber's stops), placed where the forward passed that point."""
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, enter: bool) -> GlobalTensor:  # type: ignore[override]
-        ctx.enter = enter
+    def forward(ctx, x: GlobalTensor, then: Callable[[], None]) -> GlobalTensor:  # type: ignore[override]
+        ctx.then = then
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
-        (dispatch.enter_named if ctx.enter else dispatch.leave_named)()
+        ctx.then()
         return grad, None
 
 
@@ -168,7 +170,8 @@ class _NamedModule:
         x = args[0] if args else None
         armed = isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled()
         _ARMED.stack.append(armed)
-        return (_ScopeMark.apply(x, False),) + tuple(args[1:]) if armed else args
+        # the module's backward ends at its input: leave the named scope there
+        return (_OnBackward.apply(x, dispatch.leave_named),) + tuple(args[1:]) if armed else args
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         dispatch.leave_named()
@@ -176,7 +179,7 @@ class _NamedModule:
         if self.out is not None:
             output = self.out.after(module, args, output)
         if armed and isinstance(output, GlobalTensor) and output.requires_grad:
-            output = _ScopeMark.apply(output, True)
+            output = _OnBackward.apply(output, dispatch.enter_named)
         return output
 
 
@@ -379,7 +382,7 @@ def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, 
             for name, t in table.items():
                 if isinstance(t, GlobalTensor):
                     swapped.append((table, name, t))
-                    table[name] = _AsLocal.apply(t) if grad and t.requires_grad else t._local
+                    table[name] = t.to_local() if grad and t.requires_grad else t._local
     try:
         out = forward(module, *_as_local((args,), grad)[0], **_as_local(kwargs, grad))
     finally:
@@ -390,7 +393,7 @@ def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, 
 
 def _as_local(obj: Any, grad: bool) -> Any:
     if isinstance(obj, GlobalTensor):
-        return _AsLocal.apply(obj) if grad and obj.requires_grad else obj._local
+        return obj.to_local() if grad and obj.requires_grad else obj._local
     if isinstance(obj, (tuple, list)):
         return type(obj)(_as_local(o, grad) for o in obj)
     if isinstance(obj, dict):
@@ -400,38 +403,13 @@ def _as_local(obj: Any, grad: bool) -> Any:
 
 def _as_global(obj: Any, layout: Layout) -> Any:
     if isinstance(obj, torch.Tensor) and not isinstance(obj, GlobalTensor):
-        return _AsGlobal.apply(obj, layout) if obj.requires_grad else GlobalTensor(obj, layout, tuple(obj.shape))
+        return _FromLocal.apply(obj, layout, tuple(obj.shape)) if obj.requires_grad else \
+            GlobalTensor(obj, layout, tuple(obj.shape))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_as_global(o, layout) for o in obj)
     if isinstance(obj, dict):
         return {k: _as_global(v, layout) for k, v in obj.items()}
     return obj
-
-
-class _AsLocal(torch.autograd.Function):
-    """A GlobalTensor on a one-rank placement as its local tensor; the gradient comes back in its layout."""
-
-    @staticmethod
-    def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.layout, ctx.shape = x._layout, tuple(x.shape)
-        return x._local.view_as(x._local)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> GlobalTensor:  # type: ignore[override]
-        return GlobalTensor(grad, ctx.layout, ctx.shape)
-
-
-class _AsGlobal(torch.autograd.Function):
-    """A plain tensor computed on a one-rank placement as the GlobalTensor it is; its gradient's local
-    tensor back (any SBP of one rank holds the whole tensor)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: Layout) -> GlobalTensor:  # type: ignore[override]
-        return GlobalTensor(x, layout, tuple(x.shape))
-
-    @staticmethod
-    def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
-        return (grad._local if isinstance(grad, GlobalTensor) else grad), None
 
 
 @dataclass(frozen=True, eq=False)
@@ -479,28 +457,14 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
         sbp = obj.sbp if obj.placement.shape == placement.shape else (Broadcast(),) * placement.ndim
         moved = obj.to_global(placement, sbp)
         if side is not None and moved.requires_grad:
-            return _Crossing.apply(moved, not side)
+            # the gradient crosses back here: the sending side receives it (entering), the other leaves
+            return _OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
         return moved
     if isinstance(obj, (tuple, list)):
         return type(obj)(_moved(o, placement, side) for o in obj)
     if isinstance(obj, dict):
         return {k: _moved(v, placement, side) for k, v in obj.items()}
     return obj
-
-
-class _Crossing(torch.autograd.Function):
-    """Identity whose backward tells the running pipeline fiber that a gradient crosses a stage
-    boundary here, before the boundary's own backward receives (entering) or sends (leaving) it."""
-
-    @staticmethod
-    def forward(ctx, x: GlobalTensor, entering: bool) -> GlobalTensor:  # type: ignore[override]
-        ctx.entering = entering
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
-        fiber.cross(entering=ctx.entering)
-        return grad, None
 
 
 def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
