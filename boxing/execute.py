@@ -21,6 +21,7 @@ from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
 from .plan import Plan, Step
 from .search import plan as make_plan
+from .zigzag import COMPILE as _ZIGZAG_COMPILE
 
 
 def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
@@ -369,4 +370,4 @@ def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into, key=0)
 
 _COMPILE = {"all_gather": _all_gather, "all_to_all": _all_to_all, "reduce_scatter": _reduce_scatter,
         "all_reduce": _all_reduce, "slice": _slice, "fill": _fill, "pad": _pad,
-        "send_recv": _exchange, "broadcast": _exchange, "local": _exchange}
+        "send_recv": _exchange, "broadcast": _exchange, "local": _exchange, **_ZIGZAG_COMPILE}

@@ -18,6 +18,7 @@ import torch
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Split
 from . import cost as C
+from . import zigzag
 from .exchange import direct
 from .plan import Plan, Step
 from .rules import transition
@@ -50,6 +51,8 @@ def plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> 
 @lru_cache(maxsize=4096)
 def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Plan:
     check(src, dst, shape)
+    if src.zigzag_axes or dst.zigzag_axes:  # an ordinary plan on the zigzag reading, or a recut
+        return zigzag.plan(src, dst, shape, dtype, _plan)
     world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1
     steps = search(src, dst, shape, dtype)
     return Plan(src, dst, shape, dtype, tuple(steps), C.lower_bound(src, dst, shape, dtype), world)

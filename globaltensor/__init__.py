@@ -4,10 +4,10 @@ from .layout import Layout
 from .module import ModuleLayout
 from .placement import Placement, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
-from .sbp import SBP, Broadcast, Partial, Ragged, Split, broadcast, partial, partial_sum, ragged, split
+from .sbp import SBP, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
 from .ragged import RaggedTensor
 from .grouped import Routing, by_expert, by_group, grouped_linear
-from .tensor import GlobalTensor
+from .tensor import GlobalTensor, ZigzagTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
 from .ops import attention_method, check_replicated, reset_stats, stats
@@ -18,6 +18,7 @@ from .explain import explain
 __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
+           "Zigzag", "zigzag", "ZigzagTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
            "comm_report", "visualize", "explain", "attention_method"]

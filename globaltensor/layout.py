@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+import torch
+
 from .placement import Placement
-from .sbp import LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, split_range, split_sizes
+from .sbp import LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes, zigzag_ranges
 
 
 def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
@@ -43,6 +45,7 @@ class Layout:
             raise TypeError(f"Layout(placement): expected a gt.placement, got {type(placement).__name__}")
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "sbp", normalize_sbp(sbp, placement.ndim))
+        _check_zigzag(self.sbp)
         object.__setattr__(self, "_hash", hash((placement, self.sbp)))
 
     # layouts key every cache (plans, dispatch decisions): hash once, compare identical objects at once
@@ -73,20 +76,50 @@ class Layout:
     def ragged_axes(self) -> tuple[int, ...]:
         return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Ragged))
 
+    @property
+    def zigzag_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag))
+
+    def zigzag_as_split(self) -> "Layout":
+        """The same shards read as `Split`: the layout of the tensor with its zigzag dim in zigzag order
+        (`sbp.zigzag_order`). Boxing and the ring work on that reading; the rows' global places come
+        from `ranges`."""
+        if not self.zigzag_axes:
+            return self
+        return Layout(self.placement, tuple(Split(s.dim) if isinstance(s, Zigzag) else s for s in self.sbp))
+
+    def ranges(self, shape: Sequence[int], rank: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+        """Per dim the (global start, size) ranges `rank` holds, in the order of its local rows: one per
+        dim, two for a zigzag dim (chunks i and 2n-1-i). None outside the placement."""
+        coord = self.placement.coord(rank)
+        if coord is None:
+            return None
+        box = _shard(self.zigzag_as_split().sbp, self.placement.shape, tuple(shape), coord)
+        out = [((start, size),) for start, size in box]
+        for axis, s in enumerate(self.sbp):
+            if isinstance(s, Zigzag):  # the only cut of its dim (checked): chunks of the whole length
+                out[s.dim] = zigzag_ranges(shape[s.dim], self.placement.shape[axis], coord[axis])
+        return tuple(out)
+
     def check_shape(self, shape: Sequence[int], arg: str = "sbp") -> None:
         for s in self.sbp:
-            if isinstance(s, (Split, Ragged)) and s.dim >= len(shape):
+            if isinstance(s, (Split, Ragged, Zigzag)) and s.dim >= len(shape):
                 raise ValueError(f"{arg}: {s!r} splits dim {s.dim} but the tensor has {len(shape)} dims "
                                  f"(shape {tuple(shape)}); pick a dim below {len(shape)}")
 
     def shard(self, shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...] | None:
         """Per dim (start, size) of the block `rank` holds, or None outside the placement."""
+        if self.zigzag_axes:  # two ranges, not a box: a caller that reads a box would take the wrong rows
+            raise TypeError(f"Layout.shard: {self.sbp} holds two ranges of its zigzag dim, not a box; use "
+                            "Layout.ranges (or box the tensor to gt.split(d) first)")
         coord = self.placement.coord(rank)
         if coord is None:
             return None
         return _shard(self.sbp, self.placement.shape, tuple(shape), coord)
 
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        if self.zigzag_axes:
+            return self.zigzag_as_split().local_shape(shape, rank)
         box = self.shard(shape, rank)
         return (0,) if box is None else tuple(size for _, size in box)
 
@@ -110,7 +143,7 @@ def _shard(sbp: tuple[SBP, ...], mesh: tuple[int, ...], shape: tuple[int, ...],
 @lru_cache(maxsize=4096)
 def _local_shapes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     p = layout.placement
-    cuts = [(axis, s.dim, p.shape[axis]) for axis, s in enumerate(layout.sbp) if isinstance(s, Split)]
+    cuts = [(axis, s.dim, p.shape[axis]) for axis, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag))]
     if not cuts:
         return (shape,) * p.size
     shapes = []
@@ -123,6 +156,32 @@ def _local_shapes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, ..
     return tuple(shapes)
 
 
+def _check_zigzag(sbp: tuple) -> None:
+    """A zigzag dim is cut by its one mesh axis only, and one dim at most is zigzag: the chunks are of
+    the whole length, and the ring and boxing know one permutation."""
+    zig = [(a, s) for a, s in enumerate(sbp) if isinstance(s, Zigzag)]
+    if len(zig) > 1:
+        raise ValueError(f"sbp: {sbp} has {len(zig)} zigzag axes; one mesh axis may be gt.zigzag(d) (the "
+                         "others broadcast, split other dims or are partial)")
+    for a, z in zig:
+        for b, s in enumerate(sbp):
+            if b != a and isinstance(s, (Split, Ragged)) and s.dim == z.dim:
+                raise ValueError(f"sbp: {sbp} cuts dim {z.dim} on mesh axis {b} as well as zigzag on mesh axis "
+                                 f"{a}; a zigzag dim is cut by its own axis only (split another dim on axis {b})")
+
+
+def take_ranges(t, ranges: tuple[tuple[tuple[int, int], ...], ...]):
+    """The rows of `t` (which holds every range) that `ranges` names, per dim in order (a copy where a dim
+    has two ranges; a view otherwise)."""
+    for d, rs in enumerate(ranges):
+        if len(rs) == 1:
+            if rs[0][1] != t.shape[d]:
+                t = t.narrow(d, *rs[0])
+        else:
+            t = torch.cat([t.narrow(d, start, size) for start, size in rs], d)
+    return t
+
+
 def slice_box(t, box: tuple[tuple[int, int], ...]):
     """View of `t` restricted to `box` (a local slice: no copy, no communication)."""
     for d, (start, size) in enumerate(box):
@@ -131,4 +190,4 @@ def slice_box(t, box: tuple[tuple[int, int], ...]):
     return t
 
 
-__all__ = ["Layout", "split_range", "split_sizes", "normalize_sbp", "slice_box", "Broadcast"]
+__all__ = ["Layout", "split_range", "split_sizes", "normalize_sbp", "slice_box", "take_ranges", "Broadcast"]

@@ -75,9 +75,32 @@ class Ragged:
         return (Ragged, (self.dim,))
 
 
-SBP = Union[Split, Broadcast, Partial, Ragged]
+@dataclass(frozen=True, slots=True)
+class Zigzag:
+    """A Split of `dim` for causal attention: cut into 2n chunks, rank i holds chunks i and 2n-1-i.
+
+    Its own type, not a flag on `Split`: every `isinstance(s, Split)` in rules, plans and shard
+    arithmetic means "one contiguous range", which a zigzag shard is not; as a separate value the code
+    that does not know it cannot take it for a contiguous split (it refuses, or the tensor's ops box it
+    to `Split(dim)` first). Each rank holds as many rows as under `Split(dim)` (`zigzag_ranges`), so
+    local shapes, and the bytes of every conversion, are those of the contiguous split.
+    """
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+            raise ValueError(f"zigzag(dim): dim must be an int >= 0, got {self.dim!r}")
+
+    def __repr__(self) -> str:
+        return f"Z({self.dim})"
+
+    def __reduce__(self):
+        return (Zigzag, (self.dim,))
+
+
+SBP = Union[Split, Broadcast, Partial, Ragged, Zigzag]
 SBP_TYPES = (Split, Broadcast, Partial)   # what a plan, a factory or an op may name
-LAYOUT_TYPES = SBP_TYPES + (Ragged,)      # what a Layout may hold: a ragged tensor's too
+LAYOUT_TYPES = SBP_TYPES + (Ragged, Zigzag)  # what a Layout may hold: ragged and zigzag tensors' too
 
 
 def split(dim: int) -> Split:
@@ -86,6 +109,10 @@ def split(dim: int) -> Split:
 
 def ragged(dim: int) -> Ragged:
     return Ragged(dim)
+
+
+def zigzag(dim: int) -> Zigzag:
+    return Zigzag(dim)
 
 
 def partial(op: str = "sum") -> Partial:
@@ -107,3 +134,30 @@ def split_sizes(length: int, parts: int) -> list[int]:
     """The sizes of all `parts` pieces of `length`, as numpy.array_split cuts it."""
     base, extra = divmod(length, parts)
     return [base + (i < extra) for i in range(parts)]
+
+
+# -- a Zigzag's pieces: rank i's rows are chunks i and 2n-1-i of 2n, as many as Split gives it ------
+def zigzag_ranges(length: int, parts: int, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((start, size), (start, size)) of the two chunks rank `index` of `parts` holds, in global order.
+
+    Rank i holds `split_sizes(length, parts)[i]` rows: the larger half as chunk i, the rest as chunk
+    2n-1-i, so a causal query block sees about as many keys on every rank (the load balance) while
+    shapes stay those of `Split`.
+    """
+    sizes = split_sizes(length, parts)
+    chunks = [n - n // 2 for n in sizes] + [n // 2 for n in reversed(sizes)]
+    starts = [0]
+    for n in chunks:
+        starts.append(starts[-1] + n)
+    late = 2 * parts - 1 - index
+    return (starts[index], chunks[index]), (starts[late], chunks[late])
+
+
+def zigzag_order(length: int, parts: int) -> list[int]:
+    """The global rows in zigzag order: rank 0's two chunks, then rank 1's, ... (`x[order]` laid out
+    as `Split` is `x` laid out as `Zigzag`)."""
+    order: list[int] = []
+    for i in range(parts):
+        for start, size in zigzag_ranges(length, parts, i):
+            order.extend(range(start, start + size))
+    return order

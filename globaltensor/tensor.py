@@ -6,13 +6,14 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from .layout import Layout, normalize_sbp, slice_box
+from .layout import Layout, normalize_sbp, slice_box, take_ranges
 from .placement import Placement
 from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
+from .ops import zigzag as _ops_zigzag
 from .runtime import context
-from .sbp import Broadcast, Partial, Split
+from .sbp import Broadcast, Partial, Split, Zigzag
 
 _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
 _TENSOR_DATA = torch.Tensor.data  # torch's descriptor, which GlobalTensor.data wraps
@@ -40,6 +41,8 @@ class GlobalTensor(torch.Tensor):
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> "GlobalTensor":
         shape = tuple(shape)
+        if layout.zigzag_axes and cls is GlobalTensor:
+            cls = ZigzagTensor
         return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
 
     @classmethod
@@ -54,6 +57,10 @@ class GlobalTensor(torch.Tensor):
 
     def _set_layout(self, local: torch.Tensor, layout: Layout) -> None:
         """Replace shard and layout in place (same global shape and dtype)."""
+        if bool(layout.zigzag_axes) != isinstance(self, ZigzagTensor):
+            raise ValueError(f"a GlobalTensor laid out as {self._layout.sbp} cannot take the layout {layout.sbp} "
+                             "in place (zigzag and other layouts are different tensor classes); use "
+                             "x.to_global(placement, sbp), which returns a new tensor")
         self._local = local
         self._layout = layout
         self._key = _tensor_key(layout, tuple(self.shape), self.dtype)
@@ -200,6 +207,35 @@ class GlobalTensor(torch.Tensor):
         return _FullTensor.apply(self)
 
 
+class ZigzagTensor(GlobalTensor):
+    """A GlobalTensor with a zigzag axis (`gt.zigzag(d)`): its ops go to `ops/zigzag.py` first.
+
+    The dispatcher's rules read shards as boxes; a zigzag shard is two ranges of d, so its ops are
+    run on the zigzag reading where that is exact (pointwise ops, attention's ring), and otherwise
+    its inputs are boxed to `gt.split(d)` before the dispatcher sees them.
+    """
+
+    __slots__ = ()
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _ops_zigzag.run(func, args, kwargs or {}, GlobalTensor, ZigzagTensor)
+
+
+def _class_for(layout: Layout) -> type:
+    return ZigzagTensor if layout.zigzag_axes else GlobalTensor
+
+
+def _take(full: torch.Tensor, layout: Layout, shape: tuple, rank: int) -> torch.Tensor | None:
+    """`rank`'s shard of `full` (a view where it is one box), or None outside the placement."""
+    if layout.zigzag_axes:
+        ranges = layout.ranges(shape, rank)
+        return None if ranges is None else take_ranges(full, ranges)
+    box = layout.shard(shape, rank)
+    return None if box is None else slice_box(full, box)
+
+
 def _piece(layout: Layout, rank: int) -> tuple | None:
     """Which piece of the global value `rank` holds: its mesh coordinate on every axis that is not
     Broadcast (a Split's block, a Partial's term); None outside the placement."""
@@ -236,7 +272,7 @@ def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requi
 
 # torch.load(weights_only=True) may rebuild what a saved GlobalTensor names, with nothing for users to allow
 torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout, Placement, Split, Broadcast,
-                                      Partial])
+                                      Partial, ZigzagTensor, Zigzag])
 
 
 class _Target(NamedTuple):
@@ -297,7 +333,7 @@ def _run_target(x: GlobalTensor, target: _Target) -> GlobalTensor:
     if local is x._local:
         local = local.view_as(local)
     key = target.key
-    return _wrap(GlobalTensor, local, target.layout, key.shape, key)
+    return _wrap(_class_for(target.layout), local, target.layout, key.shape, key)
 
 
 def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> GlobalTensor:
@@ -340,11 +376,11 @@ def distribute(full: torch.Tensor, layout: Layout, requires_grad: bool = False) 
     _no_ragged(layout, "sbp")
     rank = context.current().rank
     t = full.detach().to(device_for(layout.placement))
-    box = layout.shard(full.shape, rank)
-    if box is None:
+    piece = _take(t, layout, tuple(full.shape), rank)
+    if piece is None:
         local = t.new_empty((0,))
     else:
-        local = slice_box(t, box).clone(memory_format=torch.contiguous_format)
+        local = piece.clone(memory_format=torch.contiguous_format)
         coord = layout.placement.coord(rank)
         if any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0 for a, s in enumerate(layout.sbp)):
             local = torch.zeros_like(local)
@@ -398,8 +434,8 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         layout = grad_layout(ctx.layout)
-        box = layout.shard(ctx.shape, context.current().rank)
-        local = grad.new_zeros((0,)) if box is None else slice_box(grad, box).clone()
+        piece = _take(grad, layout, ctx.shape, context.current().rank)
+        local = grad.new_zeros((0,)) if piece is None else piece.clone()
         return GlobalTensor(local, layout, ctx.shape)
 
 

@@ -16,19 +16,30 @@ backward does for its own tiles.
 The ring of a rank is every rank of the placement that differs from it only
 on the mesh axes that split the keys' sequence, in mesh order, which is the
 order of their blocks (mesh axis 0 cuts first).
+
+Zigzag (`gt.zigzag(2)`, `ops/zigzag.py`): the ring runs on the zigzag reading
+(each rank's rows as a `Split`), and `zigzag_ring` tells it where the rows
+really are: rank i of n holds chunks i and 2n-1-i of 2n. A block is then
+seen whole, not at all, or (its own) with the causal mask, chunk by chunk:
+from a member j < i the query rows see key chunk j only, from j > i only the
+late query chunk sees both key chunks, so every step costs half a block
+square on every rank, and the diagonal step two chunk triangles; causal work
+is balanced where a contiguous split gives the last rank (2n-1)/n of the mean.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from ..layout import Layout
 from ..runtime import context
-from ..sbp import Split
+from ..sbp import Split, Zigzag
 from .registry import Local
 
 SEQ = 2  # q, k, v are [batch, heads, seq, head_dim]
@@ -96,19 +107,92 @@ def _key(*what: Any) -> int:
     return zlib.crc32(repr(("ring attention",) + what).encode()) or 1
 
 
-def _visibility(q_box: tuple, k_box: tuple, causal: bool) -> str:
-    """What query rows see of key rows, each a (global start, size) box: "full", "none" or "diagonal"
-    (causal: row i sees key j <= i; q and k share the split, so only a block's own keys are partial)."""
-    (qa, qn), (ka, kn) = q_box, k_box
-    if qn == 0 or kn == 0:
-        return "none"
-    if not causal or ka + kn - 1 <= qa:
-        return "full"
-    if ka > qa + qn - 1:
-        return "none"
-    if (qa, qn) == (ka, kn):
-        return "diagonal"
-    raise AssertionError(f"ring attention: query rows {q_box} and key rows {k_box} overlap unaligned")
+class _ZigzagRing(threading.local):
+    axis: Optional[int] = None  # the mesh axis whose Split(2) is a zigzag read in zigzag order
+    ran: bool = False
+
+
+_zigzag = _ZigzagRing()
+
+
+@contextmanager
+def zigzag_ring(axis: int) -> Iterator[_ZigzagRing]:
+    """While open, a ring over `axis` places its rows as `Zigzag(2)` on that axis (the inputs are
+    zigzag tensors read as `Split(2)`); `.ran` says afterwards whether the ring ran (the caller refuses
+    a result computed any other way, which would have taken the zigzag order for the real one)."""
+    previous, _zigzag.axis, _zigzag.ran = (_zigzag.axis, _zigzag.ran), axis, False
+    try:
+        yield _zigzag
+    finally:
+        _zigzag.axis, _zigzag.ran = previous
+
+
+def _rows(layout: Layout, shape: tuple, rank: int) -> tuple[tuple[int, int], ...]:
+    """The global (start, size) ranges of the sequence rows `rank` holds under `layout`, in local order."""
+    axis = _zigzag.axis
+    if axis is not None:
+        if ring_axes(layout) != (axis,):
+            raise AssertionError(f"ring attention: zigzag rows on mesh axis {axis}, but the ring runs over "
+                                 f"{ring_axes(layout)}")
+        _zigzag.ran = True
+        layout = Layout(layout.placement, tuple(Zigzag(SEQ) if a == axis else s for a, s in enumerate(layout.sbp)))
+    return layout.ranges(shape, rank)[SEQ]
+
+
+Block = tuple[tuple[int, int], tuple[int, int], bool]  # (query rows, key rows) as local (start, size), causal
+
+
+def _blocks(q_rows: tuple, k_rows: tuple, causal: bool) -> list[Block]:
+    """The kernel calls that attend query rows `q_rows` to key rows `k_rows` (global ranges in local
+    order): one call on the whole blocks where it can, the causal mask only on a block's own rows.
+
+    Causal: a key chunk is wholly before a query chunk (seen), wholly after (hidden) or the same rows
+    (the diagonal). On the same rows the local order is the global one and both split alike, so one
+    call with the kernel's mask is exact; else the seen pairs are, for a contiguous or zigzag split,
+    a rectangle of chunks, one call (any other pattern: a call per seen pair).
+    """
+    q_n, k_n = sum(n for _, n in q_rows), sum(n for _, n in k_rows)
+    if q_n == 0 or k_n == 0:
+        return []
+    if not causal:
+        return [((0, q_n), (0, k_n), False)]
+    if q_rows == k_rows:
+        return [((0, q_n), (0, k_n), True)]
+    seen = []
+    q_off = 0
+    for qa, qn in q_rows:
+        k_off = 0
+        for ka, kn in k_rows:
+            if qn and kn and ka + kn - 1 <= qa:
+                seen.append(((q_off, qn), (k_off, kn)))
+            elif qn and kn and ka <= qa + qn - 1:
+                raise AssertionError(f"ring attention: query rows {q_rows} and key rows {k_rows} overlap unaligned")
+            k_off += kn
+        q_off += qn
+    qs = sorted({q for q, _ in seen})
+    ks = sorted({k for _, k in seen})
+    if len(seen) == len(qs) * len(ks) and _adjacent(qs) and _adjacent(ks):
+        return [((qs[0][0], sum(n for _, n in qs)), (ks[0][0], sum(n for _, n in ks)), False)] if seen else []
+    return [(q, k, False) for q, k in seen]
+
+
+def _adjacent(pieces: list) -> bool:
+    return all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+
+
+def _rows_of(t: torch.Tensor, piece: tuple[int, int]) -> torch.Tensor:
+    start, n = piece
+    return t if (start, n) == (0, t.shape[SEQ]) else t.narrow(SEQ, start, n)
+
+
+def _attend(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Any) -> tuple:
+    """One block of the forward kernel (the name the tests count calls and rows by)."""
+    return func(q, k, v, 0.0, causal, scale=scale)
+
+
+def _attend_backward(func: Any, grad_out, q, k, v, out, lse, causal: bool, scale: Any) -> tuple:
+    """One block of the backward kernel."""
+    return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 def _pass_on(comm: Any, ring: Ring, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple],
@@ -134,8 +218,8 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
     if where.checking:
         return func(q, k, v, 0.0, causal, scale=scale)
     comm, ring = context.current(), ring_of(where.in_layouts[1], where.rank)
-    q_box = where.in_box(0)[SEQ]
     k_layout, v_layout = where.in_layouts[1], where.in_layouts[2]
+    q_rows = _rows(where.in_layouts[0], where.ctx.shapes[0], where.rank)
     out = lse = None
     held = {"k": k, "v": v}
     for step in range(len(ring.members)):
@@ -145,11 +229,18 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
             arriving = _pass_on(comm, ring, held, {
                 "k": _block_shape(k, k_layout, where.ctx.shapes[1], source),
                 "v": _block_shape(v, v_layout, where.ctx.shapes[2], source)}, k.dtype, step)
-        k_box = k_layout.shard(where.ctx.shapes[1], ring.holder(step))[SEQ]
-        seen = _visibility(q_box, k_box, causal)
-        if seen != "none" and q.numel() and held["k"].numel():
-            o, l = func(q, held["k"], held["v"], 0.0, seen == "diagonal", scale=scale)
-            out, lse = (o.to(l.dtype), l) if out is None else _merge(out, lse, o, l)
+        k_rows = _rows(k_layout, where.ctx.shapes[1], ring.holder(step))
+        for q_piece, k_piece, masked in _blocks(q_rows, k_rows, causal):
+            o, l = _attend(func, _rows_of(q, q_piece), _rows_of(held["k"], k_piece), _rows_of(held["v"], k_piece),
+                           masked, scale)
+            if out is None and q_piece == (0, q.shape[SEQ]):
+                out, lse = o.to(l.dtype), l
+                continue
+            if out is None:  # rows no block has reached yet: nothing seen (zero weight, log-sum-exp -inf)
+                out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=l.dtype)
+                lse = torch.full(q.shape[:-1], -torch.inf, dtype=l.dtype, device=q.device)
+            rows = slice(q_piece[0], q_piece[0] + q_piece[1])
+            _, lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o, l)
         if arriving is not None:
             held = arriving()
     if out is None:  # no keys seen (an empty shard): what the kernel gives for empty inputs
@@ -173,11 +264,11 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
     comm, ring = context.current(), ring_of(where.in_layouts[2], where.rank)
     n = len(ring.members)
+    q_rows = _rows(where.in_layouts[1], where.ctx.shapes[1], where.rank)
     if n == 1:  # nothing travels: one block, or zeros for an empty one (the kernel divides by its size)
         if q.numel() and k.numel():
             return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    q_box = where.in_box(1)[SEQ]
     k_layout, v_layout = where.in_layouts[2], where.in_layouts[3]
     grad_q = None
     held = {"k": k, "v": v}
@@ -196,13 +287,28 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
             "dv": _block_shape(v, v_layout, where.ctx.shapes[3], owner)}, k.dtype, ("grad", step))
         if sent is not None:  # its receiver has posted the receive (above): freed before the kernel's peak
             sent()
-        k_box = k_layout.shard(where.ctx.shapes[2], owner)[SEQ]
-        seen = _visibility(q_box, k_box, causal)
-        if seen != "none" and q.numel() and held["k"].numel():
-            dq, dk, dv = func(grad_out, q, held["k"], held["v"], out, lse, 0.0, seen == "diagonal", scale=scale)
-            grad_q = dq if grad_q is None else grad_q.add_(dq)
-            del dq
-        else:
+        k_rows = _rows(k_layout, where.ctx.shapes[2], owner)
+        dk = dv = None
+        for q_piece, k_piece, masked in _blocks(q_rows, k_rows, causal):
+            pq = lambda t: _rows_of(t, q_piece)
+            pk = lambda t: _rows_of(t, k_piece)
+            dq_, dk_, dv_ = _attend_backward(func, pq(grad_out), pq(q), pk(held["k"]), pk(held["v"]), pq(out),
+                                             pq(lse), masked, scale)
+            if grad_q is None and q_piece == (0, q.shape[SEQ]):
+                grad_q = dq_
+            else:
+                if grad_q is None:
+                    grad_q = torch.zeros_like(q)
+                pq(grad_q).add_(dq_)
+            if k_piece == (0, held["k"].shape[SEQ]) and dk is None:
+                dk, dv = dk_, dv_
+            else:
+                if dk is None:
+                    dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
+                pk(dk).add_(dk_)
+                pk(dv).add_(dv_)
+            del dq_, dk_, dv_
+        if dk is None:
             dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
         if incoming is not None:
             acc = incoming()
