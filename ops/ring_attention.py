@@ -109,22 +109,29 @@ def _key(*what: Any) -> int:
 
 class _ZigzagRing(threading.local):
     axis: Optional[int] = None  # the mesh axis whose Split(2) is a zigzag read in zigzag order
-    ran: bool = False
+    run: Optional["ZigzagRun"] = None
 
 
 _zigzag = _ZigzagRing()
 
 
+@dataclass
+class ZigzagRun:
+    ran: bool = False
+
+
 @contextmanager
-def zigzag_ring(axis: int) -> Iterator[_ZigzagRing]:
+def zigzag_ring(axis: int) -> Iterator[ZigzagRun]:
     """While open, a ring over `axis` places its rows as `Zigzag(2)` on that axis (the inputs are
-    zigzag tensors read as `Split(2)`); `.ran` says afterwards whether the ring ran (the caller refuses
-    a result computed any other way, which would have taken the zigzag order for the real one)."""
-    previous, _zigzag.axis, _zigzag.ran = (_zigzag.axis, _zigzag.ran), axis, False
+    zigzag tensors read as `Split(2)`); the result's `.ran` says whether the ring ran (the caller
+    refuses a result computed any other way, which would take the zigzag order for the real one)."""
+    run = ZigzagRun()
+    previous = (_zigzag.axis, _zigzag.run)
+    _zigzag.axis, _zigzag.run = axis, run
     try:
-        yield _zigzag
+        yield run
     finally:
-        _zigzag.axis, _zigzag.ran = previous
+        _zigzag.axis, _zigzag.run = previous
 
 
 def _rows(layout: Layout, shape: tuple, rank: int) -> tuple[tuple[int, int], ...]:
@@ -134,7 +141,7 @@ def _rows(layout: Layout, shape: tuple, rank: int) -> tuple[tuple[int, int], ...
         if ring_axes(layout) != (axis,):
             raise AssertionError(f"ring attention: zigzag rows on mesh axis {axis}, but the ring runs over "
                                  f"{ring_axes(layout)}")
-        _zigzag.ran = True
+        _zigzag.run.ran = True
         layout = Layout(layout.placement, tuple(Zigzag(SEQ) if a == axis else s for a, s in enumerate(layout.sbp)))
     return layout.ranges(shape, rank)[SEQ]
 

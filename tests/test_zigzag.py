@@ -1,0 +1,177 @@
+"""The zigzag layout (`gt.zigzag(d)`): rank i of n holds chunks i and 2n-1-i of 2n.
+
+Its shards are those of one device's tensor cut by hand; conversions to and from contiguous splits
+and Broadcast keep the values and receive exactly the plan's bytes, which meet the lower bound;
+ops that do not depend on the order of d keep the zigzag, the others get a contiguous split first;
+bad layouts are refused naming the sbp. (Attention on zigzag inputs: tests/test_ring_attention.py.)
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.sbp import split_sizes, zigzag_ranges
+from ops_support import mesh_placement
+
+D = torch.float64
+
+
+def _by_hand(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    return torch.cat([t.narrow(dim, a, n) for a, n in zigzag_ranges(t.shape[dim], parts, index)], dim)
+
+
+def test_chunks_cover_the_dim_once_in_split_sizes():
+    for length in range(0, 13):
+        for parts in range(1, 5):
+            rows = []
+            for i in range(parts):
+                (a, n), (b, m) = zigzag_ranges(length, parts, i)
+                assert n + m == split_sizes(length, parts)[i] and n >= m and a + n <= b
+                rows += list(range(a, a + n)) + list(range(b, b + m))
+            assert sorted(rows) == list(range(length))
+
+
+MESH_CASES = [  # (mesh, zigzag sbp, shape)
+    ((2,), (gt.zigzag(0),), (8, 3)),
+    ((3,), (gt.zigzag(1),), (2, 7)),                      # uneven: chunks of 2 and 1
+    ((2, 2), (gt.split(0), gt.zigzag(1)), (3, 9, 2)),     # another dim split on the other axis
+    ((2, 2), (gt.zigzag(1), gt.broadcast), (2, 8)),
+]
+
+# the conversions each case checks: (target sbp, bytes rank 0 receives from the zigzag or None, whether the
+# plan meets the lower bound: it does wherever the two layouts differ only on the zigzag axis, or the
+# target cuts the zigzag dim on the same axis or not at all; a contiguous cut of it on another axis is
+# a recut and then the ordinary plan, which can move rows twice)
+CONVERSIONS = {
+    0: [((gt.split(0),), 2 * 3 * 8, True), ((gt.broadcast,), 4 * 3 * 8, True), ((gt.split(1),), 4 * 2 * 8, True)],
+    1: [((gt.split(1),), None, True), ((gt.broadcast,), None, True), ((gt.split(0),), None, True)],
+    2: [((gt.split(0), gt.split(1)), None, True), ((gt.split(0), gt.broadcast), None, True),
+        ((gt.broadcast, gt.zigzag(1)), None, True), ((gt.split(1), gt.split(0)), None, False)],
+    3: [((gt.split(1), gt.broadcast), None, True), ((gt.broadcast, gt.broadcast), None, True),
+        ((gt.zigzag(1), gt.split(0)), None, True), ((gt.split(0), gt.split(1)), None, False)],
+}
+
+
+@pytest.mark.parametrize("i", range(len(MESH_CASES)))
+def test_shards_conversions_and_bytes(i):
+    """Each rank's shard is its two chunks; every conversion both ways keeps the values, moves exactly
+    the plan's bytes (the lower bound) and, backward, gives the one-device gradient."""
+    mesh, sbp, shape = MESH_CASES[i]
+    torch.manual_seed(i)
+    full = torch.randn(shape, dtype=D)
+    zaxis = next(a for a, s in enumerate(sbp) if isinstance(s, gt.Zigzag))
+    dim = sbp[zaxis].dim
+
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(full, p, sbp)
+        coord = p.coord(gt.rank())
+        want = _by_hand(full, dim, mesh[zaxis], coord[zaxis])
+        for a, s in enumerate(sbp):
+            if isinstance(s, gt.Split):
+                want = torch.tensor_split(want, mesh[a], s.dim)[coord[a]]
+        assert isinstance(x, gt.ZigzagTensor) and torch.equal(x.to_local(), want)
+        assert torch.equal(gt.from_local(x.to_local(), p, sbp).full_tensor(), full)
+        moved = []
+        for target, exact, bound in CONVERSIONS[i]:
+            src = gt.to_global(full, p, target)
+            for a, b in ((x, target), (src, sbp)):
+                plan = gt.boxing.plan(a.global_layout, gt.Layout(p, b), shape, D)
+                with gt.comm_log() as log:
+                    y = a.to_global(p, b)
+                assert torch.equal(y.full_tensor(), full), (a.sbp, b)
+                assert log.recv_bytes == plan.recv_bytes_of(gt.rank()), (a.sbp, b, plan.explain())
+                if plan.lower_bound is not None:
+                    met = plan.recv_bytes == list(plan.lower_bound)
+                    assert met if bound else sum(plan.recv_bytes) > sum(plan.lower_bound), plan.explain()
+                if exact is not None and a is x:
+                    moved.append(log.recv_bytes)
+            # backward: the dual conversion, to the one-device gradient
+            leaf = gt.to_global(full, p, sbp).requires_grad_()
+            (leaf.to_global(p, target) * 3).sum().backward()
+            assert leaf.grad.sbp == sbp and torch.equal(leaf.grad.full_tensor(), torch.full(shape, 3.0, dtype=D))
+        return moved
+    results = gt.launch(body, math.prod(mesh))
+    expected = [e for _, e, _ in CONVERSIONS[i] if e is not None]
+    assert results[0] == expected
+
+
+def test_full_tensor_gradient_is_the_zigzag_slice():
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        w = torch.arange(7.0, dtype=D)
+        x = gt.to_global(torch.zeros(7, dtype=D), p, gt.zigzag(0)).requires_grad_()
+        (x.full_tensor() * w).sum().backward()
+        return x.grad.to_local()
+    r0, r1 = gt.launch(body, 2)
+    assert r0.tolist() == [0, 1, 5, 6] and r1.tolist() == [2, 3, 4]  # chunks (0,2),(5,2) | (2,2),(4,1)
+
+
+def test_pointwise_keeps_the_zigzag_and_equals_one_device():
+    """Operands broadcast, split on another dim, contiguously split on the zigzag dim or zigzag: the
+    result stays zigzag and equals one device, with no bytes for a Broadcast operand."""
+    torch.manual_seed(0)
+    a, b, row, col = torch.randn(2, 9, 3, dtype=D), torch.randn(2, 9, 3, dtype=D), torch.randn(3, dtype=D), \
+        torch.randn(9, 1, dtype=D)
+
+    def body():
+        p = gt.placement("cpu", [0, 1, 2])
+        x = gt.to_global(a, p, gt.zigzag(1)).requires_grad_()
+        with gt.comm_log() as log:
+            y = x * gt.to_global(b, p, gt.broadcast) + gt.to_global(row, p, gt.broadcast)
+            y = torch.where(gt.to_global(col, p, gt.broadcast) > 0, y, y.exp())
+        assert log.recv_bytes == 0 and y.sbp == (gt.zigzag(1),)
+        z = y + gt.to_global(b, p, gt.split(1))  # the contiguous operand is boxed to the zigzag
+        z.add_(1.0)
+        assert isinstance(z, gt.ZigzagTensor) and z.sbp == (gt.zigzag(1),)
+        z.sum().backward()
+        return z.full_tensor(), x.grad.full_tensor(), x.grad.sbp
+
+    xa = a.clone().requires_grad_()
+    y = xa * b + row
+    y = torch.where(col > 0, y, y.exp())
+    want = y + b + 1.0
+    want.sum().backward()
+    for out, grad, sbp in gt.launch(body, 3):
+        torch.testing.assert_close(out, want.detach(), atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(grad, xa.grad, atol=1e-12, rtol=1e-12)
+        assert sbp == (gt.zigzag(1),)
+
+
+def test_ops_along_the_dim_get_a_contiguous_split_and_in_place_ones_are_refused():
+    full = torch.arange(10.0, dtype=D).reshape(5, 2)
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x = gt.to_global(full, p, gt.zigzag(0))
+        cum = x.cumsum(0)  # depends on the row order: computed on the contiguous split
+        v = x.view(10)     # merges the zigzag dim: likewise
+        b = gt.to_global(torch.zeros(5, 2, dtype=D), p, gt.broadcast)
+        b.add_(x)          # writes a Broadcast tensor: x is boxed, b keeps its layout
+        try:
+            x.cumsum_(0)
+            refused = None
+        except NotImplementedError as e:
+            refused = str(e)
+        return cum.full_tensor(), cum.sbp, v.full_tensor(), b.full_tensor(), b.sbp, refused
+    for cum, contiguous, v, b, b_sbp, refused in gt.launch(body, 2):
+        assert torch.equal(cum, full.cumsum(0)) and contiguous
+        assert torch.equal(v, full.view(10)) and torch.equal(b, full) and b_sbp == (gt.broadcast,)
+        assert refused is not None and "cumsum_" in refused and "zigzag" in refused and "S(0)" in refused
+
+
+def test_bad_zigzag_layouts_name_the_sbp():
+    p = gt.placement("cpu", [[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="zigzag dim is cut by its own axis only"):
+        gt.Layout(p, (gt.split(1), gt.zigzag(1)))
+    with pytest.raises(ValueError, match="2 zigzag axes"):
+        gt.Layout(p, (gt.zigzag(0), gt.zigzag(1)))
+    with pytest.raises(ValueError, match="zigzag\\(dim\\)"):
+        gt.zigzag(-1)
+    with pytest.raises(TypeError, match="Layout.ranges"):
+        gt.Layout(p, (gt.zigzag(0), gt.broadcast)).shard((4, 4), 0)
+    with pytest.raises(ValueError, match="splits dim 2"):
+        gt.Layout(p, (gt.zigzag(2), gt.broadcast)).check_shape((4, 4))
