@@ -269,3 +269,74 @@ def test_backward_keeps_the_sequence_split(method):
         return _kinds(log.events), q.grad.sbp
     kinds, sbp = gt.launch(body, 2)[0]
     assert kinds == {"send_recv"} and sbp == (SEQ,)
+
+
+# -- zigzag: the load-balanced causal split (gt.zigzag(2)) -----------------------------------------
+ZIG = gt.zigzag(2)
+ZIGZAG_CASES = [  # (mesh, sbp of q/k/v, batch, heads, kv heads, seq)
+    ((2,), (ZIG,), 2, 4, 4, 8),
+    ((3,), (ZIG,), 1, 3, 3, 7),                            # uneven chunks
+    ((4,), (ZIG,), 1, 4, 2, 10),                           # GQA, uneven
+    ((2, 2), (gt.split(0), ZIG), 2, 2, 2, 5),              # batch on axis 0, zigzag sequence on axis 1
+    ((2, 2), (ZIG, gt.split(1)), 1, 4, 2, 7),              # zigzag sequence on axis 0, heads on axis 1
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ZIGZAG_CASES, ids=lambda c: f"{c[0]}-{c[1]}-b{c[2]}h{c[3]}kv{c[4]}s{c[5]}")
+def test_zigzag_ring_equals_one_device(case, causal):
+    """q, k, v zigzag: the ring runs on them as they are (no conversion), the output and the gradients
+    stay zigzag and equal one device."""
+    mesh, sbp, b, h, kvh, s = case
+    results = _check(_inputs(b, h, kvh, s), causal, mesh, sbp, "ring")
+    assert _kinds(results[0][2]) == {"send_recv"} and _kinds(results[0][3]) == {"send_recv"}
+    assert results[0][4] == sbp
+
+
+def _count_work(monkeypatch) -> dict:
+    """Per rank, the (query, key) pairs the ring's forward kernel calls attend (a causal call on a block
+    with itself: the triangle)."""
+    from globaltensor.ops import ring_attention
+    work: dict = {}
+    real = ring_attention._attend
+
+    def counting(func, q, k, v, causal, scale):
+        nq, nk = q.shape[2], k.shape[2]
+        work[gt.rank()] = work.get(gt.rank(), 0) + (nq * (nq + 1) // 2 if causal else nq * nk)
+        return real(func, q, k, v, causal, scale)
+    monkeypatch.setattr(ring_attention, "_attend", counting)
+    return work
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, monkeypatch):
+    """Causal, 4n rows: with zigzag every rank attends the same number of (query, key) pairs; on a
+    contiguous split the last rank attends (2n-1)/n of the mean (minus the diagonal's half). Bytes are
+    the ring's: n - 1 key and value blocks forward, those again and every gradient block backward."""
+    s = 4 * n
+    inputs = _inputs(1, 2, 1, s)
+    shape = tuple(inputs[1].shape)
+    work = _count_work(monkeypatch)
+    results = _check(inputs, True, (n,), (ZIG,), "ring")
+    zigzag = [work[r] for r in range(n)]
+    work.clear()
+    _check(inputs, True, (n,), (SEQ,), "ring")
+    contiguous = [work[r] for r in range(n)]
+    b = s // n  # n diagonal triangles and n(n-1)/2 whole blocks of b x b, on either split
+    assert sum(zigzag) == sum(contiguous) == n * b * (b + 1) // 2 + n * (n - 1) // 2 * b * b
+    assert len(set(zigzag)) == 1, zigzag
+    assert max(contiguous) / (sum(contiguous) / n) > 1.3, contiguous
+    for rank, (_, _, fwd, bwd, _) in enumerate(results):
+        others = sum(_block_bytes(shape, n, j) for j in range(n) if j != rank)
+        everyone = sum(_block_bytes(shape, n, j) for j in range(n))
+        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1)
+        assert sum(e.recv_bytes for e in fwd) == 2 * others
+        assert sum(e.recv_bytes for e in bwd) == 2 * others + 2 * everyone
+
+
+@pytest.mark.parametrize("method, kinds", [("auto", {"send_recv"}), ("ulysses", {"all_to_all"})])
+def test_zigzag_causal_takes_the_ring_unless_another_method_is_forced(method, kinds):
+    """"auto" keeps a zigzag split on the ring (the layout exists for it); forced Ulysses first recuts
+    q, k, v to the contiguous split (an all-to-all each), then runs as on a contiguous split."""
+    results = _check(_inputs(1, 4, 4, 8), True, (2,), (ZIG,), method)
+    assert _kinds(results[0][2]) == kinds
