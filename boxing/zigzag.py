@@ -62,6 +62,10 @@ def _steps(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: Pl
         return list(sub.steps) + [_local_step("unzigzag", src, dst, world)], sub.lower_bound
     if zd is not None and not _cuts(src, zd[1]):
         sub = plain(src, dst.zigzag_as_split(), shape, dtype)
+        if [st.primitive for st in sub.steps] == ["slice"] and src.placement == dst.placement and all(
+                a == zd[0] or s == t for a, (s, t) in enumerate(zip(src.sbp, dst.sbp))):
+            # Broadcast -> zigzag on one axis: each rank takes its two chunks (no permuted copy of the whole)
+            return [_local_step("zigzag_slice", src, dst, world)], sub.lower_bound
         return [_local_step("zigzag", src, dst, world)] + list(sub.steps), sub.lower_bound
     if zs is not None:  # d is cut contiguously on the other side: recut to Split(d), then onwards
         mid = src.zigzag_as_split()
@@ -75,7 +79,8 @@ def _steps(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: Pl
 
 
 def _local_step(kind: str, src: Layout, dst: Layout, world: int) -> Step:
-    """Each rank permutes its whole dim d: into zigzag order ("zigzag") or back ("unzigzag")."""
+    """Each rank permutes its whole dim d: into zigzag order ("zigzag") or back ("unzigzag"), or takes
+    its two chunks of it ("zigzag_slice")."""
     return Step(kind, src, dst, None, (0,) * world, 0)
 
 
@@ -158,6 +163,17 @@ def _compile_permute(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     return permute
 
 
+def _compile_take(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
+    if rank not in step.src.placement:
+        return None
+    axis, d, _ = _zig(step.dst)
+    chunks = step.dst.ranges(shape, rank)[d]  # the source holds d whole: global rows are local rows
+
+    def take(local: torch.Tensor, comm) -> torch.Tensor:
+        return torch.cat([local.narrow(d, start, n) for start, n in chunks], d)
+    return take
+
+
 def _compile_recut(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     if rank not in step.src.placement:
         return None
@@ -194,6 +210,7 @@ def _compile_recut(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     return recut
 
 
-COMPILE = {"zigzag": _compile_permute, "unzigzag": _compile_permute, "recut": _compile_recut}
+COMPILE = {"zigzag": _compile_permute, "unzigzag": _compile_permute, "zigzag_slice": _compile_take,
+           "recut": _compile_recut}
 
 __all__ = ["plan", "COMPILE"]

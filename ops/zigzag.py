@@ -175,12 +175,14 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
     mask = args[mask_i] if len(args) > mask_i else kwargs.get("attn_mask")
     if len(tensors) != n_main or mask is not None or dropout or q.shape[SEQ] != k.shape[SEQ]:
         return None
-    if not all(isinstance(t, zig) for t in main) or len({_zig(t._layout) for t in main}) != 1:
+    qkv = args[first_qkv:first_qkv + 3]
+    if not all(isinstance(t, zig) for t in qkv) or len({_zig(t._layout) for t in qkv}) != 1:
         return None
-    axis, dim, parts = _zig(main[0]._layout)
-    if dim != SEQ:
+    axis, dim, parts = _zig(q._layout)
+    if dim != SEQ or any(t._layout.placement != q._layout.placement for t in main):
         return None
-    read = lambda t, i: _read_as_split(t, plain)
+    # q, k, v zigzag; the backward's grad_out (Broadcast from out.sum(), say) is put into zigzag order
+    read = lambda t, i: _to_reading(t, axis, SEQ, parts, plain, zig, q._layout.placement)
     new_args, new_kwargs = map_tensors(args, kwargs, read)
     if not causal:  # every row alike: any method, on the zigzag reading
         out = dispatch(func, new_args, new_kwargs, plain)

@@ -340,3 +340,23 @@ def test_zigzag_causal_takes_the_ring_unless_another_method_is_forced(method, ki
     q, k, v to the contiguous split (an all-to-all each), then runs as on a contiguous split."""
     results = _check(_inputs(1, 4, 4, 8), True, (2,), (ZIG,), method)
     assert _kinds(results[0][2]) == kinds
+
+
+def test_zigzag_backward_from_a_broadcast_gradient_stays_on_the_ring():
+    """out.sum().backward(): the gradient arrives Broadcast and is sliced into zigzag order locally;
+    the backward is the ring's messages only, and q's gradient is zigzag."""
+    inputs = _inputs(1, 3, 3, 8)
+    xs = [t.clone().requires_grad_() for t in inputs]
+    _attend(*xs, True).sum().backward()
+
+    def body():
+        p = mesh_placement((2,))
+        q, k, v = (gt.to_global(t, p, ZIG).requires_grad_() for t in inputs)
+        out = _attend(q, k, v, True)
+        with gt.comm_log() as log:
+            out.sum().backward()
+        return _kinds(log.events), q.grad.sbp, [t.grad.full_tensor() for t in (q, k, v)]
+    for kinds, sbp, grads in gt.launch(body, 2):
+        assert kinds == {"send_recv"} and sbp == (ZIG,)
+        for g, x in zip(grads, xs):
+            torch.testing.assert_close(g, x.grad, **TOL)
