@@ -4,6 +4,10 @@
     python bench/long_seq.py --quick          # 2 processes, 2k and 4k
     python bench/long_seq.py --no-causal      # all-gather-KV too (it is offered without causal only)
 
+Causal runs add "ring-zigzag": the ring on q, k, v laid out `gt.zigzag(2)` (rank i holding chunks i
+and 2n-1-i of 2n), which gives every rank the same causal work where a contiguous split gives the
+last rank (2n-1)/n of the mean.
+
 Every process runs one thread (`torch.set_num_threads(1)`); the baseline is one process holding the
 whole sequence. Per method: forward + backward of `F.scaled_dot_product_attention` on q, k, v
 `[1, heads, seq, 64]` fp32 split on the sequence (each rank draws its own shard, `gt.from_local`),
@@ -60,9 +64,13 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict
     shape = (1, heads, seq, HEAD_DIM)
     local = (1, heads, seq // n + (gt.rank() < seq % n), HEAD_DIM)
     torch.manual_seed(gt.rank())
-    q, k, v = (gt.from_local(torch.randn(local), p, gt.split(2), shape=shape).requires_grad_() for _ in range(3))
+    inputs = {sbp: [gt.from_local(torch.randn(local), p, sbp, shape=shape).requires_grad_() for _ in range(3)]
+              for sbp in (gt.split(2), gt.zigzag(2))}  # a zigzag shard has the contiguous one's shape
 
     def step(method):
+        q, k, v = inputs[gt.zigzag(2) if method == "ring-zigzag" else gt.split(2)]
+        method = "ring" if method == "ring-zigzag" else method
+
         def run():
             with gt.attention_method(method):
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -122,7 +130,7 @@ def main() -> None:
     seqs = [2048, 4096] if args.quick else [int(s) for s in args.seqs.split(",")]
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     causal = not args.no_causal
-    methods = ["ring", "ulysses"] + ([] if causal else ["allgather"])
+    methods = ["ring", "ulysses"] + (["ring-zigzag"] if causal else ["allgather"])
     rows, data = [], []
     for seq in seqs:
         one = gt.launch(_alone, 1, backend="gloo", args=(seq, args.heads, causal, args.reps))[0]
