@@ -146,7 +146,7 @@ def _lower_bound(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, wor
 # -- execution ------------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _order(length: int, parts: int, inverse: bool) -> torch.Tensor:
-    order = torch.tensor(zigzag_order(length, parts))
+    order = torch.tensor(zigzag_order(length, parts), dtype=torch.long)
     return torch.argsort(order) if inverse else order
 
 

@@ -126,7 +126,7 @@ def _from_reading(o: Any, axis: int, dim: int, parts: int, plain: type) -> Any:
     if not _cuts(layout, dim):  # every rank holds the whole dim, in zigzag order: put it back
         local = o._local
         if local.dim() > dim:
-            order = torch.argsort(torch.tensor(zigzag_order(o.shape[dim], parts))).to(local.device)
+            order = torch.argsort(torch.tensor(zigzag_order(o.shape[dim], parts), dtype=torch.long)).to(local.device)
             local = local.index_select(dim, order)
         return plain(local, layout, tuple(o.shape))
     sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]

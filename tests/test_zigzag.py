@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.sbp import split_sizes, zigzag_ranges
@@ -175,3 +176,41 @@ def test_bad_zigzag_layouts_name_the_sbp():
         gt.Layout(p, (gt.zigzag(0), gt.broadcast)).shard((4, 4), 0)
     with pytest.raises(ValueError, match="splits dim 2"):
         gt.Layout(p, (gt.zigzag(2), gt.broadcast)).check_shape((4, 4))
+
+
+@st.composite
+def _zigzag_conversions(draw):
+    """A mesh of one or two axes, a shape, and two layouts of it of which at least one is zigzag (on any
+    axis, any dim; the other axes split other dims, broadcast or, in the source, are partial)."""
+    mesh = draw(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
+
+    def layout(zigzag: bool, partial: bool) -> tuple:
+        sbp = [draw(st.sampled_from([gt.broadcast] + [gt.split(d) for d in range(len(shape))]
+                                    + ([gt.partial_sum] if partial else []))) for _ in mesh]
+        if zigzag:
+            axis, dim = draw(st.integers(0, len(mesh) - 1)), draw(st.integers(0, len(shape) - 1))
+            sbp = [gt.broadcast if isinstance(s, gt.Split) and s.dim == dim else s for s in sbp]
+            sbp[axis] = gt.zigzag(dim)
+        return tuple(sbp)
+    first = draw(st.booleans())
+    return mesh, shape, layout(first, True), layout(not first or draw(st.booleans()), False)
+
+
+@settings(max_examples=12)
+@given(_zigzag_conversions(), st.integers(0, 2 ** 16))
+def test_any_zigzag_conversion_keeps_values_and_moves_the_plans_bytes(case, seed):
+    mesh, shape, src, dst = case
+    torch.manual_seed(seed)
+    full = torch.randn(shape, dtype=D)
+
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(full, p, src)
+        plan = gt.boxing.plan(x.global_layout, gt.Layout(p, dst), shape, D)
+        with gt.comm_log() as log:
+            y = x.to_global(p, dst)
+        return torch.equal(y.full_tensor(), full), log.recv_bytes == plan.recv_bytes_of(gt.rank()), \
+            plan.lower_bound is None or all(a >= b for a, b in zip(plan.recv_bytes, plan.lower_bound))
+    for ok in gt.launch(body, math.prod(mesh)):
+        assert ok == (True, True, True), (src, dst, shape)
