@@ -47,6 +47,8 @@ class Layout:
         object.__setattr__(self, "sbp", normalize_sbp(sbp, placement.ndim))
         _check_zigzag(self.sbp)
         object.__setattr__(self, "_hash", hash((placement, self.sbp)))
+        # read on every wrap and in-place layout change: worked out once
+        object.__setattr__(self, "_zigzag_axes", tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag)))
 
     # layouts key every cache (plans, dispatch decisions): hash once, compare identical objects at once
     def __hash__(self) -> int:
@@ -78,7 +80,7 @@ class Layout:
 
     @property
     def zigzag_axes(self) -> tuple[int, ...]:
-        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag))
+        return self._zigzag_axes
 
     def zigzag_as_split(self) -> "Layout":
         """The same shards read as `Split`: the layout of the tensor with its zigzag dim in zigzag order
