@@ -10,7 +10,7 @@ from .grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
-from .ops import attention_method, check_replicated, reset_stats, stats
+from .ops import StepPlan, attention_method, check_replicated, reset_stats, stats, step_plan
 from .report import comm_report
 from .visualize import visualize
 from .explain import explain
@@ -20,4 +20,4 @@ __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Pla
            "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain", "attention_method"]
+           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan"]
