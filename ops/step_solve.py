@@ -103,35 +103,73 @@ def _add(a: tuple, b: tuple) -> tuple:
 
 
 class _Search:
+    """The search's state: a choice per call. Layouts are numbered once, so that comparing and looking
+    up conversions is integer work (the search weighs each value's readers many times)."""
+
     def __init__(self, g: Graph) -> None:
         self.g = g
         self.choice = [c.chosen for c in g.calls]
         self.own = [[_score(b) for b in c.bills] or [ZERO] for c in g.calls]  # a decomposition: nothing own
+        ids: dict = {}
+        self.layouts: list = []
+
+        def num(lay: Optional[Layout]) -> int:
+            if lay is None:
+                return -1
+            i = ids.get(lay)
+            if i is None:
+                i = ids[lay] = len(self.layouts)
+                self.layouts.append(lay)
+            return i
+        self.targets = [[tuple(num(t) for t in ts) for ts, _ in c.cands] for c in g.calls]
+        self.outs = [[tuple(num(o) for o in os) for _, os in c.cands] for c in g.calls]
+        self.fixed = [num(v.fixed) for v in g.values]
+        self.partial = [lay.has_partial for lay in self.layouts]
+        # per value: its readers as (call, slot, group key for the non-Partial dedupe)
+        self.readers = [[(k, r.slot, ("call", k) if r.group is None else ("node", r.group)) for k, r in v.readers]
+                        for v in g.values]
+        self._bills: dict = {}
 
     def layout_of(self, v: int) -> Layout:
+        i = self._source(v)
+        return None if i < 0 else self.layouts[i]
+
+    def _source(self, v: int) -> int:
+        p = self.g.values[v].producer
+        if p is None:
+            return self.fixed[v]
+        return self.outs[p[0]][self.choice[p[0]]][p[1]]
+
+    def _bill(self, v: int, src: int, dst: int) -> tuple:
+        """Score of converting value v from layout src to dst (dst -1: what it owes unread)."""
         val = self.g.values[v]
-        if val.producer is None:
-            return val.fixed
-        k, j = val.producer
-        return self.g.calls[k].cands[self.choice[k]][1][j]
+        key = (src, dst, val.shape, val.dtype)
+        got = self._bills.get(key)
+        if got is None:
+            lay = self.layouts[src]
+            got = self._bills[key] = _score(owed_by(lay, val.shape, val.dtype) if dst < 0 else
+                                            conversion_cost(lay, self.layouts[dst], val.shape, val.dtype))
+        return got
 
     def value_cost(self, v: int) -> tuple:
-        val = self.g.values[v]
-        src = self.layout_of(v)
-        if src is None:
+        src = self._source(v)
+        if src < 0:
             return ZERO
-        if not val.readers:
-            return _score(owed_by(src, val.shape, val.dtype)) if val.owes and src.has_partial else ZERO
+        readers = self.readers[v]
+        partial = self.partial[src]
+        if not readers:
+            return self._bill(v, src, -1) if partial and self.g.values[v].owes else ZERO
         total, seen = ZERO, set()
-        for k, r in val.readers:
-            dst = self.g.calls[k].cands[self.choice[k]][0][r.slot]
+        choice, targets = self.choice, self.targets
+        for k, slot, group in readers:
+            dst = targets[k][choice[k]][slot]
             if dst == src:
                 continue
-            once = dst if src.has_partial else (("call", k) if r.group is None else ("node", r.group), dst)
+            once = dst if partial else (group, dst)
             if once in seen:
                 continue
             seen.add(once)
-            total = _add(total, _score(conversion_cost(src, dst, val.shape, val.dtype)))
+            total = _add(total, self._bill(v, src, dst))
         return total
 
     def touched(self, calls: tuple) -> set:
