@@ -10,7 +10,8 @@ from .grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
-from .ops import StepPlan, attention_method, check_replicated, reset_stats, stats, step_plan
+from .ops import attention_method, check_replicated, reset_stats, stats
+from .ops.step_plan import StepPlan, step_plan
 from .report import comm_report
 from .visualize import visualize
 from .explain import explain

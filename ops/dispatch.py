@@ -83,20 +83,24 @@ def _planned(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
                 _OPTIONS.clear()
             opts = _OPTIONS[key] = options(func, args, kwargs, tensors, cls)
         out = program(args, kwargs)
+        plan.end_call(k)
         plan.record(k, func, tensors, opts, program.decision, out, cls)  # type: ignore[attr-defined]
         return out
-    forced = plan.next_choice(func)
-    if forced is None:
-        return _program_for(func, args, kwargs, cls)(args, kwargs)
-    key = _key_of(func, args, kwargs, cls) + (_Steered(forced),)
-    program = _PROGRAMS.get(key)
-    if program is None:
-        dec = decide(func, args, kwargs, _tensors_of(args, kwargs), cls, forced=forced)
-        if dec is None:  # the recorded choice does not fit this call: op by op from here on
-            plan.lost()
+    forced, token = plan.enter(func)
+    try:
+        if forced is None:
             return _program_for(func, args, kwargs, cls)(args, kwargs)
-        program = _store(key, compile_program(func, dec, args, kwargs, cls))
-    return program(args, kwargs)
+        key = _key_of(func, args, kwargs, cls) + (_Steered(forced),)
+        program = _PROGRAMS.get(key)
+        if program is None:
+            dec = decide(func, args, kwargs, _tensors_of(args, kwargs), cls, forced=forced)
+            if dec is None:  # the recorded choice does not fit this call: op by op from here on
+                plan.lost()
+                return _program_for(func, args, kwargs, cls)(args, kwargs)
+            program = _store(key, compile_program(func, dec, args, kwargs, cls))
+        return program(args, kwargs)
+    finally:
+        plan.leave(token)
 
 
 class _Steered:

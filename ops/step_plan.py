@@ -61,7 +61,7 @@ class StepPlan:
     """
 
     def __init__(self) -> None:
-        self.choices: Optional[list] = None       # per call: (func, (targets, out_layouts) or None)
+        self.choices: Optional[list] = None       # per call: (func, (targets, out_layouts) or None, calls inside)
         self.graph: Optional[Graph] = None         # the last recorded step
         self.recorded_cost: Optional[tuple] = None
         self.solved_cost: Optional[tuple] = None
@@ -69,6 +69,7 @@ class StepPlan:
         self.runs = 0
         self._rec: Optional[_Recording] = None
         self._k = 0
+        self._open: list = []                      # per call running now: where its recorded calls end
         self._outer: Optional[StepPlan] = None
 
     # -- the context ------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ class StepPlan:
         if ACTIVE.plan is self:
             raise RuntimeError("this step plan is already open: a plan covers one step at a time")
         self._outer, ACTIVE.plan = ACTIVE.plan, self
-        self._k = 0
+        self._k, self._open = 0, []
         if self.choices is None:
             self._rec = _Recording()
             self.steering = False
@@ -93,7 +94,8 @@ class StepPlan:
         if rec is not None:
             chosen, self.recorded_cost, self.solved_cost = solve(rec.graph)
             self.graph = rec.graph
-            self.choices = [(c.func, c.cands[i] if c.steer else None) for c, i in zip(rec.graph.calls, chosen)]
+            self.choices = [(c.func, c.cands[i] if c.steer else None, c.span)
+                            for c, i in zip(rec.graph.calls, chosen)]
         elif not self.steering or self._k != len(self.choices):  # the run went elsewhere: record the next
             self.choices = None
             self.steering = False
@@ -103,16 +105,32 @@ class StepPlan:
         return self._rec is not None
 
     # -- steering ---------------------------------------------------------------------------------------
-    def next_choice(self, func: Any) -> Optional[tuple]:
-        """The solved (targets, out_layouts) for this run's next call; None: decide it as usual."""
+    def enter(self, func: Any) -> tuple[Optional[tuple], Any]:
+        """(the solved (targets, out_layouts) for the call now starting, or None: decide it as usual;
+        a token for `leave` when it ends).
+
+        Calls are matched by position, a decomposition's own calls nested in it. Where a layout makes
+        an op decompose in one run and not in the other (a softmax over a dim one layout splits), the
+        calls inside are skipped or left undecided, so the calls after it still match."""
         if not self.steering:
-            return None
+            return None, None
         k = self._k
-        self._k += 1
-        if k >= len(self.choices) or self.choices[k][0] is not func:
+        if k >= (self._open[-1] if self._open else len(self.choices)):  # inside a call the recording ran whole
+            self._open.append(k)
+            return None, k
+        func_was, choice, span = self.choices[k]
+        if func_was is not func:
             self.lost()
-            return None
-        return self.choices[k][1]
+            return None, None
+        self._k = k + 1
+        end = k + 1 + span
+        self._open.append(end)
+        return choice, end
+
+    def leave(self, token: Any) -> None:
+        if token is not None and self.steering:
+            self._open.pop()
+            self._k = token
 
     def lost(self) -> None:
         """This run's calls no longer follow the recorded ones: decide op by op; record at the next run."""
@@ -122,6 +140,11 @@ class StepPlan:
     def begin_call(self, func: Any) -> int:
         """The number of the call now starting (a decomposition's own calls come after it)."""
         return self._rec.graph.add_call(func)
+
+    def end_call(self, k: int) -> None:
+        """Call k has returned: the calls after it up to now ran inside it (a decomposition)."""
+        g = self._rec.graph
+        g.calls[k].span = len(g.calls) - k - 1
 
     def record(self, k: int, func: Any, tensors: list, opts: Optional[tuple], dec: Decision, out: Any,
                cls: type) -> None:

@@ -57,6 +57,7 @@ class Call:
     reads: list = field(default_factory=list)   # [Read]
     made: list = field(default_factory=list)    # per output: value id or None
     steer: bool = False                         # a kernel decision: the plan may choose for it
+    span: int = 0                               # calls made inside it (a decomposition's)
 
 
 @dataclass
