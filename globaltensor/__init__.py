@@ -11,6 +11,7 @@ from .tensor import GlobalTensor, ZigzagTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
 from .ops import attention_method, check_replicated, reset_stats, stats
+from .ops.step_plan import StepPlan, step_plan
 from .report import comm_report
 from .visualize import visualize
 from .explain import explain
@@ -21,4 +22,4 @@ __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Pla
            "Zigzag", "zigzag", "ZigzagTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain", "attention_method"]
+           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan"]

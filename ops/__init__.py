@@ -5,5 +5,6 @@ from . import indexing, norm, sorting  # noqa: F401
 from . import batchnorm, datadependent, scalar, variance  # noqa: F401
 from .attention import attention_method
 from .dispatch import check_replicated, clear_cache, reset_stats, stats
+from . import step_plan as _step_plan  # noqa: F401  (gt.step_plan, gt.StepPlan come from it)
 
 __all__ = ["attention_method", "stats", "reset_stats", "check_replicated", "clear_cache"]

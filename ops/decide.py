@@ -92,8 +92,48 @@ def placement_of(func: Any, tensors: list, cls: type) -> Any:
     return places.pop()
 
 
-def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Decision:
-    """The decision for this call; `tensors` are its tensor arguments in order (GlobalTensor or plain)."""
+def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
+           forced: Optional[tuple] = None) -> Decision:
+    """The decision for this call; `tensors` are its tensor arguments in order (GlobalTensor or plain).
+
+    `forced`: (targets, out_layouts) chosen beforehand for this call (a step plan, `ops/step_plan.py`),
+    taken if the rule's kernel accepts it for these shapes; None if it does not (the caller decides again).
+    """
+    start = _start(func, args, kwargs, tensors, cls)
+    if isinstance(start, Decision):
+        return start
+    ctx, rule, placement, srcs, outs, inplace = start
+    if forced is not None:
+        chosen = forced if _valid(ctx, rule, *forced, placement) else None
+        if chosen is None:
+            return None  # type: ignore[return-value]
+    else:
+        chosen = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
+    if chosen is None:
+        return _fallback(func, placement, srcs, outs, inplace)
+    targets, out_layouts = chosen
+    return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
+                    tuple(None if o is None else o.dtype for o in outs), inplace,
+                    _writes_back(inplace, srcs, targets, out_layouts))
+
+
+def options(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Optional[tuple]:
+    """Every valid choice of this call, for a step plan to weigh against the rest of the step:
+    (ctx, source layouts, [(targets, out_layouts), ...]); None where the call is not a kernel decision
+    (a decomposition, a fallback: nothing to choose)."""
+    start = _start(func, args, kwargs, tensors, cls)
+    if isinstance(start, Decision):
+        return None
+    ctx, rule, placement, srcs, outs, inplace = start
+    found = [c for c in _laid(ctx, rule, srcs, tensors, placement, outs)
+             if signature_cost(ctx, srcs, tensors, *c, outs, inplace)[0] != float("inf")
+             and _valid(ctx, rule, *c, placement)]
+    return (ctx, srcs, found) if found else None
+
+
+def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Any:
+    """Either the decision already (decomposition, fallback) or what choosing a signature needs:
+    (ctx, rule, placement, source layouts, meta outputs, in-place)."""
     placement = placement_of(func, tensors, cls)
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
     srcs = tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
@@ -118,13 +158,7 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> De
               tuple(None if o is None else tuple(o.shape) for o in outs), meta_args, meta_kwargs, placement.shape)
     if rule.decompose is not None and rule.decompose_when(ctx, srcs):
         return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False)
-    chosen = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
-    if chosen is None:
-        return _fallback(func, placement, srcs, outs, inplace)
-    targets, out_layouts = chosen
-    return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
-                    tuple(None if o is None else o.dtype for o in outs), inplace,
-                    _writes_back(inplace, srcs, targets, out_layouts))
+    return ctx, rule, placement, srcs, outs, inplace
 
 
 def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple) -> bool:
@@ -239,14 +273,7 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
     A signature is only taken if the local kernel, run on meta shards of every
     rank, yields exactly the shards its output layouts describe.
     """
-    n_in, n_out = len(tensors), len(outs)
-    cands = axis_candidates(ctx, rule, n_in, n_out)
-    combos = list(itertools.islice(itertools.product(*[cands] * placement.ndim), MAX_COMBOS))
-
-    laid = [(tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in)),
-             tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
-                   for j in range(n_out)))
-            for combo in combos]
+    laid = _laid(ctx, rule, srcs, tensors, placement, outs)
 
     def owes_nothing(targets: tuple, out_layouts: tuple) -> bool:
         if targets != srcs:
@@ -278,6 +305,17 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
         if _valid(ctx, rule, *laid[k], placement):
             return laid[k]
     return None
+
+
+def _laid(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, outs: list) -> list:
+    """The nd signatures as (input layouts, output layouts), in the rule's order."""
+    n_in, n_out = len(tensors), len(outs)
+    cands = axis_candidates(ctx, rule, n_in, n_out)
+    combos = itertools.islice(itertools.product(*[cands] * placement.ndim), MAX_COMBOS)
+    return [(tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in)),
+             tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
+                   for j in range(n_out)))
+            for combo in combos]
 
 
 def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:

@@ -14,13 +14,14 @@ import itertools
 from typing import Any, Optional
 
 from ..runtime.trace import FLAGS as _TRACING, pop_op, push_op
-from .decide import Decision, decide, map_tensors
+from .decide import Decision, decide, map_tensors, options
 from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
 from .program import Program, compile_program
 from .registry import RULES
 from .scope import _DEPTH, enter_named, leave_named
 from .stats import _WARNED, reset_stats, stats
+from .step_plan import ACTIVE as _STEP
 
 MAX_PROGRAMS = 16384
 _PROGRAMS: dict[tuple, Program] = {}
@@ -34,18 +35,22 @@ def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
     kwargs = kwargs or _NO_KWARGS
     if _TRACING.on:  # a gt.comm_report() is open: note the op, so its collectives can say which op needed them
         return _traced(func, args, kwargs, cls)
+    if _STEP.plan is not None:
+        return _planned(func, args, kwargs, cls)
     return _program_for(func, args, kwargs, cls)(args, kwargs)
 
 
 def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     push_op(func, args)
     try:
+        if _STEP.plan is not None:
+            return _planned(func, args, kwargs, cls)
         return _program_for(func, args, kwargs, cls)(args, kwargs)
     finally:
         pop_op()
 
 
-def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
+def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
     keying = _KEYING.get(func)
     if keying is None:
         rule = RULES.get(func)
@@ -53,16 +58,81 @@ def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
     key = call_key(func, args, kwargs, cls, *keying)
     if _DEPTH.value:
         key += (_NAMED,)
+    return key
+
+
+def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
+    key = _key_of(func, args, kwargs, cls)
     program = _PROGRAMS.get(key)
     if program is None:
         program = _compile(key, func, args, kwargs, cls)
     return program
 
 
-def _compile(key: tuple, func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
+def _planned(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
+    """A call inside a step plan (`ops/step_plan.py`): recorded with its choices, or steered by the plan."""
+    plan = _STEP.plan
+    if plan.recording:
+        k = plan.begin_call(func)
+        key = _key_of(func, args, kwargs, cls)
+        program = _PROGRAMS.get(key) or _compile(key, func, args, kwargs, cls)
+        tensors = _tensors_of(args, kwargs)
+        opts = _OPTIONS.get(key, _NONE)
+        if opts is _NONE:
+            if len(_OPTIONS) >= MAX_PROGRAMS:
+                _OPTIONS.clear()
+            opts = _OPTIONS[key] = options(func, args, kwargs, tensors, cls)
+        out = program(args, kwargs)
+        plan.end_call(k)
+        plan.record(k, func, tensors, opts, program.decision, out, cls)  # type: ignore[attr-defined]
+        return out
+    forced, token = plan.enter(func)
+    try:
+        if forced is None:
+            return _program_for(func, args, kwargs, cls)(args, kwargs)
+        key = _key_of(func, args, kwargs, cls) + (_Steered(forced),)
+        program = _PROGRAMS.get(key)
+        if program is None:
+            dec = decide(func, args, kwargs, _tensors_of(args, kwargs), cls, forced=forced)
+            if dec is None:  # the recorded choice does not fit this call: op by op from here on
+                plan.lost()
+                return _program_for(func, args, kwargs, cls)(args, kwargs)
+            program = _store(key, compile_program(func, dec, args, kwargs, cls))
+        return program(args, kwargs)
+    finally:
+        plan.leave(token)
+
+
+class _Steered:
+    """A key mark: the decision a step plan chose for this call (compared by the choice)."""
+    __slots__ = ("choice", "_hash")
+
+    def __init__(self, choice: tuple) -> None:
+        self.choice, self._hash = choice, hash(choice)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Steered) and other.choice == self.choice
+
+
+_NONE = object()
+_OPTIONS: dict = {}  # call key -> its valid choices (`decide.options`), for recording step plans
+
+
+def _tensors_of(args: tuple, kwargs: dict) -> list:
     tensors: list = []
     map_tensors(args, kwargs, lambda t, i: tensors.append(t))
-    program = compile_program(func, decide(func, args, kwargs, tensors, cls), args, kwargs, cls)
+    return tensors
+
+
+def _compile(key: tuple, func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
+    return _store(key, compile_program(func, decide(func, args, kwargs, _tensors_of(args, kwargs), cls),
+                                       args, kwargs, cls))
+
+
+def _store(key: tuple, program: Program) -> Program:
     if len(_PROGRAMS) >= MAX_PROGRAMS:  # drop the oldest quarter (insertion order)
         for old in list(itertools.islice(_PROGRAMS, MAX_PROGRAMS // 4)):
             del _PROGRAMS[old]
@@ -88,6 +158,7 @@ def check_replicated(enabled: bool = True) -> None:
 def clear_cache() -> None:
     _PROGRAMS.clear()
     _KEYING.clear()
+    _OPTIONS.clear()
 
 
 __all__ = ["run", "decision_of", "cache_size", "check_replicated", "clear_cache", "stats", "reset_stats",

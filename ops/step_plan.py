@@ -1,0 +1,230 @@
+"""A step plan: the layouts of a whole step chosen together, not one op at a time.
+
+Op by op, a decision sees only its own bill (its inputs' boxing, what its
+outputs still owe). It cannot see that the layout it picks for an output makes
+the next op's choice dear: a flat MoE layer's combine all-to-alls an expert
+output that its next matmul all-gathers; AdamW with fewer rows than ranks
+reduces the gradient into the layout cheapest for `lerp_` alone and pays an
+all-to-all in every later state update. A step plan sees the whole step:
+
+1. The first run (recording) decides op by op as usual, and writes down each
+   call: its valid choices (`ops/decide.py:options`), which values it reads
+   (made by which earlier call, or laid out by the user) and which it makes.
+2. On leaving it, `ops/step_solve.py` picks one choice per call so that the
+   whole step's bill is least: every value's conversions to what its readers
+   want, the kernels' own sends, what is left owing at the end.
+3. Later runs take, at their k-th call, the k-th call's chosen choice (the
+   dispatcher caches it like any decision). A call that differs from the
+   recorded one (another op, or the choice no longer valid for its shapes)
+   ends the steering for the rest of that run, and the next run records
+   again: control flow that changes is followed, never forced.
+
+A plan steers the thread that opened it: one simulated rank, or one process.
+Every rank records and solves the same program, so they take the same choices.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..layout import Layout
+from .decide import Decision, conversion_cost, flatten_out
+from .registry import RULES
+from .scope import in_named
+from .step_solve import Graph, Read, solve
+
+
+class _Active(threading.local):
+    plan: Optional["StepPlan"] = None
+
+
+ACTIVE = _Active()
+
+
+@dataclass
+class _Recording:
+    graph: Graph = field(default_factory=Graph)
+    tags: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor -> value id
+    nodes: dict = field(default_factory=dict)  # id(autograd node) -> (node, group number): held while recording
+
+
+class StepPlan:
+    """`with plan:` around a step (forward, backward, optimizer): see the module docstring.
+
+    `plan.steering`: whether the last run followed the solved choices to its end.
+    `plan.solved_cost` and `plan.recorded_cost`: the step's bill (most bytes a rank receives, summed
+    over the step's conversions; all ranks' bytes; collectives) under the solved and op-by-op choices.
+    """
+
+    def __init__(self) -> None:
+        self.choices: Optional[list] = None       # per call: (func, (targets, out_layouts) or None, calls inside)
+        self.graph: Optional[Graph] = None         # the last recorded step
+        self.recorded_cost: Optional[tuple] = None
+        self.solved_cost: Optional[tuple] = None
+        self.steering = False
+        self.runs = 0
+        self._rec: Optional[_Recording] = None
+        self._k = 0
+        self._open: list = []                      # per call running now: where its recorded calls end
+        self._outer: Optional[StepPlan] = None
+
+    # -- the context ------------------------------------------------------------------------------------
+    def __enter__(self) -> "StepPlan":
+        if ACTIVE.plan is self:
+            raise RuntimeError("this step plan is already open: a plan covers one step at a time")
+        self._outer, ACTIVE.plan = ACTIVE.plan, self
+        self._k, self._open = 0, []
+        if self.choices is None:
+            self._rec = _Recording()
+            self.steering = False
+        else:
+            self.steering = True
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        ACTIVE.plan, self._outer = self._outer, None
+        self.runs += 1
+        rec, self._rec = self._rec, None
+        if kind is not None:
+            return
+        if rec is not None:
+            chosen, self.recorded_cost, self.solved_cost = solve(rec.graph)
+            self.graph = rec.graph
+            self.choices = [(c.func, c.cands[i] if c.steer else None, c.span)
+                            for c, i in zip(rec.graph.calls, chosen)]
+        elif not self.steering or self._k != len(self.choices):  # the run went elsewhere: record the next
+            self.choices = None
+            self.steering = False
+
+    @property
+    def recording(self) -> bool:
+        return self._rec is not None
+
+    # -- steering ---------------------------------------------------------------------------------------
+    def enter(self, func: Any) -> tuple[Optional[tuple], Any]:
+        """(the solved (targets, out_layouts) for the call now starting, or None: decide it as usual;
+        a token for `leave` when it ends).
+
+        Calls are matched by position, a decomposition's own calls nested in it. Where a layout makes
+        an op decompose in one run and not in the other (a softmax over a dim one layout splits), the
+        calls inside are skipped or left undecided, so the calls after it still match."""
+        if not self.steering:
+            return None, None
+        k = self._k
+        if k >= (self._open[-1] if self._open else len(self.choices)):  # inside a call the recording ran whole
+            self._open.append(k)
+            return None, k
+        func_was, choice, span = self.choices[k]
+        if func_was is not func:
+            self.lost()
+            return None, None
+        self._k = k + 1
+        end = k + 1 + span
+        self._open.append(end)
+        return choice, end
+
+    def leave(self, token: Any) -> None:
+        if token is not None and self.steering:
+            self._open.pop()
+            self._k = token
+
+    def lost(self) -> None:
+        """This run's calls no longer follow the recorded ones: decide op by op; record at the next run."""
+        self.steering = False
+
+    # -- recording --------------------------------------------------------------------------------------
+    def begin_call(self, func: Any) -> int:
+        """The number of the call now starting (a decomposition's own calls come after it)."""
+        return self._rec.graph.add_call(func)
+
+    def end_call(self, k: int) -> None:
+        """Call k has returned: the calls after it up to now ran inside it (a decomposition)."""
+        g = self._rec.graph
+        g.calls[k].span = len(g.calls) - k - 1
+
+    def record(self, k: int, func: Any, tensors: list, opts: Optional[tuple], dec: Decision, out: Any,
+               cls: type) -> None:
+        """Call `k` ran with decision `dec`; `opts` are its valid choices (None: nothing to choose)."""
+        rec = self._rec
+        g = rec.graph
+        if dec.kind == "decompose":  # its own calls read and made the values
+            return
+        if opts is None:
+            srcs, cands, chosen, bills = dec.sources, [(dec.targets, dec.out_layouts)], 0, [((), 0)]
+        else:
+            ctx, srcs, cands = opts
+            mine = (dec.targets, dec.out_layouts)
+            if mine not in cands:
+                cands = cands + [mine]
+            chosen = cands.index(mine)
+            bills = [_own_bill(ctx, srcs, c, dec) for c in cands]
+        group = self._group()
+        reads = []
+        for slot, t in enumerate(tensors):
+            v = self._value_of(t, srcs[slot], cls)
+            reads.append(Read(v, slot, group))
+        outs, _ = flatten_out(out)
+        made = []
+        for j, o in enumerate(outs):
+            if o is None or not isinstance(o, cls):
+                made.append(None)
+                continue
+            if dec.inplace and j == 0:  # the target, written: a new value in its own (fixed) layout
+                v = g.add_value(tuple(o.shape), o.dtype, fixed=o._layout)
+            else:
+                v = g.add_value(tuple(o.shape), o.dtype, producer=(k, j), owes=not in_named())
+            rec.tags[o] = v
+            made.append(v)
+        g.set_call(k, cands, chosen, bills, reads, made, steer=opts is not None)
+
+    def _value_of(self, t: Any, layout: Layout, cls: type) -> int:
+        rec = self._rec
+        v = rec.tags.get(t) if isinstance(t, torch.Tensor) else None
+        if v is None:  # laid out by the user (a parameter, an input) or plain: fixed
+            v = rec.graph.add_value(tuple(t.shape), t.dtype, fixed=layout)
+            if isinstance(t, cls):
+                rec.tags[t] = v
+        return v
+
+    def _group(self) -> Any:
+        """Reads converted once together: one autograd node's in the backward (`ops/inputs.py`)."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        held = self._rec.nodes.get(id(node))
+        if held is None or held[0] is not node:
+            held = self._rec.nodes[id(node)] = (node, len(self._rec.nodes))
+        return held[1]
+
+
+def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[tuple]:
+    """What a choice costs besides its inputs' conversions: the kernel's own sends, an in-place result's
+    conversion back into its target. None: impossible."""
+    targets, out_layouts = choice
+    bills = []
+    rule = RULES.get(ctx.func)
+    if rule is not None and rule.kernel_cost is not None:
+        bills.append(rule.kernel_cost(ctx, srcs, targets, out_layouts))
+    if dec.inplace:
+        bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], dec.out_dtypes[0]))
+    if any(b is None for b in bills):
+        return None
+    per_rank: list = []
+    for vec, _ in bills:
+        per_rank += [0] * max(0, len(vec) - len(per_rank))
+        for r, b in enumerate(vec):
+            per_rank[r] += b
+    return tuple(per_rank), sum(n for _, n in bills)
+
+
+def step_plan() -> StepPlan:
+    """A plan for one step's layouts, chosen together (see `ops/step_plan.py`). Use it as `with plan:`
+    around each step; the first run records, later runs follow."""
+    return StepPlan()
+
+
+__all__ = ["ACTIVE", "StepPlan", "step_plan"]

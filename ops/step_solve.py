@@ -1,0 +1,299 @@
+"""Choosing every call's signature of a recorded step at once (the solver of `ops/step_plan.py`).
+
+The step is a graph: calls, each with its valid choices, and values, each
+made by one call (its layout then depends on that call's choice) or laid out
+by the user (fixed), and read by later calls (each read wants the layout its
+reader's choice names). The bill of a choice of every call:
+
+- per value, its conversions to what its readers want: a Partial value is
+  reduced once per target layout (`ops/inputs.py` remembers the reduction),
+  any other once per reading call, or once per autograd node in the backward
+  (as `ops/inputs.py` converts it);
+- per value that nobody reads and that is still Partial, its cheapest
+  reduction (what it owes, as op-by-op decisions charge it);
+- per call, what its kernel sends itself and an in-place result's conversion
+  back into its target.
+
+Each conversion is scored (most bytes a rank receives, bytes all ranks
+receive, collectives), summed over the step, compared in that order.
+
+The search starts from the op-by-op choices and improves them by local
+moves until none helps: one call's choice at a time given the others, then
+a call and the producer of one of its inputs together (a layout change that
+pays only when both ends move: the MoE combine). It never ends worse than
+op by op, and every choice it can take is one the rule's kernel accepts.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from ..layout import Layout
+from .decide import conversion_cost, owed_by
+
+INF = (float("inf"), 0, 0)
+ZERO = (0, 0, 0)
+MAX_SWEEPS = 20
+WAVE_LIMIT = 64         # calls a trial choice may move after it
+TIME_LIMIT_S = 30.0     # the search stops improving after this (its choices stay valid)
+
+
+@dataclass(frozen=True)
+class Read:
+    value: int
+    slot: int
+    group: Any          # the autograd node reading it (backward), or None
+
+
+@dataclass
+class Call:
+    func: Any
+    cands: list = field(default_factory=list)   # [(targets, out_layouts)]
+    chosen: int = 0
+    bills: list = field(default_factory=list)   # per choice: (bytes per rank, collectives) or None
+    reads: list = field(default_factory=list)   # [Read]
+    made: list = field(default_factory=list)    # per output: value id or None
+    steer: bool = False                         # a kernel decision: the plan may choose for it
+    span: int = 0                               # calls made inside it (a decomposition's)
+
+
+@dataclass
+class Value:
+    shape: tuple
+    dtype: torch.dtype
+    fixed: Optional[Layout] = None
+    producer: Optional[tuple] = None            # (call, output index)
+    owes: bool = True                           # unread and Partial at the end: charged its reduction
+    readers: list = field(default_factory=list)  # [(call, Read)]
+
+
+class Graph:
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.values: list[Value] = []
+
+    def add_call(self, func: Any) -> int:
+        self.calls.append(Call(func))
+        return len(self.calls) - 1
+
+    def add_value(self, shape: tuple, dtype: torch.dtype, fixed: Optional[Layout] = None,
+                  producer: Optional[tuple] = None, owes: bool = True) -> int:
+        self.values.append(Value(shape, dtype, fixed, producer, owes))
+        return len(self.values) - 1
+
+    def set_call(self, k: int, cands: list, chosen: int, bills: list, reads: list, made: list,
+                 steer: bool) -> None:
+        c = self.calls[k]
+        c.cands, c.chosen, c.bills, c.reads, c.made, c.steer = cands, chosen, bills, reads, made, steer
+        for r in reads:
+            self.values[r.value].readers.append((k, r))
+
+
+def _score(bill: Optional[tuple]) -> tuple:
+    if bill is None:
+        return INF
+    vec, n = bill
+    return (max(vec, default=0), sum(vec), n)
+
+
+def _add(a: tuple, b: tuple) -> tuple:
+    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+
+
+class _Search:
+    """The search's state: a choice per call. Layouts are numbered once, so that comparing and looking
+    up conversions is integer work (the search weighs each value's readers many times)."""
+
+    def __init__(self, g: Graph) -> None:
+        self.g = g
+        self.choice = [c.chosen for c in g.calls]
+        self.own = [[_score(b) for b in c.bills] or [ZERO] for c in g.calls]  # a decomposition: nothing own
+        ids: dict = {}
+        self.layouts: list = []
+
+        def num(lay: Optional[Layout]) -> int:
+            if lay is None:
+                return -1
+            i = ids.get(lay)
+            if i is None:
+                i = ids[lay] = len(self.layouts)
+                self.layouts.append(lay)
+            return i
+        self.targets = [[tuple(num(t) for t in ts) for ts, _ in c.cands] for c in g.calls]
+        self.outs = [[tuple(num(o) for o in os) for _, os in c.cands] for c in g.calls]
+        self.fixed = [num(v.fixed) for v in g.values]
+        self.partial = [lay.has_partial for lay in self.layouts]
+        # per value: its readers as (call, slot, group key for the non-Partial dedupe)
+        self.readers = [[(k, r.slot, ("call", k) if r.group is None else ("node", r.group)) for k, r in v.readers]
+                        for v in g.values]
+        self._bills: dict = {}
+
+    def layout_of(self, v: int) -> Layout:
+        i = self._source(v)
+        return None if i < 0 else self.layouts[i]
+
+    def _source(self, v: int) -> int:
+        p = self.g.values[v].producer
+        if p is None:
+            return self.fixed[v]
+        return self.outs[p[0]][self.choice[p[0]]][p[1]]
+
+    def _bill(self, v: int, src: int, dst: int) -> tuple:
+        """Score of converting value v from layout src to dst (dst -1: what it owes unread)."""
+        val = self.g.values[v]
+        key = (src, dst, val.shape, val.dtype)
+        got = self._bills.get(key)
+        if got is None:
+            lay = self.layouts[src]
+            got = self._bills[key] = _score(owed_by(lay, val.shape, val.dtype) if dst < 0 else
+                                            conversion_cost(lay, self.layouts[dst], val.shape, val.dtype))
+        return got
+
+    def value_cost(self, v: int) -> tuple:
+        src = self._source(v)
+        if src < 0:
+            return ZERO
+        readers = self.readers[v]
+        partial = self.partial[src]
+        if not readers:
+            return self._bill(v, src, -1) if partial and self.g.values[v].owes else ZERO
+        total, seen = ZERO, set()
+        choice, targets = self.choice, self.targets
+        for k, slot, group in readers:
+            dst = targets[k][choice[k]][slot]
+            if dst == src:
+                continue
+            once = dst if partial else (group, dst)
+            if once in seen:
+                continue
+            seen.add(once)
+            total = _add(total, self._bill(v, src, dst))
+        return total
+
+    def touched(self, calls: tuple) -> set:
+        vs: set = set()
+        for k in calls:
+            c = self.g.calls[k]
+            vs.update(r.value for r in c.reads)
+            vs.update(v for v in c.made if v is not None)
+        return vs
+
+    def local(self, calls: tuple, values: set) -> tuple:
+        total = ZERO
+        for k in calls:
+            total = _add(total, self.own[k][self.choice[k]])
+        for v in values:
+            total = _add(total, self.value_cost(v))
+        return total
+
+    def total(self) -> tuple:
+        return self.local(tuple(range(len(self.g.calls))), set(range(len(self.g.values))))
+
+    def improve_one(self, k: int) -> bool:
+        values = self.touched((k,))
+        start = self.choice[k]
+        best, best_cost = start, self.local((k,), values)
+        for c in range(len(self.g.calls[k].cands)):
+            if c == start:
+                continue
+            self.choice[k] = c
+            cost = self.local((k,), values)
+            if cost < best_cost:
+                best, best_cost = c, cost
+        self.choice[k] = best
+        return best != start
+
+    def paying(self, k: int) -> bool:
+        """Whether call k's choice or a value it touches costs something (only there can a move help)."""
+        return self.own[k][self.choice[k]] != ZERO or any(self.value_cost(v) != ZERO
+                                                          for v in self.touched((k,)))
+
+    def followers(self, k: int) -> list:
+        """Calls whose best choice may follow k's, each with how it follows: the readers of what k makes
+        and the other readers of what k reads follow by their inputs ("down": a Partial value read in
+        one layout by all of them is reduced once), the makers of what k reads by everything they
+        touch ("up": they make what k now wants)."""
+        g, out = self.g, {}
+        c = g.calls[k]
+        for v in [r.value for r in c.reads] + [v for v in c.made if v is not None]:
+            for j, _ in g.values[v].readers:
+                out[j] = "down"
+        for r in c.reads:
+            p = g.values[r.value].producer
+            if p is not None:
+                out.setdefault(p[0], "up")
+        out.pop(k, None)
+        return sorted((j, how) for j, how in out.items() if g.calls[j].steer and len(g.calls[j].cands) > 1)
+
+    def follow(self, j: int) -> bool:
+        """Call j re-chooses by its inputs alone (its own bill and what its reads cost), as if what reads
+        its outputs will follow it in turn."""
+        reads = {r.value for r in self.g.calls[j].reads}
+        start = self.choice[j]
+        best, best_cost = start, None
+        for c in range(len(self.g.calls[j].cands)):
+            self.choice[j] = c
+            cost = self.own[j][c]
+            for v in reads:
+                cost = _add(cost, self.value_cost(v))
+            if best_cost is None or cost < best_cost:
+                best, best_cost = c, cost
+        self.choice[j] = best
+        return best != start
+
+    def improve_wave(self, k: int) -> bool:
+        """Try each other choice of k, and let the calls around it follow (`followers`) as far as they
+        change, like an SBP inferred forward and backward; keep the best outcome if the calls it changed
+        cost less together.
+
+        A layout change often pays only once the views and pointwise ops after it follow it (eight calls
+        in a MoE combine's backward): one call at a time, each step of the way is dearer."""
+        start = list(self.choice)
+        best_gain, best_choice = ZERO, None
+        for c in range(len(self.g.calls[k].cands)):
+            if c == start[k]:
+                continue
+            self.choice[k] = c
+            moved, queue = {k}, self.followers(k)
+            while queue and len(moved) < WAVE_LIMIT:
+                j, how = queue.pop(0)
+                if j not in moved and (self.follow(j) if how == "down" else self.improve_one(j)):
+                    moved.add(j)
+                    queue += self.followers(j)
+            calls = tuple(sorted(moved))
+            values = self.touched(calls)
+            after = self.local(calls, values)
+            trial = list(self.choice)
+            self.choice = list(start)
+            before = self.local(calls, values)
+            gain = (before[0] - after[0], before[1] - after[1], before[2] - after[2])
+            if gain > best_gain:
+                best_gain, best_choice = gain, trial
+        self.choice = best_choice if best_choice is not None else start
+        return best_choice is not None
+
+
+def solve(g: Graph) -> tuple[list, tuple, tuple]:
+    """(chosen choice per call, the op-by-op bill, the solved bill)."""
+    s = _Search(g)
+    before = s.total()
+    free = [k for k, c in enumerate(g.calls) if c.steer and len(c.cands) > 1]
+    deadline = time.monotonic() + TIME_LIMIT_S
+    for _ in range(MAX_SWEEPS):
+        changed = False
+        for k in free:
+            changed |= s.improve_one(k)
+        for k in free:
+            if s.paying(k):
+                changed |= s.improve_wave(k)
+            if time.monotonic() > deadline:
+                break
+        if not changed or time.monotonic() > deadline:
+            break
+    return s.choice, before, s.total()
+
+
+__all__ = ["Graph", "Read", "Call", "Value", "solve"]
