@@ -24,16 +24,10 @@ from ..sbp import Broadcast, Ragged, Split, Zigzag, zigzag_order
 from .attention import current_attention_method, attention_method
 from .decide import flatten_out, map_tensors
 from .dispatch import run as dispatch
-from .pointwise import LINEAR, NONLINEAR_OPS, _ops
 from .registry import aten, is_inplace
 from .ring_attention import zigzag_ring
+from .zigzag_dims import align
 
-# ops that treat the rows of every dim alike and keep them in place
-SAME_ROWS = frozenset(op for names in LINEAR for op in _ops(*names)) | frozenset(_ops(*NONLINEAR_OPS)) | {
-    aten._to_copy.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-    aten.empty_like.default}
-# reductions whose result does not depend on the order of the rows they reduce
-ORDER_FREE = {aten.sum.default, aten.mean.default, aten.sum.dim_IntList, aten.mean.dim}
 ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 3, 4, 5),
              aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (1, 6, 7, 8)}
 SEQ = 2  # attention's q, k, v, out: [batch, heads, seq, head_dim]; its log-sum-exp [batch, heads, seq]
@@ -50,14 +44,13 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, zig: type) -> Any:
         done = _attention(func, args, kwargs, plain, zig, tensors)
         if done is not None:
             return done
-    elif func in SAME_ROWS and not (is_inplace(func) and not isinstance(args[0], zig)):
-        out_ndim = max(t.ndim for t in tensors)
-        out_dim = dim + out_ndim - first.ndim
-        done = _on_zigzag_reading(func, args, kwargs, plain, zig, axis, out_dim, out_ndim, parts, first)
-        if done is not None:
-            return done
-    elif func in ORDER_FREE and _reduces(func, args, kwargs, first, dim) and len(tensors) == 1:
-        return dispatch(func, (_read_as_split(first, plain),) + tuple(args[1:]), kwargs, plain)
+    elif not (is_inplace(func) and not isinstance(args[0], zig)):
+        ref = next(i for i, t in enumerate(tensors) if t is first)
+        alignment = align(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, dim)
+        if alignment is not None:
+            done = _on_zigzag_reading(func, args, kwargs, plain, zig, axis, parts, first, *alignment)
+            if done is not None:
+                return done
     if is_inplace(func) and isinstance(args[0], zig):
         raise NotImplementedError(
             f"{func}: writes a zigzag tensor ({args[0].sbp}) in place, which only pointwise ops do on the "
@@ -90,27 +83,27 @@ def _cuts(layout: Layout, dim: int) -> list[int]:
     return [a for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag, Ragged)) and s.dim == dim]
 
 
-def _reduces(func: Any, args: tuple, kwargs: dict, first: Any, dim: int) -> bool:
-    """Whether a sum/mean reduces over the zigzag dim (then the row order does not matter)."""
-    if func in (aten.sum.default, aten.mean.default):
-        return True
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return True
-    dims = [dims] if isinstance(dims, int) else dims
-    return dim in [d % first.ndim for d in dims]
-
-
-def _to_reading(t: Any, axis: int, dim: int, parts: int, plain: type, zig: type, placement: Any) -> Any:
+def _to_reading(t: Any, axis: int, dim: int, parts: int, plain: type, zig: type, placement: Any,
+                take: bool = False) -> Any:
     """Operand `t` on the zigzag reading of `dim` (mesh axis `axis`), or None where that is not possible
-    (another placement); a dim of size one (broadcast) needs nothing."""
-    if dim < 0 or t.shape[dim] == 1:
+    (another placement); a dim of size one (broadcast) needs nothing. An operand holding `dim` whole
+    is permuted locally and keeps its layout (the dispatcher then chooses, as for a contiguous split);
+    with `take`, it is cut to each rank's zigzag rows instead (no permuted copy of the whole)."""
+    if dim < 0 or t.ndim <= dim or t.shape[dim] == 1:
         return _box(t, t._layout.zigzag_as_split(), plain) if isinstance(t, zig) else t
+    if not hasattr(t, "_layout"):  # a plain tensor counts as Broadcast (the same on every rank)
+        t = plain(t, Layout(placement, (Broadcast(),) * placement.ndim), tuple(t.shape))
     if t._layout.placement != placement:
         return None
     if isinstance(t, zig) and _zig(t._layout) == (axis, dim, parts):
         return _read_as_split(t, plain)
     layout = t._layout.zigzag_as_split() if isinstance(t, zig) else t._layout
+    if not take and not _cuts(layout, dim):
+        if isinstance(t, zig):
+            t = _box(t, layout, plain)
+        order = torch.tensor(zigzag_order(t.shape[dim], parts), dtype=torch.long, device=t._local.device)
+        local = t._local.index_select(dim, order) if t._local.dim() > dim else t._local
+        return plain(local, layout, tuple(t.shape))
     sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]
     sbp[axis] = Zigzag(dim)
     target = Layout(placement, tuple(sbp))
@@ -134,14 +127,15 @@ def _from_reading(o: Any, axis: int, dim: int, parts: int, plain: type) -> Any:
     return _from_reading(_box(o, Layout(layout.placement, tuple(sbp)), plain), axis, dim, parts, plain)
 
 
-def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, axis: int, out_dim: int,
-                       out_ndim: int, parts: int, first: Any, out_dims: Optional[tuple] = None) -> Any:
-    """Run a row-order-free op on the zigzag reading (None where an operand cannot be read so)."""
+def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, axis: int, parts: int,
+                       first: Any, in_dims: list, out_dims: Any) -> Any:
+    """Run an op on the zigzag reading: operand i along its dim `in_dims[i]` (None: it has none),
+    results read back along `out_dims(results)`; None where an operand cannot be read so."""
     placement = first._layout.placement
     failed = []
 
     def read(t: Any, i: int) -> Any:
-        r = _to_reading(t, axis, out_dim - (out_ndim - t.ndim), parts, plain, zig, placement)
+        r = _to_reading(t, axis, -1 if in_dims[i] is None else in_dims[i], parts, plain, zig, placement)
         if r is None:
             failed.append(t)
         return r
@@ -154,10 +148,10 @@ def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: t
             args[0]._local = new_args[0]._local
         return args[0]
     outs, put_back = flatten_out(out)
+    dims = out_dims(outs)
     back = []
-    for i, o in enumerate(outs):
-        d = out_dim if out_dims is None else out_dims[i]
-        if isinstance(o, torch.Tensor) and o.ndim == out_ndim and d < o.ndim and o.shape[d] > 1:
+    for o, d in zip(outs, dims):
+        if isinstance(o, torch.Tensor) and d is not None and d < o.ndim and o.shape[d] > 1:
             o = _from_reading(o, axis, d, parts, plain)
         back.append(o)
     return put_back(back)
@@ -182,7 +176,7 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
     if dim != SEQ or any(t._layout.placement != q._layout.placement for t in main):
         return None
     # q, k, v zigzag; the backward's grad_out (Broadcast from out.sum(), say) is put into zigzag order
-    read = lambda t, i: _to_reading(t, axis, SEQ, parts, plain, zig, q._layout.placement)
+    read = lambda t, i: _to_reading(t, axis, SEQ, parts, plain, zig, q._layout.placement, take=True)
     new_args, new_kwargs = map_tensors(args, kwargs, read)
     if not causal:  # every row alike: any method, on the zigzag reading
         out = dispatch(func, new_args, new_kwargs, plain)
@@ -199,4 +193,4 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
                      for o in outs])
 
 
-__all__ = ["run", "SAME_ROWS", "ORDER_FREE"]
+__all__ = ["run"]
