@@ -1,15 +1,17 @@
 """Ops on zigzag tensors: run on the zigzag reading where that is exact, else box to a contiguous split.
 
 A zigzag layout (`Zigzag(d)` on mesh axis a) holds the shards that `Split(d)` holds of the tensor
-with d in zigzag order. An op that treats the rows of d alike and keeps them in place (pointwise
-ops, casts, `*_like`, sums over d, attention without a causal mask) gives the same rows whichever
-order d is in, so it runs through the dispatcher on that reading: zigzag inputs read as `Split(d)`,
-the other operands put into zigzag order (a local permutation of a whole dim, or boxing), and the
-outputs read back as zigzag. Causal attention depends on where each row is: it runs as the ring,
-told the rows' global places (`ring_attention.zigzag_ring`), which skips the hidden blocks.
-Every other op (views, indexing, reductions along other dims, random draws) gets its zigzag inputs
-boxed to `Split(d)` first (one all-to-all each) and runs as usual: correct, not free. An in-place op
-other than the pointwise ones on a zigzag tensor is refused: its result would land in a copy.
+with d in zigzag order. An op for which permuting d's rows permutes one dim of every operand and
+result alike (`zigzag_dims.py`: pointwise ops, views that keep d one dim, transposes, matrix
+products, layer norm, softmax over another dim, embeddings, the loss over rows, sums) gives the
+same rows whichever order d is in, so it runs through the dispatcher on that reading: zigzag
+inputs read as `Split`, the other operands put into zigzag order (a local permutation where a
+rank holds the dim whole, else boxing), and the results read back as zigzag. Causal attention
+depends on where each row is: it runs as the ring, told the rows' global places
+(`ring_attention.zigzag_ring`), which skips the hidden blocks. Every other op (a view that merges
+d with a dim before it, indexing, cumsum, random draws) gets its zigzag inputs boxed to `Split(d)`
+first (one all-to-all each) and runs as usual: correct, not free. An in-place op the table does
+not cover is refused on a zigzag tensor: its result would land in a copy.
 """
 from __future__ import annotations
 
