@@ -24,7 +24,8 @@ import torch
 
 from ..layout import Layout
 from ..sbp import Ragged, Split, Zigzag, zigzag_order
-from .plan import Plan, Step
+from .boxes import Box, intersect, numel
+from .plan import Plan, RankRoute, Step
 
 Planner = Callable[[Layout, Layout, tuple, torch.dtype], Plan]
 
@@ -75,7 +76,11 @@ def _steps(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: Pl
         mid = dst.zigzag_as_split()
         rest, _ = _steps(src, mid, shape, dtype, plain, world)
         steps = rest + [_recut_step(mid, dst, shape, dtype, world)]
-    return steps, _lower_bound(src, dst, shape, dtype, world)
+    bound = _lower_bound(src, dst, shape, dtype, world)
+    if bound is not None and sum(sum(st.recv_bytes) for st in steps) > sum(bound):
+        # the recut moved rows that the ordinary plan then moves again: one exchange of what each lacks
+        steps = [_direct(src, dst, shape, dtype, world)]
+    return steps, bound
 
 
 def _local_step(kind: str, src: Layout, dst: Layout, world: int) -> Step:
@@ -141,6 +146,65 @@ def _lower_bound(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, wor
                 max(0, min(a + n, b + m) - max(a, b)) for a, n in rs for b, m in have[d])
         out[r] = (total - common) * dtype.itemsize
     return tuple(out)
+
+
+def _pieces(layout: Layout, shape: tuple, rank: int) -> list[tuple[Box, tuple[int, ...]]]:
+    """The boxes of the global tensor `rank` holds, each with where it starts in the local shard (a
+    zigzag dim gives two; every other layout one, at the origin)."""
+    per_dim = []
+    for rs in layout.ranges(shape, rank):
+        at, out = 0, []
+        for start, n in rs:
+            out.append((start, n, at))
+            at += n
+        per_dim.append(out)
+    boxes = [((), ())]
+    for options in per_dim:
+        boxes = [(b + ((start, n),), o + (at,)) for b, o in boxes for start, n, at in options]
+    return boxes
+
+
+def _local_box(part: Box, piece: Box, origin: tuple[int, ...]) -> Box:
+    return tuple((s - p + o, n) for (s, n), (p, _), o in zip(part, piece, origin))
+
+
+def _direct(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, world: int) -> Step:
+    """Point-to-point: every rank receives exactly the rows of its target it does not hold, each from one
+    holder (the least loaded), and copies the rest (both ends Partial-free; pieces as `_pieces`)."""
+    held = {r: _pieces(src, shape, r) for r in src.placement.flat_ranks}
+    load: dict[int, int] = {}
+    sends: dict[int, dict[int, list[Box]]] = {}
+    recvs: dict[int, dict[int, list[Box]]] = {}
+    regions: dict[int, list] = {}
+    for r in dst.placement.flat_ranks:
+        regions[r] = []
+        for box, origin in _pieces(dst, shape, r):
+            for s_box, s_origin in {b for q in held.values() for b in q}:
+                part = intersect(box, s_box)
+                if numel(part) == 0:
+                    continue
+                out = _local_box(part, box, origin)
+                if (s_box, s_origin) in held.get(r, ()):
+                    regions[r].append(("copy", out, _local_box(part, s_box, s_origin)))
+                    continue
+                holders = sorted(q for q, pieces in held.items() if (s_box, s_origin) in pieces)
+                sender = min(holders, key=lambda q: (load.get(q, 0), q))
+                load[sender] = load.get(sender, 0) + numel(part)
+                got = recvs.setdefault(r, {}).setdefault(sender, [])
+                regions[r].append(("recv", out, (sender, len(got))))
+                got.append(out)
+                sends.setdefault(sender, {}).setdefault(r, []).append(_local_box(part, s_box, s_origin))
+    recv_bytes = [0] * world
+    routes, latency = [], 0
+    for r in sorted(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)):
+        rs = tuple((q, tuple(b)) for q, b in sorted(sends.get(r, {}).items()))
+        rr = tuple((q, tuple(b)) for q, b in sorted(recvs.get(r, {}).items()))
+        recv_bytes[r] = sum(numel(b) for _, bs in rr for b in bs) * dtype.itemsize
+        latency = max(latency, len(rs), len(rr))
+        out_shape = dst.local_shape(shape, r) if r in dst.placement else (0,)
+        routes.append((r, RankRoute(tuple(out_shape), tuple(regions.get(r, ())), rs, rr)))
+    return Step("send_recv" if latency else "local", src, dst, None, tuple(recv_bytes), latency,
+                routes=tuple(routes))
 
 
 # -- execution ------------------------------------------------------------------------------------
