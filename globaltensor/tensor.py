@@ -12,6 +12,7 @@ from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import zigzag as _ops_zigzag
+from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
 from .sbp import Broadcast, Partial, Split, Zigzag
 
@@ -329,6 +330,8 @@ def _target(x: GlobalTensor, placement: Any, sbp: Any) -> _Target:
 
 def _run_target(x: GlobalTensor, target: _Target) -> GlobalTensor:
     """x boxed to `target`: always a new tensor (autograd's output must not be its input's shard)."""
+    if _STEP.plan is not None:
+        note_conversion(x, target.layout)
     local = boxing.execute(target.plan, x._local, context.current())
     if local is x._local:
         local = local.view_as(local)

@@ -201,6 +201,15 @@ class StepPlan:
         return held[1]
 
 
+def note_conversion(t: Any, dst: Layout) -> None:
+    """A GlobalTensor converted outside the dispatcher (`to_global`): a read the step plan weighs."""
+    plan = ACTIVE.plan
+    if plan is not None and plan._rec is not None:
+        v = plan._rec.tags.get(t)
+        if v is not None:
+            plan._rec.graph.read_outside(v, dst)
+
+
 def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[tuple]:
     """What a choice costs besides its inputs' conversions: the kernel's own sends, an in-place result's
     conversion back into its target. None: impossible."""
@@ -227,4 +236,4 @@ def step_plan() -> StepPlan:
     return StepPlan()
 
 
-__all__ = ["ACTIVE", "StepPlan", "step_plan"]
+__all__ = ["ACTIVE", "StepPlan", "step_plan", "note_conversion"]

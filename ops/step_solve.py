@@ -25,7 +25,6 @@ op by op, and every choice it can take is one the rule's kernel accepts.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -38,7 +37,8 @@ INF = (float("inf"), 0, 0)
 ZERO = (0, 0, 0)
 MAX_SWEEPS = 20
 WAVE_LIMIT = 64         # calls a trial choice may move after it
-TIME_LIMIT_S = 30.0     # the search stops improving after this (its choices stay valid)
+WORK_LIMIT = 4_000_000  # value costs weighed before the search stops improving (its choices stay valid).
+# A count, not a clock: every rank solves the same graph on its own and must stop at the same point.
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class Value:
     producer: Optional[tuple] = None            # (call, output index)
     owes: bool = True                           # unread and Partial at the end: charged its reduction
     readers: list = field(default_factory=list)  # [(call, Read)]
+    outside: list = field(default_factory=list)  # layouts it was converted to by `to_global` (not a call)
 
 
 class Graph:
@@ -83,6 +84,11 @@ class Graph:
                   producer: Optional[tuple] = None, owes: bool = True) -> int:
         self.values.append(Value(shape, dtype, fixed, producer, owes))
         return len(self.values) - 1
+
+    def read_outside(self, v: int, dst: Layout) -> None:
+        """Value v converted explicitly (`x.to_global(...)`, a gradient's conversion back): a read
+        with a fixed target, which no choice here changes but the value's own layout makes dear."""
+        self.values[v].outside.append(dst)
 
     def set_call(self, k: int, cands: list, chosen: int, bills: list, reads: list, made: list,
                  steer: bool) -> None:
@@ -126,10 +132,13 @@ class _Search:
         self.outs = [[tuple(num(o) for o in os) for _, os in c.cands] for c in g.calls]
         self.fixed = [num(v.fixed) for v in g.values]
         self.partial = [lay.has_partial for lay in self.layouts]
-        # per value: its readers as (call, slot, group key for the non-Partial dedupe)
+        # per value: its readers as (call, slot, group key for the non-Partial dedupe); a conversion
+        # outside the calls as (-1, its target layout's number, its own key)
         self.readers = [[(k, r.slot, ("call", k) if r.group is None else ("node", r.group)) for k, r in v.readers]
+                        + [(-1, num(lay), ("outside", i)) for i, lay in enumerate(v.outside)]
                         for v in g.values]
         self._bills: dict = {}
+        self.work = 0
 
     def layout_of(self, v: int) -> Layout:
         i = self._source(v)
@@ -153,6 +162,7 @@ class _Search:
         return got
 
     def value_cost(self, v: int) -> tuple:
+        self.work += 1
         src = self._source(v)
         if src < 0:
             return ZERO
@@ -163,7 +173,7 @@ class _Search:
         total, seen = ZERO, set()
         choice, targets = self.choice, self.targets
         for k, slot, group in readers:
-            dst = targets[k][choice[k]][slot]
+            dst = targets[k][choice[k]][slot] if k >= 0 else slot
             if dst == src:
                 continue
             once = dst if partial else (group, dst)
@@ -281,7 +291,6 @@ def solve(g: Graph) -> tuple[list, tuple, tuple]:
     s = _Search(g)
     before = s.total()
     free = [k for k, c in enumerate(g.calls) if c.steer and len(c.cands) > 1]
-    deadline = time.monotonic() + TIME_LIMIT_S
     for _ in range(MAX_SWEEPS):
         changed = False
         for k in free:
@@ -289,9 +298,9 @@ def solve(g: Graph) -> tuple[list, tuple, tuple]:
         for k in free:
             if s.paying(k):
                 changed |= s.improve_wave(k)
-            if time.monotonic() > deadline:
+            if s.work > WORK_LIMIT:
                 break
-        if not changed or time.monotonic() > deadline:
+        if not changed or s.work > WORK_LIMIT:
             break
     return s.choice, before, s.total()
 
