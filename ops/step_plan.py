@@ -100,6 +100,28 @@ class StepPlan:
             self.choices = None
             self.steering = False
 
+    def changes(self) -> list:
+        """The calls whose solved choice differs from op by op's: (call number, op, op-by-op choice,
+        solved choice), each choice as (input SBPs, output SBPs)."""
+        g = self.graph
+        if g is None or self.choices is None:
+            return []
+        out = []
+        for k, (c, (_, solved, _)) in enumerate(zip(g.calls, self.choices)):
+            if solved is not None and c.cands[c.chosen] != solved:
+                out.append((k, c.func, _sbps(c.cands[c.chosen]), _sbps(solved)))
+        return out
+
+    def __repr__(self) -> str:
+        if self.graph is None:
+            return "StepPlan(not recorded yet)"
+        lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's bytes summed, all ranks' "
+                 f"bytes, collectives): op by op {self.recorded_cost}, solved {self.solved_cost}; "
+                 f"{'steering' if self.steering else 'not steering'}"]
+        for k, func, before, after in self.changes():
+            lines.append(f"  call {k} {func}: {before[0]} -> {before[1]}  became  {after[0]} -> {after[1]}")
+        return "\n".join(lines)
+
     @property
     def recording(self) -> bool:
         return self._rec is not None
@@ -199,6 +221,11 @@ class StepPlan:
         if held is None or held[0] is not node:
             held = self._rec.nodes[id(node)] = (node, len(self._rec.nodes))
         return held[1]
+
+
+def _sbps(choice: tuple) -> tuple:
+    targets, outs = choice
+    return (tuple(t.sbp for t in targets), tuple(None if o is None else o.sbp for o in outs))
 
 
 def note_conversion(t: Any, dst: Layout) -> None:

@@ -190,3 +190,27 @@ def test_steered_runs_equal_one_device_and_move_no_more(mesh, m, k, j, picks):
     recorded = max(sum(runs[0][0]) for runs in results)
     steered = max(sum(runs[1][0]) for runs in results)
     assert steered <= recorded, f"steered {steered} > op by op {recorded} bytes on the busiest rank"
+
+
+def _adamw_fewer_rows():
+    p = gt.placement("cpu", [0, 1, 2])
+    g = torch.Generator().manual_seed(7)
+    param = torch.nn.Parameter(gt.to_global(torch.randn(1, 2, generator=g), p, gt.broadcast))
+    opt = torch.optim.AdamW([param], lr=0.1, foreach=False)
+    opt.state[param] = {"step": torch.tensor(3.0), "exp_avg": gt.to_global(torch.randn(1, 2, generator=g), p, gt.split(0)),
+                        "exp_avg_sq": gt.to_global(torch.rand(1, 2, generator=g), p, gt.split(0))}
+    param.grad = gt.from_local(torch.randn(1, 2, generator=g), p, gt.partial_sum)
+    plan = gt.step_plan()
+    with plan:
+        opt.step()
+    return [(str(func), before, after) for _, func, before, after in plan.changes()], repr(plan)
+
+
+def test_the_plan_says_what_it_changed():
+    """ZeRO-1 AdamW with 1 row on 3 ranks: op by op, `lerp_` reduces the gradient into S(1) and so does
+    `addcmul_`; the plan moves both to S(0), the state's own layout (see test_cost_model.py)."""
+    changes, text = gt.launch(_adamw_fewer_rows, 3)[0]
+    S0, S1 = gt.split(0), gt.split(1)
+    assert ("aten.lerp_.Scalar", ((S1,), (S1,)), ((S0,), (S0,))) in [(f, b[0][:2], a[0][:2]) for f, b, a in changes]
+    assert any(f == "aten.addcmul_.default" and a[1] == ((S0,),) for f, _, a in changes), changes
+    assert "op by op" in text and "became" in text
