@@ -4,9 +4,14 @@
     python bench/long_seq.py --quick          # 2 processes, 2k and 4k
     python bench/long_seq.py --no-causal      # all-gather-KV too (it is offered without causal only)
 
+    python bench/long_seq.py --gpt            # a GPT training step instead (2 layers, 4 heads of 64, AdamW)
+
 Causal runs add "ring-zigzag": the ring on q, k, v laid out `gt.zigzag(2)` (rank i holding chunks i
 and 2n-1-i of 2n), which gives every rank the same causal work where a contiguous split gives the
-last rank (2n-1)/n of the mean.
+last rank (2n-1)/n of the mean. `--gpt` times one AdamW step of a 2-layer GPT (n_embd 256, 4 heads
+of 64, vocab 512, fp32) on one sequence of `seq` tokens: "ring" (weights Broadcast, tokens
+`S(1)`, ring attention), "ring-zigzag" (tokens `gt.zigzag(1)`: every activation stays zigzag) and
+"ulysses" (`ulysses_plan`), against one process training the same model.
 
 Every process runs one thread (`torch.set_num_threads(1)`); the baseline is one process holding the
 whole sequence. Per method: forward + backward of `F.scaled_dot_product_attention` on q, k, v
@@ -36,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import globaltensor as gt  # noqa: E402
 from common import interleaved_times, write_results  # noqa: E402
+from globaltensor.models.gpt import GPT, GPTConfig, seq_batch, ulysses_plan  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -117,10 +123,67 @@ def _alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
     return {"s": statistics.median(times["one"]), "cpu": statistics.median(cpu[-reps:]), "peak": peak}
 
 
+def _gpt_config(seq: int, heads: int) -> GPTConfig:
+    return GPTConfig(vocab_size=512, block_size=seq, n_layer=2, n_head=heads, n_embd=heads * HEAD_DIM)
+
+
+def _gpt_step(model, idx, tgt, method: str):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def run():
+        with gt.attention_method(method):
+            loss = model(idx, tgt)[1]
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+    return run
+
+
+def _gpt_ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict:
+    """One AdamW step per method on a GPT over `seq` tokens split on the ranks (see the module's text)."""
+    torch.set_num_threads(1)
+    p = gt.placement("cpu", list(range(gt.world_size())))
+    cfg = _gpt_config(seq, heads)
+    torch.manual_seed(0)
+    tokens = [torch.randint(0, cfg.vocab_size, (1, seq)) for _ in range(2)]
+    steps = {}
+    for m in methods:
+        torch.manual_seed(1)
+        plan, sbp = ({}, gt.split(1)) if m == "ring" else ({}, gt.zigzag(1)) if m == "ring-zigzag" else \
+            (ulysses_plan(0, 1), seq_batch(0, 1))
+        model = gt.to_global(GPT(cfg), p, plan)
+        idx, tgt = (gt.to_global(t, p, sbp) for t in tokens)
+        steps[m] = _gpt_step(model, idx, tgt, "auto" if m == "ulysses" else "ring")
+    return _measure(steps, reps)
+
+
+def _measure(steps: dict, reps: int) -> dict:
+    cpu: dict = {m: [] for m in steps}
+    impls = {m: _cpu_timed(fn, cpu[m]) for m, fn in steps.items()}
+    peaks = {}
+    for m, fn in impls.items():
+        fn()  # decisions made, buffers of gloo set up, optimizer state allocated
+        with gt.comm_log() as log:
+            peaks[m] = (peak_bytes(fn), log.recv_bytes)
+    times = interleaved_times(impls, reps, warmup=0)
+    return {m: {"s": statistics.median(times[m]), "cpu": statistics.median(cpu[m][-reps:]), "peak": peaks[m][0],
+                "recv": peaks[m][1]} for m in steps}
+
+
+def _gpt_alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
+    torch.set_num_threads(1)
+    cfg = _gpt_config(seq, heads)
+    torch.manual_seed(0)
+    idx, tgt = (torch.randint(0, cfg.vocab_size, (1, seq)) for _ in range(2))
+    torch.manual_seed(1)
+    return _measure({"one": _gpt_step(GPT(cfg), idx, tgt, "auto")}, reps)["one"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-causal", action="store_true")
+    ap.add_argument("--gpt", action="store_true", help="a GPT training step instead of attention alone")
     ap.add_argument("--seqs", default="2048,4096,8192,16384")
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--heads", type=int, default=4)
@@ -129,13 +192,14 @@ def main() -> None:
     args = ap.parse_args()
     seqs = [2048, 4096] if args.quick else [int(s) for s in args.seqs.split(",")]
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
-    causal = not args.no_causal
+    causal = not args.no_causal or args.gpt  # the GPT is causal
     methods = ["ring", "ulysses"] + (["ring-zigzag"] if causal else ["allgather"])
+    ranks_fn, alone_fn = (_gpt_ranks, _gpt_alone) if args.gpt else (_ranks, _alone)
     rows, data = [], []
     for seq in seqs:
-        one = gt.launch(_alone, 1, backend="gloo", args=(seq, args.heads, causal, args.reps))[0]
+        one = gt.launch(alone_fn, 1, backend="gloo", args=(seq, args.heads, causal, args.reps))[0]
         for n in ranks:
-            res = gt.launch(_ranks, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps))
+            res = gt.launch(ranks_fn, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps))
             for m in methods:
                 s = max(r[m]["s"] for r in res)
                 cpu = max(r[m]["cpu"] for r in res)
@@ -150,14 +214,15 @@ def main() -> None:
                   flush=True)
         rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | n | n | {one['peak'] / 2**20:.1f} | "
                     f"n | 0 |")
+    what = ("GPT training step (2 layers, vocab 512, AdamW)" if args.gpt else "attention forward + backward")
     table = "\n".join([f"heads {args.heads}, head_dim {HEAD_DIM}, fp32, {'causal' if causal else 'not causal'}, "
-                       "forward + backward, one thread per process",
+                       f"{what}, one thread per process",
                        "",
                        "| seq | procs | method | ms | time / (one process / n) | CPU time / (one process / n) | "
                        "peak MiB | peak / (one process / n) | MiB received |",
                        "|---|---|---|---|---|---|---|---|---|"] + rows)
     print(table)
-    write_results(args.out, f"long_seq{'' if causal else '_nocausal'}", table, data)
+    write_results(args.out, "long_seq_gpt" if args.gpt else f"long_seq{'' if causal else '_nocausal'}", table, data)
 
 
 if __name__ == "__main__":
