@@ -31,10 +31,9 @@ def _make(fill: Callable[[tuple, dict], torch.Tensor], random: bool, shape: tupl
     opts = {"dtype": dtype or torch.get_default_dtype(), "device": device_for(placement)}
     if random:  # every rank draws the global tensor (same generator state as one device), keeps its shard
         return distribute(fill(shape, opts), layout, requires_grad)
-    box = layout.shard(shape, comm.rank)
-    local = fill(layout.local_shape(shape, comm.rank) if box is not None else (0,), opts)
-    coord = placement.coord(comm.rank)
-    if box is not None and any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0
+    coord = placement.coord(comm.rank)  # None outside the placement
+    local = fill(layout.local_shape(shape, comm.rank) if coord is not None else (0,), opts)
+    if coord is not None and any(isinstance(s, Partial) and s.op == "sum" and coord[a] != 0
                                for a, s in enumerate(layout.sbp)):
         local = torch.zeros_like(local)
     return GlobalTensor(local, layout, shape, requires_grad=requires_grad)

@@ -256,3 +256,18 @@ def test_gpt_steps_on_zigzag_equal_one_device_and_move_what_the_contiguous_ring_
         for name, p in params.items():
             torch.testing.assert_close(p, want[name], rtol=0, atol=1e-10, msg=name)
         assert moved == moved_contiguous and "send_recv" in moved[0][0]
+
+
+def test_factories_make_zigzag_tensors_with_one_devices_values():
+    torch.manual_seed(3)
+    want = torch.randn(5, 2)
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        torch.manual_seed(3)
+        r = gt.randn(5, 2, placement=p, sbp=gt.zigzag(0))
+        z = gt.ones(5, 2, placement=p, sbp=gt.zigzag(0))
+        return r.full_tensor(), r.sbp, z.full_tensor(), z.to_local().shape
+    for r, sbp, z, local in gt.launch(body, 2):
+        assert torch.equal(r, want) and sbp == (gt.zigzag(0),) and torch.equal(z, torch.ones(5, 2))
+        assert local[0] in (2, 3)
