@@ -15,7 +15,7 @@ not cover is refused on a zigzag tensor: its result would land in a copy.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 

@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional
 from .pointwise import LINEAR, NONLINEAR_OPS, _ops
 from .registry import aten
 
-Dims = Optional[int]
 Alignment = tuple[list, Callable[[list], list]]  # (per operand, results -> per result)
 
 SAME_ROWS = frozenset(op for names in LINEAR for op in _ops(*names)) | frozenset(_ops(*NONLINEAR_OPS)) | {
