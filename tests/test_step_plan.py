@@ -214,3 +214,16 @@ def test_the_plan_says_what_it_changed():
     assert ("aten.lerp_.Scalar", ((S1,), (S1,)), ((S0,), (S0,))) in [(f, b[0][:2], a[0][:2]) for f, b, a in changes]
     assert any(f == "aten.addcmul_.default" and a[1] == ((S0,),) for f, _, a in changes), changes
     assert "op by op" in text and "became" in text
+
+
+@pytest.mark.gloo
+def test_step_plan_on_gloo_processes():
+    """Every process records and solves on its own (different hash seeds): they must take the same
+    choices, or their collectives would not match. The flat MoE layer of test_cost_model.py, 2 gloo
+    processes: op by op, then steered to the bound."""
+    from test_cost_model import _moe_step
+    results = gt.launch(_moe_step, 2, backend="gloo", args=(2, 0))
+    for runs in results:
+        (fwd0, bwd0, *_), (fwd, bwd, _, _, steered) = runs
+        assert (fwd0, bwd0) == (10240, 14336)
+        assert steered and (fwd, bwd) == (8192, 8192)
