@@ -244,7 +244,8 @@ def test_torch_test_transformer_experts_by_plan_alone(n):
     equals one device with nothing falling back. Its bytes are not the ideal: the experts' input is
     `x.expand(E, ...)`, split on tokens, which the next bmm boxes to E-split: an all-to-all of the
     expanded tensor, E/n times the all-gather of the tokens that DTensor's ExpertParallel runs (equal at
-    E = n); choosing per op, the expand cannot see that gathering before it would be cheaper."""
+    E = n); choosing per op, the expand cannot see that gathering before it would be cheaper (a step
+    plan sees it: next test)."""
     before = dict(gt.stats()["fallback"])
     results = _launch(_torch_transformer, n, n)
     assert dict(gt.stats()["fallback"]) == before
@@ -253,6 +254,49 @@ def test_torch_test_transformer_experts_by_plan_alone(n):
         torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
         for k, g in grads.items():
             torch.testing.assert_close(g, want_grads[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def _torch_transformer_steered(n):
+    """The model of the test above, forward and backward twice under one step plan: the second run's
+    bytes, and both runs' outputs and gradients."""
+    from thirdparty.torch_test_transformer import ModelArgs, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0,
+                                  num_experts=4)).double()
+    p = gt.placement("cpu", list(range(n)))
+    gt.to_global(model, p, {"*.experts.*": gt.split(0)})
+    tokens = gt.to_global(torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1)), p, gt.split(0))
+    plan, runs = gt.step_plan(), []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with plan:
+            with gt.comm_log() as log:
+                out = model(tokens)
+                out.sum().backward()
+        runs.append((log.recv_bytes, out.full_tensor().detach(),
+                     {k: v.grad.full_tensor() for k, v in model.named_parameters()}, plan.steering))
+    return runs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_torch_test_transformer_experts_steered_is_dtensor_expert_parallel(n):
+    """Under a step plan the same model moves exactly DTensor's ExpertParallel pattern: per MoE layer
+    the tokens all-gathered before the experts and the summed expert outputs reduce-scattered back
+    (forward), the duals backward: 4 collectives of the [B, T, d] tokens' (n-1)/n, each
+    (n-1)/n x 4 x 8 x 16 x 8 bytes, 2 layers: 16,384 bytes per rank at n = 2, 24,576 at n = 4.
+    Op by op: 34,816 and 35,520 (the expand all-to-alls the expanded tensor, see above). Equal to one
+    device in both runs."""
+    want_out, want_grads, _ = _torch_transformer(0)
+    tokens_bytes = 4 * 8 * 16 * 8
+    textbook = 2 * 4 * (n - 1) * tokens_bytes // n
+    for r, runs in enumerate(_launch(_torch_transformer_steered, n, n)):
+        for _, out, grads, _ in runs:
+            torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+            for k, g in grads.items():
+                torch.testing.assert_close(g, want_grads[k], rtol=1e-10, atol=1e-12, msg=k)
+        steered_bytes, *_, steered = runs[1]
+        assert steered, f"rank {r}: the second run left the plan"
+        assert steered_bytes == textbook, f"rank {r}: {steered_bytes} bytes, ExpertParallel's is {textbook}"
 
 
 # -- the model, trained --------------------------------------------------------------------------------
