@@ -462,3 +462,21 @@ class _Convert(torch.autograd.Function):
         if grad._layout != want:
             grad = grad.to_global(want.placement, want.sbp)
         return grad, None, None
+
+
+def _register_for_foreach() -> None:
+    """Let torch's optimizers and `clip_grad_norm_` take their foreach (multi-tensor) path for GlobalTensors.
+
+    They choose it by exact type (`type(p) in _foreach_supported_types`) and device (CUDA and the like,
+    not CPU). Without this, AdamW on GlobalTensor parameters on a GPU would fall back to one kernel per
+    parameter and op; DTensor registers itself the same way. Our `_foreach_*` rules run each same-layout
+    group of tensors as one foreach kernel on the shards (`ops/optimizer.py`).
+    """
+    from torch.optim import optimizer as _optim
+    from torch.utils import _foreach_utils
+    for registry in (_optim._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if GlobalTensor not in registry:
+            registry.append(GlobalTensor)
+
+
+_register_for_foreach()

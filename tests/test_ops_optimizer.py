@@ -81,3 +81,17 @@ def _reuse_and_invalidate():
 
 def test_reduction_memory_is_invalidated_by_writes():
     assert all(gt.launch(_reuse_and_invalidate, 2))
+
+
+def test_optimizers_take_their_foreach_path_for_global_tensors(monkeypatch):
+    """torch picks foreach by exact type and device; on a device with foreach kernels (CUDA) a
+    GlobalTensor parameter must not force the per-parameter loop (DTensor registers itself too).
+    CPU has no foreach kernels in torch's list, so it is put there for this check."""
+    import torch.optim.optimizer as optim_module
+    import torch.utils._foreach_utils as foreach_utils
+    p = torch.nn.Parameter(gt.to_global(torch.randn(4, 2), gt.placement("cpu", [0]), gt.split(0)))
+    assert type(p) is gt.GlobalTensor
+    monkeypatch.setattr(foreach_utils, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    monkeypatch.setattr(optim_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
+    assert optim_module._default_to_fused_or_foreach([p], differentiable=False, use_fused=False) == (False, True)
+    assert foreach_utils._has_foreach_support([p], torch.device("cpu"))
