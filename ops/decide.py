@@ -104,9 +104,9 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
         return start
     ctx, rule, placement, srcs, outs, inplace = start
     if forced is not None:
-        chosen = forced if _valid(ctx, rule, *forced, placement) else None
-        if chosen is None:
+        if any(lay.placement != placement for lay in forced[0]) or not _valid(ctx, rule, *forced, placement):
             return None  # type: ignore[return-value]
+        chosen = forced
     else:
         chosen = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
     if chosen is None:

@@ -175,8 +175,10 @@ class StepPlan:
         g = rec.graph
         if dec.kind == "decompose":  # its own calls read and made the values
             return
-        if opts is None:
-            srcs, cands, chosen, bills = dec.sources, [(dec.targets, dec.out_layouts)], 0, [((), 0)]
+        outs, _ = flatten_out(out)
+        if opts is None:  # nothing to choose; the outputs' layouts are what the run gave them
+            made_in = tuple(o._layout if isinstance(o, cls) else None for o in outs)
+            srcs, cands, chosen, bills = dec.sources, [(dec.targets, made_in)], 0, [((), 0)]
         else:
             ctx, srcs, cands = opts
             mine = (dec.targets, dec.out_layouts)
@@ -189,7 +191,6 @@ class StepPlan:
         for slot, t in enumerate(tensors):
             v = self._value_of(t, srcs[slot], cls)
             reads.append(Read(v, slot, group))
-        outs, _ = flatten_out(out)
         made = []
         for j, o in enumerate(outs):
             if o is None or not isinstance(o, cls):

@@ -227,3 +227,24 @@ def test_step_plan_on_gloo_processes():
         (fwd0, bwd0, *_), (fwd, bwd, _, _, steered) = runs
         assert (fwd0, bwd0) == (10240, 14336)
         assert steered and (fwd, bwd) == (8192, 8192)
+
+
+def _data_dependent():
+    p = gt.placement("cpu", [0, 1])
+    full = torch.arange(12.).reshape(4, 3) - 5
+    x = gt.to_global(full, p, gt.split(0))
+    plan, seen = gt.step_plan(), []
+    for _ in range(3):
+        with plan:
+            u, nz, m = torch.unique(x), torch.nonzero(x > 0), x[x > 0]
+        torch.testing.assert_close(u.full_tensor(), torch.unique(full))
+        torch.testing.assert_close(nz.full_tensor(), torch.nonzero(full > 0))
+        torch.testing.assert_close(m.full_tensor(), full[full > 0])
+        seen.append(plan.steering)
+    return seen
+
+
+def test_data_dependent_ops_under_a_plan():
+    """Ops whose output shapes only the run tells (unique, nonzero, a boolean mask) are recorded with
+    the layouts their run gave, and steered runs follow through them."""
+    assert gt.launch(_data_dependent, 2) == [[False, True, True]] * 2
