@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ..layout import Layout
-from ..sbp import Ragged, Split, Zigzag, zigzag_order
+from ..sbp import Ragged, Split, Zigzag
 from .boxes import Box, intersect, numel
 from .plan import Plan, RankRoute, Step
 
@@ -37,11 +37,14 @@ def plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype, p
     return Plan(src, dst, shape, dtype, tuple(steps), bound, world)
 
 
-def _zig(layout: Layout) -> Optional[tuple[int, int, int]]:
-    """(mesh axis, dim, axis size) of the layout's zigzag, or None."""
+def _zig(layout: Layout) -> Optional[tuple]:
+    """(mesh axis, dim, axis size, the earlier axes cutting the dim with their sizes) of the layout's
+    zigzag, or None: two layouts with the same key read their zigzag dim in the same order."""
     for a, s in enumerate(layout.sbp):
         if isinstance(s, Zigzag):
-            return a, s.dim, layout.placement.shape[a]
+            shape = layout.placement.shape
+            earlier = tuple((b, shape[b]) for b, t in enumerate(layout.sbp[:a]) if t == Split(s.dim))
+            return a, s.dim, shape[a], earlier
     return None
 
 
@@ -91,7 +94,7 @@ def _local_step(kind: str, src: Layout, dst: Layout, world: int) -> Step:
 
 def _recut_step(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, world: int) -> Step:
     """Zigzag(d) <-> Split(d) on one axis, the other axes alike: what each rank receives."""
-    axis, d, _ = _zig(src) or _zig(dst)
+    axis, d = (_zig(src) or _zig(dst))[:2]
     recv = [0] * world
     for r in src.placement.flat_ranks:
         local = dst.local_shape(shape, r)
@@ -108,7 +111,7 @@ def _recut_step(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, worl
 def _recut_routes(src: Layout, dst: Layout, shape: tuple, rank: int) -> tuple[dict, dict]:
     """(sends, receives) of `rank` in a recut: per peer of its axis group, the (local row, rows) pieces,
     in the one order both sides walk (the sender's source ranges, then the receiver's target ranges)."""
-    axis, d, _ = _zig(src) or _zig(dst)
+    axis, d = (_zig(src) or _zig(dst))[:2]
     group = src.placement.group(rank, axis)
     ranges = {r: (src.ranges(shape, r)[d], dst.ranges(shape, r)[d]) for r in group}
 
@@ -209,8 +212,8 @@ def _direct(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, world: i
 
 # -- execution ------------------------------------------------------------------------------------
 @lru_cache(maxsize=256)
-def _order(length: int, parts: int, inverse: bool) -> torch.Tensor:
-    order = torch.tensor(zigzag_order(length, parts), dtype=torch.long)
+def _order(layout: Layout, shape: tuple, inverse: bool) -> torch.Tensor:
+    order = torch.tensor(layout.zigzag_order(shape), dtype=torch.long)
     return torch.argsort(order) if inverse else order
 
 
@@ -219,8 +222,9 @@ def _compile_permute(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     holder = step.dst if inverse else step.src  # the ranks whose shard holds dim d whole
     if rank not in holder.placement:
         return None
-    axis, d, parts = _zig(step.src if inverse else step.dst)
-    order = _order(shape[d], parts, inverse)
+    zigzag = step.src if inverse else step.dst
+    d = _zig(zigzag)[1]
+    order = _order(zigzag, shape, inverse)
 
     def permute(local: torch.Tensor, comm) -> torch.Tensor:
         return local.index_select(d, order.to(local.device))
@@ -230,7 +234,7 @@ def _compile_permute(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
 def _compile_take(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     if rank not in step.src.placement:
         return None
-    axis, d, _ = _zig(step.dst)
+    d = _zig(step.dst)[1]
     chunks = step.dst.ranges(shape, rank)[d]  # the source holds d whole: global rows are local rows
 
     def take(local: torch.Tensor, comm) -> torch.Tensor:
@@ -241,7 +245,7 @@ def _compile_take(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
 def _compile_recut(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
     if rank not in step.src.placement:
         return None
-    axis, d, _ = _zig(step.src) or _zig(step.dst)
+    axis, d = (_zig(step.src) or _zig(step.dst))[:2]
     group = step.src.placement.group(rank, axis)
     sends, recvs = _recut_routes(step.src, step.dst, shape, rank)
     send_pieces = [p for peer in group for p in sends[peer]]

@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 
 from .placement import Placement
-from .sbp import LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes, zigzag_ranges
+from .sbp import (LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes,
+                  zigzag_order_of, zigzag_ranges)
 
 
 def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
@@ -92,16 +93,37 @@ class Layout:
 
     def ranges(self, shape: Sequence[int], rank: int) -> tuple[tuple[tuple[int, int], ...], ...] | None:
         """Per dim the (global start, size) ranges `rank` holds, in the order of its local rows: one per
-        dim, two for a zigzag dim (chunks i and 2n-1-i). None outside the placement."""
+        dim, two for a zigzag dim (chunks i and 2n-1-i of the piece earlier axes left it). None outside
+        the placement."""
         coord = self.placement.coord(rank)
         if coord is None:
             return None
         box = _shard(self.zigzag_as_split().sbp, self.placement.shape, tuple(shape), coord)
         out = [((start, size),) for start, size in box]
         for axis, s in enumerate(self.sbp):
-            if isinstance(s, Zigzag):  # the only cut of its dim (checked): chunks of the whole length
-                out[s.dim] = zigzag_ranges(shape[s.dim], self.placement.shape[axis], coord[axis])
+            if isinstance(s, Zigzag):  # the piece the earlier axes cut, then its two chunks
+                start, size = _shard(self._without_zigzag, self.placement.shape, tuple(shape), coord)[s.dim]
+                out[s.dim] = tuple((start + a, n) for a, n in
+                                   zigzag_ranges(size, self.placement.shape[axis], coord[axis]))
         return tuple(out)
+
+    @property
+    def _without_zigzag(self) -> tuple:
+        return tuple(Broadcast() if isinstance(s, Zigzag) else s for s in self.sbp)
+
+    def zigzag_pieces(self, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """The (start, size) pieces of the zigzag dim that the mesh axes before the zigzag axis cut (one
+        piece, the whole dim, where none does), in order; each is zigzag-cut on its own."""
+        a = self.zigzag_axes[0]
+        d = self.sbp[a].dim
+        p = self.placement
+        return tuple(sorted({_shard(self._without_zigzag, p.shape, tuple(shape), p.coord(r))[d]
+                             for r in p.flat_ranks}))
+
+    def zigzag_order(self, shape: Sequence[int]) -> list[int]:
+        """The global rows of the zigzag dim in the order of the zigzag reading (`zigzag_as_split`)."""
+        a = self.zigzag_axes[0]
+        return zigzag_order_of(self.zigzag_pieces(shape), self.placement.shape[a])
 
     def check_shape(self, shape: Sequence[int], arg: str = "sbp") -> None:
         for s in self.sbp:
@@ -159,17 +181,19 @@ def _local_shapes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, ..
 
 
 def _check_zigzag(sbp: tuple) -> None:
-    """A zigzag dim is cut by its one mesh axis only, and one dim at most is zigzag: the chunks are of
-    the whole length, and the ring and boxing know one permutation."""
+    """One dim at most is zigzag, and after its zigzag axis no axis cuts it: earlier axes may split it
+    (mesh axis 0 cuts first: each of their pieces is zigzag-cut, one sequence per data rank when a
+    batch and a sequence are flattened together), and the ring and boxing know one permutation."""
     zig = [(a, s) for a, s in enumerate(sbp) if isinstance(s, Zigzag)]
     if len(zig) > 1:
         raise ValueError(f"sbp: {sbp} has {len(zig)} zigzag axes; one mesh axis may be gt.zigzag(d) (the "
                          "others broadcast, split other dims or are partial)")
     for a, z in zig:
         for b, s in enumerate(sbp):
-            if b != a and isinstance(s, (Split, Ragged)) and s.dim == z.dim:
-                raise ValueError(f"sbp: {sbp} cuts dim {z.dim} on mesh axis {b} as well as zigzag on mesh axis "
-                                 f"{a}; a zigzag dim is cut by its own axis only (split another dim on axis {b})")
+            if b != a and isinstance(s, (Split, Ragged)) and s.dim == z.dim and (b > a or isinstance(s, Ragged)):
+                raise ValueError(f"sbp: {sbp} cuts dim {z.dim} on mesh axis {b} after its zigzag on mesh axis {a}; "
+                                 f"a zigzag cuts the pieces earlier axes' splits leave, and no axis cuts its chunks "
+                                 f"(split another dim on axis {b}, or split dim {z.dim} on an axis before {a})")
 
 
 def take_ranges(t, ranges: tuple[tuple[tuple[int, int], ...], ...]):

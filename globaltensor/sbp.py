@@ -161,3 +161,9 @@ def zigzag_order(length: int, parts: int) -> list[int]:
         for start, size in zigzag_ranges(length, parts, i):
             order.extend(range(start, start + size))
     return order
+
+
+def zigzag_order_of(pieces: tuple[tuple[int, int], ...], parts: int) -> list[int]:
+    """`zigzag_order` within each (start, size) piece of a dim, the pieces in turn: the zigzag order of
+    a dim that earlier mesh axes cut first (each piece is zigzag-cut by the zigzag axis)."""
+    return [start + i for start, size in pieces for i in zigzag_order(size, parts)]

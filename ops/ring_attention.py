@@ -138,7 +138,7 @@ def _rows(layout: Layout, shape: tuple, rank: int) -> tuple[tuple[int, int], ...
     """The global (start, size) ranges of the sequence rows `rank` holds under `layout`, in local order."""
     axis = _zigzag.axis
     if axis is not None:
-        if ring_axes(layout) != (axis,):
+        if axis not in ring_axes(layout):
             raise AssertionError(f"ring attention: zigzag rows on mesh axis {axis}, but the ring runs over "
                                  f"{ring_axes(layout)}")
         _zigzag.run.ran = True

@@ -15,14 +15,16 @@ not cover is refused on a zigzag tensor: its result would land in a copy.
 """
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import math
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from .. import boxing
 from ..layout import Layout
 from ..runtime import context
-from ..sbp import Broadcast, Ragged, Split, Zigzag, zigzag_order
+from ..sbp import Broadcast, Ragged, Split, Zigzag, zigzag_order_of
 from .attention import current_attention_method, attention_method
 from .decide import flatten_out, map_tensors
 from .dispatch import run as dispatch
@@ -41,16 +43,17 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, zig: type) -> Any:
     tensors: list = []
     map_tensors(args, kwargs, lambda t, i: tensors.append(t))
     first = next(t for t in tensors if isinstance(t, zig))
-    axis, dim, parts = _zig(first._layout)
+    dim = _zig(first._layout)[1]
+    key = _reading_of(first)
     if func in ATTENTION:
         done = _attention(func, args, kwargs, plain, zig, tensors)
         if done is not None:
             return done
     elif not (is_inplace(func) and not isinstance(args[0], zig)):
         ref = next(i for i, t in enumerate(tensors) if t is first)
-        alignment = align(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, dim)
+        alignment = align(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, dim, key.pieces_for)
         if alignment is not None:
-            done = _on_zigzag_reading(func, args, kwargs, plain, zig, axis, parts, first, *alignment)
+            done = _on_zigzag_reading(func, args, kwargs, plain, zig, key, first, *alignment)
             if done is not None:
                 return done
     if is_inplace(func) and isinstance(args[0], zig):
@@ -65,6 +68,65 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, zig: type) -> Any:
 def _zig(layout: Layout) -> tuple[int, int, int]:
     a = layout.zigzag_axes[0]
     return a, layout.sbp[a].dim, layout.placement.shape[a]
+
+
+class Reading(NamedTuple):
+    """How a zigzag reading orders a dim: in consecutive pieces (those earlier mesh axes cut, or the
+    whole dim), each cut into the 2n chunks of mesh axis `axis` (of size `parts`) and read in zigzag
+    order. One key serves every operand and result: a dim of the reference's `length` has its
+    `pieces`; another length, where the pieces are blocks of one size, that many rows per block
+    (a flattened [batch, seq] is `batch` blocks of `seq`)."""
+    axis: int
+    parts: int
+    length: int
+    pieces: tuple
+
+    @property
+    def block(self) -> Optional[int]:
+        sizes = {n for _, n in self.pieces}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def pieces_for(self, length: int) -> Optional[tuple]:
+        if length == self.length:
+            return self.pieces
+        block = self.block
+        if not block or length % block:
+            return None
+        return tuple((i, block) for i in range(0, length, block))
+
+
+def _reading_of(t: Any) -> Reading:
+    axis, dim, parts = _zig(t._layout)
+    return Reading(axis, parts, t.shape[dim], t._layout.zigzag_pieces(tuple(t.shape)))
+
+
+def _order(length: int, key: Reading, device: Any, inverse: bool = False) -> torch.Tensor:
+    order = torch.tensor(zigzag_order_of(key.pieces_for(length), key.parts), dtype=torch.long)
+    return (torch.argsort(order) if inverse else order).to(device)
+
+
+def _pattern(layout: Layout, dim: int, length: int, key: Reading) -> Optional[Layout]:
+    """`layout` with `dim` cut as the reading's zigzag: mesh axes before `key.axis` splitting it into the
+    reading's pieces, `key.axis` zigzag, no other cut of it. None where no earlier axes make them."""
+    pieces = key.pieces_for(length)
+    if pieces is None:
+        return None
+    probe = tuple(length if i == dim else 1 for i in range(dim + 1))
+    for count in range(key.axis + 1):
+        for earlier in itertools.combinations(range(key.axis), count):
+            sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]
+            for b in earlier:
+                sbp[b] = Split(dim)
+            sbp[key.axis] = Zigzag(dim)
+            target = Layout(layout.placement, tuple(sbp))
+            if target.zigzag_pieces(probe) == pieces:
+                return target
+    return None
+
+
+def _uncut(layout: Layout, dim: int) -> Layout:
+    return Layout(layout.placement, tuple(Broadcast() if a in _cuts(layout, dim) else s
+                                          for a, s in enumerate(layout.sbp)))
 
 
 def _split_sbp(layout: Layout) -> tuple:
@@ -85,59 +147,61 @@ def _cuts(layout: Layout, dim: int) -> list[int]:
     return [a for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag, Ragged)) and s.dim == dim]
 
 
-def _to_reading(t: Any, axis: int, dim: int, parts: int, plain: type, zig: type, placement: Any,
+def _to_reading(t: Any, dim: int, key: Reading, plain: type, zig: type, placement: Any,
                 take: bool = False) -> Any:
-    """Operand `t` on the zigzag reading of `dim` (mesh axis `axis`), or None where that is not possible
-    (another placement); a dim of size one (broadcast) needs nothing. An operand holding `dim` whole
-    is permuted locally and keeps its layout (the dispatcher then chooses, as for a contiguous split);
-    with `take`, it is cut to each rank's zigzag rows instead (no permuted copy of the whole)."""
+    """Operand `t` on the zigzag reading `key` of its `dim`, or None where that is not possible (another
+    placement, a length the blocks do not divide); a dim of size one (broadcast) needs nothing. An
+    operand holding `dim` whole is permuted locally and keeps its layout (the dispatcher then chooses,
+    as for a contiguous split); with `take`, it is cut to each rank's zigzag rows instead."""
     if dim < 0 or t.ndim <= dim or t.shape[dim] == 1:
         return _box(t, t._layout.zigzag_as_split(), plain) if isinstance(t, zig) else t
     if not hasattr(t, "_layout"):  # a plain tensor counts as Broadcast (the same on every rank)
         t = plain(t, Layout(placement, (Broadcast(),) * placement.ndim), tuple(t.shape))
-    if t._layout.placement != placement:
+    length = t.shape[dim]
+    if t._layout.placement != placement or key.pieces_for(length) is None:
         return None
-    if isinstance(t, zig) and _zig(t._layout) == (axis, dim, parts):
+    target = _pattern(t._layout, dim, length, key)
+    if isinstance(t, zig) and t._layout == target:
         return _read_as_split(t, plain)
-    layout = t._layout.zigzag_as_split() if isinstance(t, zig) else t._layout
-    if not take and not _cuts(layout, dim):
-        if isinstance(t, zig):
-            t = _box(t, layout, plain)
-        order = torch.tensor(zigzag_order(t.shape[dim], parts), dtype=torch.long, device=t._local.device)
-        local = t._local.index_select(dim, order) if t._local.dim() > dim else t._local
-        return plain(local, layout, tuple(t.shape))
-    sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]
-    sbp[axis] = Zigzag(dim)
-    target = Layout(placement, tuple(sbp))
-    return _read_as_split(_box(t, target, plain), plain)
+    if isinstance(t, zig):
+        t = _box(t, t._layout.zigzag_as_split(), plain)  # the contiguous split: real rows, in order
+    if take and target is not None:
+        return _read_as_split(_box(t, target, plain), plain)
+    if _cuts(t._layout, dim):
+        if target is not None:
+            return _read_as_split(_box(t, target, plain), plain)
+        t = _box(t, _uncut(t._layout, dim), plain)
+    local = t._local.index_select(dim, _order(length, key, t._local.device)) if t._local.dim() > dim else t._local
+    return plain(local, t._layout, tuple(t.shape))
 
 
-def _from_reading(o: Any, axis: int, dim: int, parts: int, plain: type) -> Any:
-    """An output on the zigzag reading back as the zigzag tensor it stands for."""
+def _from_reading(o: Any, dim: int, key: Reading, plain: type) -> Any:
+    """A result on the zigzag reading back as the tensor it stands for: zigzag where its layout cuts
+    `dim` as the reading does (else boxed so), or, holding `dim` whole, put back in order."""
     layout = o._layout
-    if layout.sbp[axis] == Split(dim) and _cuts(layout, dim) == [axis]:
-        return plain(o._local, Layout(layout.placement, tuple(Zigzag(dim) if a == axis else s
-                                                              for a, s in enumerate(layout.sbp))), tuple(o.shape))
-    if not _cuts(layout, dim):  # every rank holds the whole dim, in zigzag order: put it back
+    target = _pattern(layout, dim, o.shape[dim], key)
+    cut = _cuts(layout, dim)
+    if target is not None and target.zigzag_as_split() == layout:
+        return plain(o._local, target, tuple(o.shape))
+    if not cut:  # every rank holds the whole dim, in the reading's order: put it back
         local = o._local
         if local.dim() > dim:
-            order = torch.argsort(torch.tensor(zigzag_order(o.shape[dim], parts), dtype=torch.long)).to(local.device)
-            local = local.index_select(dim, order)
+            local = local.index_select(dim, _order(o.shape[dim], key, local.device, inverse=True))
         return plain(local, layout, tuple(o.shape))
-    sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]
-    sbp[axis] = Split(dim)
-    return _from_reading(_box(o, Layout(layout.placement, tuple(sbp)), plain), axis, dim, parts, plain)
+    if target is not None:
+        return _from_reading(_box(o, target.zigzag_as_split(), plain), dim, key, plain)
+    return _from_reading(_box(o, _uncut(layout, dim), plain), dim, key, plain)
 
 
-def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, axis: int, parts: int,
+def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, key: Reading,
                        first: Any, in_dims: list, out_dims: Any) -> Any:
-    """Run an op on the zigzag reading: operand i along its dim `in_dims[i]` (None: it has none),
+    """Run an op on the zigzag reading `key`: operand i along its dim `in_dims[i]` (None: it has none),
     results read back along `out_dims(results)`; None where an operand cannot be read so."""
     placement = first._layout.placement
     failed = []
 
     def read(t: Any, i: int) -> Any:
-        r = _to_reading(t, axis, -1 if in_dims[i] is None else in_dims[i], parts, plain, zig, placement)
+        r = _to_reading(t, -1 if in_dims[i] is None else in_dims[i], key, plain, zig, placement)
         if r is None:
             failed.append(t)
         return r
@@ -154,9 +218,14 @@ def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: t
     back = []
     for o, d in zip(outs, dims):
         if isinstance(o, torch.Tensor) and d is not None and d < o.ndim and o.shape[d] > 1:
-            o = _from_reading(o, axis, d, parts, plain)
+            o = _from_reading(o, d, key, plain)
         back.append(o)
     return put_back(back)
+
+
+def _cut_of_seq(layout: Layout) -> tuple:
+    """Which mesh axes cut the sequence, and how: q, k and v must agree for the ring's blocks."""
+    return tuple((a, s) for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag)) and s.dim == SEQ)
 
 
 def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, tensors: list) -> Any:
@@ -172,14 +241,17 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
     if len(tensors) != n_main or mask is not None or dropout or q.shape[SEQ] != k.shape[SEQ]:
         return None
     qkv = args[first_qkv:first_qkv + 3]
-    if not all(isinstance(t, zig) for t in qkv) or len({_zig(t._layout) for t in qkv}) != 1:
+    if not all(isinstance(t, zig) for t in qkv) or len({_cut_of_seq(t._layout) for t in qkv}) != 1:
         return None
     axis, dim, parts = _zig(q._layout)
+    key = _reading_of(q)
     if dim != SEQ or any(t._layout.placement != q._layout.placement for t in main):
         return None
-    # q, k, v zigzag; the backward's grad_out (Broadcast from out.sum(), say) is put into zigzag order
-    read = lambda t, i: _to_reading(t, axis, SEQ, parts, plain, zig, q._layout.placement, take=True)
+    # q, k, v zigzag alike; the backward's grad_out (Broadcast from out.sum(), say) is cut to the zigzag
+    read = lambda t, i: _to_reading(t, SEQ, key, plain, zig, q._layout.placement, take=True)
     new_args, new_kwargs = map_tensors(args, kwargs, read)
+    if any(t is None for t in new_args[:n_main]):
+        return None
     if not causal:  # every row alike: any method, on the zigzag reading
         out = dispatch(func, new_args, new_kwargs, plain)
     elif current_attention_method() not in ("ring", "auto"):
@@ -191,8 +263,7 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
             raise NotImplementedError(f"{func}: causal attention on zigzag {main[0].sbp} runs only as the ring, "
                                       "which these layouts do not allow; box q, k, v to gt.split(2)")
     outs, put_back = flatten_out(out)
-    return put_back([_from_reading(o, axis, SEQ, parts, plain) if isinstance(o, torch.Tensor) else o
-                     for o in outs])
+    return put_back([_from_reading(o, SEQ, key, plain) if isinstance(o, torch.Tensor) else o for o in outs])
 
 
 __all__ = ["run"]

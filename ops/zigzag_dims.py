@@ -36,18 +36,23 @@ def _pointwise(func, args, kwargs, shapes, ref, d) -> Optional[Alignment]:
     return ins, lambda outs: [token if o.ndim == out_ndim else None for o in outs]
 
 
-def _view(func, args, kwargs, shapes, ref, d) -> Optional[Alignment]:
-    """A view keeps d's rows in order when d stays one dim with the same elements before it."""
+def _view(func, args, kwargs, shapes, ref, d, pieces_for) -> Optional[Alignment]:
+    """A view keeps the reading when d's rows stay in one dim in their order, in whole pieces of the
+    reading: d kept (the same elements before it), d merged with the dims just before it (a flattened
+    [batch, seq]: the pieces repeat per batch row), or d split with its last dim holding whole pieces."""
     if ref != 0:
         return None
     shape, size = shapes[0], list(args[1])
     if -1 in size:
         known = math.prod(s for s in size if s != -1)
         size[size.index(-1)] = math.prod(shape) // known if known else 0
-    before = math.prod(shape[:d])
     for j, n in enumerate(size):
-        if n == shape[d] and math.prod(size[:j]) == before:
-            return [d], lambda outs: [j]
+        before = math.prod(size[:j])
+        merged = any(n == math.prod(shape[k:d + 1]) and before == math.prod(shape[:k]) for k in range(d + 1))
+        split = any(math.prod(size[j0:j + 1]) == shape[d] and math.prod(size[:j0]) == math.prod(shape[:d])
+                    for j0 in range(j + 1))
+        if (merged or split) and (n == shape[d] or pieces_for(n) is not None):
+            return [d], lambda outs, j=j: [j]
     return None
 
 
@@ -156,9 +161,15 @@ ALIGN.update({aten.view.default: _view, aten._unsafe_view.default: _view,
               aten.mean.dim: _reduce})
 
 
-def align(func: Any, args: tuple, kwargs: dict, shapes: list, ref: int, d: int) -> Optional[Alignment]:
+def align(func: Any, args: tuple, kwargs: dict, shapes: list, ref: int, d: int,
+          pieces_for: Callable[[int], Any]) -> Optional[Alignment]:
+    """`pieces_for(length)`: how the reading orders a dim of that length (None: it cannot), which a view
+    that changes d's length must keep."""
     rule = ALIGN.get(func)
-    return None if rule is None else rule(func, args, kwargs, shapes, ref, d)
+    if rule is None:
+        return None
+    return rule(func, args, kwargs, shapes, ref, d, pieces_for) if rule is _view else \
+        rule(func, args, kwargs, shapes, ref, d)
 
 
 __all__ = ["align", "ALIGN", "SAME_ROWS"]

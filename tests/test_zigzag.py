@@ -40,6 +40,7 @@ MESH_CASES = [  # (mesh, zigzag sbp, shape)
     ((3,), (gt.zigzag(1),), (2, 7)),                      # uneven: chunks of 2 and 1
     ((2, 2), (gt.split(0), gt.zigzag(1)), (3, 9, 2)),     # another dim split on the other axis
     ((2, 2), (gt.zigzag(1), gt.broadcast), (2, 8)),
+    ((2, 2), (gt.split(1), gt.zigzag(1)), (2, 9)),        # axis 0 cuts dim 1 first, each piece zigzag
 ]
 
 # the conversions each case checks: (target sbp, bytes rank 0 receives from the zigzag, or None)
@@ -50,6 +51,8 @@ CONVERSIONS = {
         ((gt.broadcast, gt.zigzag(1)), None), ((gt.split(1), gt.split(0)), None)],
     3: [((gt.split(1), gt.broadcast), None), ((gt.broadcast, gt.broadcast), None),
         ((gt.zigzag(1), gt.split(0)), None), ((gt.split(0), gt.split(1)), None)],
+    4: [((gt.split(1), gt.split(1)), None), ((gt.broadcast, gt.broadcast), None),
+        ((gt.broadcast, gt.zigzag(1)), None), ((gt.split(0), gt.zigzag(1)), None)],
 }
 
 
@@ -67,10 +70,12 @@ def test_shards_conversions_and_bytes(i):
         p = mesh_placement(mesh)
         x = gt.to_global(full, p, sbp)
         coord = p.coord(gt.rank())
-        want = _by_hand(full, dim, mesh[zaxis], coord[zaxis])
-        for a, s in enumerate(sbp):
+        want = full
+        for a, s in enumerate(sbp):  # mesh axis 0 cuts first; the zigzag cuts the piece it is left
             if isinstance(s, gt.Split):
                 want = torch.tensor_split(want, mesh[a], s.dim)[coord[a]]
+            elif a == zaxis:
+                want = _by_hand(want, dim, mesh[zaxis], coord[zaxis])
         assert isinstance(x, gt.ZigzagTensor) and torch.equal(x.to_local(), want)
         assert torch.equal(gt.from_local(x.to_local(), p, sbp).full_tensor(), full)
         moved = []
@@ -161,8 +166,8 @@ def test_ops_along_the_dim_get_a_contiguous_split_and_in_place_ones_are_refused(
 
 def test_bad_zigzag_layouts_name_the_sbp():
     p = gt.placement("cpu", [[0, 1], [2, 3]])
-    with pytest.raises(ValueError, match="zigzag dim is cut by its own axis only"):
-        gt.Layout(p, (gt.split(1), gt.zigzag(1)))
+    with pytest.raises(ValueError, match="after its zigzag on mesh axis 0"):
+        gt.Layout(p, (gt.zigzag(1), gt.split(1)))
     with pytest.raises(ValueError, match="2 zigzag axes"):
         gt.Layout(p, (gt.zigzag(0), gt.zigzag(1)))
     with pytest.raises(ValueError, match="zigzag\\(dim\\)"):
@@ -176,7 +181,8 @@ def test_bad_zigzag_layouts_name_the_sbp():
 @st.composite
 def _zigzag_conversions(draw):
     """A mesh of one or two axes, a shape, and two layouts of it of which at least one is zigzag (on any
-    axis, any dim; the other axes split other dims, broadcast or, in the source, are partial)."""
+    axis, any dim; earlier axes may split that dim first, the others split other dims, broadcast or, in
+    the source, are partial)."""
     mesh = draw(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (3, 1)]))
     shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
 
@@ -185,7 +191,8 @@ def _zigzag_conversions(draw):
                                     + ([gt.partial_sum] if partial else []))) for _ in mesh]
         if zigzag:
             axis, dim = draw(st.integers(0, len(mesh) - 1)), draw(st.integers(0, len(shape) - 1))
-            sbp = [gt.broadcast if isinstance(s, gt.Split) and s.dim == dim else s for s in sbp]
+            sbp = [gt.broadcast if isinstance(s, gt.Split) and s.dim == dim and b > axis else s
+                   for b, s in enumerate(sbp)]  # earlier axes may split the dim first
             sbp[axis] = gt.zigzag(dim)
         return tuple(sbp)
     first = draw(st.booleans())
@@ -213,16 +220,17 @@ def test_any_zigzag_conversion_keeps_values_and_meets_the_bound(case, seed):
         assert ok == (True, True, True), (src, dst, shape)
 
 
-def _gpt_steps(batch_sbp, steps: int):
-    """A 2-layer GPT (one sequence of 16 tokens, fp64), weights Broadcast on 2 ranks, the batch laid out
-    as `batch_sbp`, ring attention: AdamW steps; per rank the losses, the parameters and what each step
-    received (kinds and bytes)."""
+def _gpt_steps(batch_sbp, steps: int, mesh: tuple = (2,)):
+    """A 2-layer GPT (a sequence of 16 tokens per rank of mesh axis 0 on a 2-D mesh, fp64), weights
+    Broadcast, the batch laid out as `batch_sbp`, ring attention: AdamW steps; per rank the losses, the
+    parameters and what each step received (kinds and bytes)."""
     from collections import Counter
 
     from globaltensor.models.gpt import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=8)
     torch.manual_seed(0)
-    idx, tgt = torch.randint(0, 32, (1, 16)), torch.randint(0, 32, (1, 16))
+    batch = mesh[0] if len(mesh) == 2 else 1
+    idx, tgt = torch.randint(0, 32, (batch, 16)), torch.randint(0, 32, (batch, 16))
 
     def run(p):
         torch.manual_seed(1)
@@ -241,16 +249,21 @@ def _gpt_steps(batch_sbp, steps: int):
             losses.append(loss.item())
             moved.append((Counter(e.kind for e in log.events), log.recv_bytes))
         return losses, {n: q.detach() if p is None else q.full_tensor() for n, q in model.named_parameters()}, moved
-    return run(None), gt.launch(lambda: run(gt.placement("cpu", [0, 1])), 2)
+    ranks = torch.arange(math.prod(mesh)).reshape(mesh).tolist()
+    return run(None), gt.launch(lambda: run(gt.placement("cpu", ranks)), math.prod(mesh))
 
 
-def test_gpt_steps_on_zigzag_equal_one_device_and_move_what_the_contiguous_ring_moves():
-    """One sequence on a 1-D mesh: the tokens zigzag, every activation stays zigzag (embeddings,
-    linears, layer norms, the loss run on the zigzag reading; attention is the ring): two AdamW steps
-    equal one device, and each step receives exactly the contiguous ring's messages and bytes (no
-    recut anywhere)."""
-    (want_losses, want, _), zig = _gpt_steps((gt.zigzag(1),), 2)
-    _, contiguous = _gpt_steps((gt.split(1),), 2)
+@pytest.mark.parametrize("mesh, zigzag, contiguous", [
+    ((2,), (gt.zigzag(1),), (gt.split(1),)),
+    ((2, 2), (gt.split(0), gt.zigzag(1)), (gt.split(0), gt.split(1))),   # data x sequence, a sequence per row
+])
+def test_gpt_steps_on_zigzag_equal_one_device_and_move_what_the_contiguous_ring_moves(mesh, zigzag, contiguous):
+    """The tokens zigzag, every activation stays zigzag (embeddings, linears and their flattening of
+    [batch, seq], layer norms, the loss run on the zigzag reading; attention is the ring): two AdamW
+    steps equal one device, and each step receives exactly the contiguous ring's messages and bytes
+    (no recut anywhere)."""
+    (want_losses, want, _), zig = _gpt_steps(zigzag, 2, mesh)
+    _, contiguous = _gpt_steps(contiguous, 2, mesh)
     for (losses, params, moved), (_, _, moved_contiguous) in zip(zig, contiguous):
         torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-10)
         for name, p in params.items():
