@@ -237,7 +237,9 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
                 "k": _block_shape(k, k_layout, where.ctx.shapes[1], source),
                 "v": _block_shape(v, v_layout, where.ctx.shapes[2], source)}, k.dtype, step)
         k_rows = _rows(k_layout, where.ctx.shapes[1], ring.holder(step))
-        for q_piece, k_piece, masked in _blocks(q_rows, k_rows, causal):
+        # an empty shard (uneven heads or batch) attends nothing: the CPU kernels divide by its size
+        blocks = _blocks(q_rows, k_rows, causal) if q.numel() and held["k"].numel() else []
+        for q_piece, k_piece, masked in blocks:
             o, l = _attend(func, _rows_of(q, q_piece), _rows_of(held["k"], k_piece), _rows_of(held["v"], k_piece),
                            masked, scale)
             if out is None and q_piece == (0, q.shape[SEQ]):
@@ -296,7 +298,8 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
             sent()
         k_rows = _rows(k_layout, where.ctx.shapes[2], owner)
         dk = dv = None
-        for q_piece, k_piece, masked in _blocks(q_rows, k_rows, causal):
+        blocks = _blocks(q_rows, k_rows, causal) if q.numel() and held["k"].numel() else []
+        for q_piece, k_piece, masked in blocks:
             pq = lambda t: _rows_of(t, q_piece)
             pk = lambda t: _rows_of(t, k_piece)
             dq_, dk_, dv_ = _attend_backward(func, pq(grad_out), pq(q), pk(held["k"]), pk(held["v"]), pq(out),

@@ -360,3 +360,10 @@ def test_zigzag_backward_from_a_broadcast_gradient_stays_on_the_ring():
         assert kinds == {"send_recv"} and sbp == (ZIG,)
         for g, x in zip(grads, xs):
             torch.testing.assert_close(g, x.grad, **TOL)
+
+
+@pytest.mark.parametrize("seq", [SEQ, ZIG])
+def test_ring_with_an_empty_heads_shard(seq):
+    """One head split over two ranks: one rank's q, k, v are empty and its ring steps attend nothing (the
+    CPU kernels divide by the shard's size), while it still passes the blocks on."""
+    _check(_inputs(1, 1, 1, 5), True, (2, 2), (seq, gt.split(1)), "ring")
