@@ -15,6 +15,7 @@ import torch
 import globaltensor as gt
 from boxing_support import make
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
+from training import adamw_steps
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.filterwarnings("ignore:globaltensor. no SBP rule")]  # fallbacks are counted, not failures
@@ -155,15 +156,7 @@ def _train(device: str, mesh=None, steps: int = STEPS):
         p = gt.placement(device, np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
         gt.to_global(model, p, tp_plan(1, 2))
         idx, tgt = gt.to_global(idx, p, dp_batch(0, 2)), gt.to_global(tgt, p, dp_batch(0, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        _, loss = model(idx, tgt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.full_tensor().item() if mesh else loss.item())
-    params = {n: (p.full_tensor() if mesh else p).detach().cpu() for n, p in model.named_parameters()}
+    losses, params = adamw_steps(model, idx, tgt, steps, mesh is not None)
     devices = {(p.to_local() if mesh else p).device.type for p in model.parameters()}
     return losses, params, devices
 

@@ -9,6 +9,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
+from training import adamw_steps
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
 STEPS = 20
@@ -28,16 +29,7 @@ def train(mesh=None, foreach=None, steps=STEPS):
         p = gt.placement("cpu", np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
         gt.to_global(model, p, tp_plan(1, 2))
         idx, tgt = gt.to_global(idx, p, dp_batch(0, 2)), gt.to_global(tgt, p, dp_batch(0, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
-    losses = []
-    for _ in range(steps):
-        _, loss = model(idx, tgt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.full_tensor().item() if mesh else loss.item())
-    params = {n: (p.full_tensor() if mesh else p).detach() for n, p in model.named_parameters()}
-    return losses, params
+    return adamw_steps(model, idx, tgt, steps, mesh is not None, foreach)
 
 
 @pytest.fixture(scope="module")

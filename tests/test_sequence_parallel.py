@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, seq_batch, sp_plan, ulysses_plan
+from training import adamw_steps
 
 CFG = GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=4, n_embd=16)
 STEPS = 20
@@ -67,16 +68,7 @@ def train(kind: str, mesh: tuple | None, batch: int, steps: int = STEPS):
 
 def _train(kind: str, mesh: tuple | None, batch: int, steps: int):
     model, idx, tgt, p = _setup(kind, mesh, batch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        _, loss = model(idx, tgt)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.full_tensor().item() if p is not None else loss.item())
-    params = {n: (q.full_tensor() if p is not None else q).detach() for n, q in model.named_parameters()}
-    return losses, params
+    return adamw_steps(model, idx, tgt, steps, p is not None)
 
 
 def _batch(kind: str, mesh: tuple) -> int:
