@@ -55,7 +55,8 @@ class _Recording:
 class StepPlan:
     """`with plan:` around a step (forward, backward, optimizer): see the module docstring.
 
-    `plan.steering`: whether the last run followed the solved choices to its end.
+    `plan.steering`: whether the last run followed the solved choices to its end (while one is open:
+    whether it follows them so far); `plan.steered_runs` counts the runs that did.
     `plan.solved_cost` and `plan.recorded_cost`: the step's bill (most bytes a rank receives, summed
     over the step's conversions; all ranks' bytes; collectives) under the solved and op-by-op choices.
     """
@@ -67,10 +68,12 @@ class StepPlan:
         self.solved_cost: Optional[tuple] = None
         self.steering = False
         self.runs = 0
+        self.steered_runs = 0                      # runs that followed the solved choices to their end
         self._rec: Optional[_Recording] = None
         self._k = 0
         self._open: list = []                      # per call running now: where its recorded calls end
         self._outer: Optional[StepPlan] = None
+        self._hook: Any = None                     # the optimizer's step hook (`step_plan(optimizer)`)
 
     # -- the context ------------------------------------------------------------------------------------
     def __enter__(self) -> "StepPlan":
@@ -99,6 +102,8 @@ class StepPlan:
         elif not self.steering or self._k != len(self.choices):  # the run went elsewhere: record the next
             self.choices = None
             self.steering = False
+        else:
+            self.steered_runs += 1
 
     def changes(self) -> list:
         """The calls whose solved choice differs from op by op's: (call number, op, op-by-op choice,
@@ -121,6 +126,22 @@ class StepPlan:
         for k, func, before, after in self.changes():
             lines.append(f"  call {k} {func}: {before[0]} -> {before[1]}  became  {after[0]} -> {after[1]}")
         return "\n".join(lines)
+
+    def _next_run(self) -> None:
+        """An optimizer step ended one run: the next begins (`step_plan(optimizer)`)."""
+        if ACTIVE.plan is self:
+            self.__exit__(None, None, None)
+        self.__enter__()
+
+    def close(self) -> None:
+        """Stop following the optimizer's steps (`step_plan(optimizer)`): the run opened by the last step
+        is dropped unjudged (it may have made no call yet); the solved choices stay for `with plan:`."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if ACTIVE.plan is self:
+            ACTIVE.plan, self._outer = self._outer, None
+            self._rec = None
 
     @property
     def recording(self) -> bool:
@@ -258,10 +279,20 @@ def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[t
     return tuple(per_rank), sum(n for _, n in bills)
 
 
-def step_plan() -> StepPlan:
+def step_plan(optimizer: Optional[torch.optim.Optimizer] = None) -> StepPlan:
     """A plan for one step's layouts, chosen together (see `ops/step_plan.py`). Use it as `with plan:`
-    around each step; the first run records, later runs follow."""
-    return StepPlan()
+    around each step; the first run records, later runs follow.
+
+    With `optimizer`, the optimizer's steps mark the steps instead: the plan is open from now on, and
+    each `optimizer.step()` ends one run and begins the next, so a training loop needs no other
+    change. `plan.close()` ends it (the hook is removed)."""
+    plan = StepPlan()
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"step_plan(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        plan._hook = optimizer.register_step_post_hook(lambda *_: plan._next_run())
+        plan.__enter__()
+    return plan
 
 
 __all__ = ["ACTIVE", "StepPlan", "step_plan", "note_conversion"]

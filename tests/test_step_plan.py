@@ -248,3 +248,38 @@ def test_data_dependent_ops_under_a_plan():
     """Ops whose output shapes only the run tells (unique, nonzero, a boolean mask) are recorded with
     the layouts their run gave, and steered runs follow through them."""
     assert gt.launch(_data_dependent, 2) == [[False, True, True]] * 2
+
+
+def _with_optimizer_hook():
+    n = gt.world_size()
+    p = gt.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    a_full, b_full = torch.randn(8, 6, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    a = torch.nn.Parameter(gt.to_global(a_full, p, gt.split(1)))
+    b = torch.nn.Parameter(gt.to_global(b_full, p, gt.split(0)))
+    ref = [torch.nn.Parameter(a_full.clone()), torch.nn.Parameter(b_full.clone())]
+    opt, ref_opt = torch.optim.SGD([a, b], lr=0.1), torch.optim.SGD(ref, lr=0.1)
+    plan = gt.step_plan(opt)          # nothing else in the loop changes
+    seen = []
+    for _ in range(4):
+        (a @ b).tanh().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(plan.steered_runs)
+        (ref[0] @ ref[1]).tanh().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    plan.close()
+    assert plan.choices is not None      # closing drops the run the last step opened, not the solution
+    torch.testing.assert_close(a.full_tensor(), ref[0].detach())
+    torch.testing.assert_close(b.full_tensor(), ref[1].detach())
+    return seen, plan.runs
+
+
+def test_a_plan_can_follow_the_optimizer_steps():
+    """`gt.step_plan(opt)`: each `opt.step()` ends a run and begins the next. Run 1 records; runs 2-4
+    are steered to their end; equal to one device."""
+    for seen, runs in gt.launch(_with_optimizer_hook, 2):
+        assert seen == [0, 1, 2, 3] and runs == 4, (seen, runs)
+    with pytest.raises(TypeError, match="step_plan\\(optimizer\\)"):
+        gt.step_plan("sgd")
