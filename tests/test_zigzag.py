@@ -259,11 +259,12 @@ def _gpt_steps(batch_sbp, steps: int, mesh: tuple = (2,)):
 ])
 def test_gpt_steps_on_zigzag_equal_one_device_and_move_what_the_contiguous_ring_moves(mesh, zigzag, contiguous):
     """The tokens zigzag, every activation stays zigzag (embeddings, linears and their flattening of
-    [batch, seq], layer norms, the loss run on the zigzag reading; attention is the ring): two AdamW
-    steps equal one device, and each step receives exactly the contiguous ring's messages and bytes
+    [batch, seq], layer norms, the loss run on the zigzag reading; attention is the ring): AdamW steps
+    equal one device, and each step receives exactly the contiguous ring's messages and bytes
     (no recut anywhere)."""
-    (want_losses, want, _), zig = _gpt_steps(zigzag, 2, mesh)
-    _, contiguous = _gpt_steps(contiguous, 2, mesh)
+    steps = 2 if len(mesh) == 1 else 1  # the 2-D run's decisions cost most (4 ranks, three programs)
+    (want_losses, want, _), zig = _gpt_steps(zigzag, steps, mesh)
+    _, contiguous = _gpt_steps(contiguous, steps, mesh)
     for (losses, params, moved), (_, _, moved_contiguous) in zip(zig, contiguous):
         torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-10)
         for name, p in params.items():
