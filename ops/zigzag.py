@@ -105,21 +105,21 @@ def _order(length: int, key: Reading, device: Any, inverse: bool = False) -> tor
     return (torch.argsort(order) if inverse else order).to(device)
 
 
-def _pattern(layout: Layout, dim: int, length: int, key: Reading) -> Optional[Layout]:
+def _pattern(layout: Layout, dim: int, shape: tuple, key: Reading) -> Optional[Layout]:
     """`layout` with `dim` cut as the reading's zigzag: mesh axes before `key.axis` splitting it into the
     reading's pieces, `key.axis` zigzag, no other cut of it. None where no earlier axes make them."""
-    pieces = key.pieces_for(length)
+    pieces = key.pieces_for(shape[dim])
     if pieces is None:
         return None
-    probe = tuple(length if i == dim else 1 for i in range(dim + 1))
     for count in range(key.axis + 1):
         for earlier in itertools.combinations(range(key.axis), count):
-            sbp = [Broadcast() if a in _cuts(layout, dim) else s for a, s in enumerate(layout.sbp)]
+            plain_sbp = layout.zigzag_as_split()  # a zigzag of another dim: its contiguous split there
+            sbp = [Broadcast() if a in _cuts(plain_sbp, dim) else s for a, s in enumerate(plain_sbp.sbp)]
             for b in earlier:
                 sbp[b] = Split(dim)
             sbp[key.axis] = Zigzag(dim)
             target = Layout(layout.placement, tuple(sbp))
-            if target.zigzag_pieces(probe) == pieces:
+            if target.zigzag_pieces(shape) == pieces:
                 return target
     return None
 
@@ -160,7 +160,7 @@ def _to_reading(t: Any, dim: int, key: Reading, plain: type, zig: type, placemen
     length = t.shape[dim]
     if t._layout.placement != placement or key.pieces_for(length) is None:
         return None
-    target = _pattern(t._layout, dim, length, key)
+    target = _pattern(t._layout, dim, tuple(t.shape), key)
     if isinstance(t, zig) and t._layout == target:
         return _read_as_split(t, plain)
     if isinstance(t, zig):
@@ -179,7 +179,7 @@ def _from_reading(o: Any, dim: int, key: Reading, plain: type) -> Any:
     """A result on the zigzag reading back as the tensor it stands for: zigzag where its layout cuts
     `dim` as the reading does (else boxed so), or, holding `dim` whole, put back in order."""
     layout = o._layout
-    target = _pattern(layout, dim, o.shape[dim], key)
+    target = _pattern(layout, dim, tuple(o.shape), key)
     cut = _cuts(layout, dim)
     if target is not None and target.zigzag_as_split() == layout:
         return plain(o._local, target, tuple(o.shape))

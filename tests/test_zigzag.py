@@ -285,3 +285,20 @@ def test_factories_make_zigzag_tensors_with_one_devices_values():
     for r, sbp, z, local in gt.launch(body, 2):
         assert torch.equal(r, want) and sbp == (gt.zigzag(0),) and torch.equal(z, torch.ones(5, 2))
         assert local[0] in (2, 3)
+
+
+def test_operands_zigzag_on_other_dims_or_axes_are_read_alike():
+    """x zigzag on dim 0 of axis 0, y on dim 1 of axis 1 (a split of dim 0 on the other axis): sums,
+    transposes and products of them equal one device."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7, dtype=D), torch.randn(5, 7, dtype=D)
+
+    def body():
+        p = gt.placement("cpu", [[0, 1], [2, 3]])
+        x = gt.to_global(a, p, (gt.zigzag(0), gt.broadcast))
+        y = gt.to_global(b, p, (gt.split(0), gt.zigzag(1)))
+        return (x + y).full_tensor(), ((x * 2).t() * y.t()).full_tensor(), (x @ y.t()).full_tensor()
+    for s, t, m in gt.launch(body, 4):
+        torch.testing.assert_close(s, a + b, rtol=0, atol=1e-12)
+        torch.testing.assert_close(t, (a * 2).t() * b.t(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(m, a @ b.t(), rtol=1e-12, atol=1e-12)
