@@ -157,6 +157,7 @@ class _Call:
         self.pending: Any = None      # a started gather (prefetch) to finish
         self.reduced = False          # its backward has run
         self.before_in_backward: Optional["weakref.ref[_Call]"] = None  # the call whose backward comes next
+        self.prefetched: Optional["_Call"] = None  # that call, once its re-gather is started by this one's backward
 
     def start(self) -> None:
         """Start the gather now (a prefetch); `gather` finishes it."""
@@ -239,9 +240,12 @@ class _Call:
             locals_.append(local)
             plans.append((gr._layout, p._layout, local.dtype))
         done = boxing.execute_many_start(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
+        n = len(grads)
 
         def finish() -> list:
-            result: list = [None] * len(grads)
+            # closes over no gradient (full-size, Partial): they are freed while the reduce-scatter is in flight,
+            # whose send buffer holds what it needs
+            result: list = [None] * n
             for i, out in zip(which, done()):
                 p = g.params[i]
                 result[i] = GlobalTensor(out.to(p.dtype), p._layout, tuple(p.shape))
@@ -292,10 +296,19 @@ class _Gather(torch.autograd.Function):
             scope.add(call, grads)
             return (None,) * (1 + len(grads))
         call.reduced = True
-        while len(_LANDING.pending) >= MAX_IN_FLIGHT:  # bound the memory of full-size gradient buffers
+        # The module's backward is done: nothing gathered outlives it. Its copies are freed, and the next
+        # module's prefetched gather is finished into that module's parameters (the all-gather's buffers, the
+        # backend's copy among them, freed), before the reduction makes its buffers: else all of them are
+        # held at once, the peak of the step (FSDP2 also reshards before its reduce-scatter).
+        call.free()
+        ahead, call.prefetched = call.prefetched, None
+        if ahead is not None and not ahead.reduced:  # (reduced already: the backward went another way)
+            ahead.regather()
+        while _LANDING.pending and len(_LANDING.pending) >= MAX_IN_FLIGHT:  # the previous buffers go first
             _land(*_LANDING.pending.pop(0))
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
-        call.free()  # the module's backward is done: nothing gathered outlives it
+        while len(_LANDING.pending) > MAX_IN_FLIGHT:
+            _land(*_LANDING.pending.pop(0))
         if not _LANDING.queued:
             _LANDING.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
@@ -327,10 +340,10 @@ class _Accumulation:
         order the groups were first called: the same on every rank) and free the gathered copies."""
         for group, call in self.calls.items():
             grads = self.grads.get(call)
+            call.free()
             if grads is not None:
                 call.reduced = True
                 _land(group.params, call.reduce_start(tuple(grads)))
-            call.free()
 
 
 _SCOPES: "weakref.WeakKeyDictionary[Any, _Accumulation]" = weakref.WeakKeyDictionary()  # per rank (communicator)
@@ -404,6 +417,7 @@ class _Regather(torch.autograd.Function):
         nxt = link() if link is not None else None
         if nxt is not None:  # overlap the next module's gather with this module's backward (FSDP2's prefetch)
             nxt.prefetch_regather()
+            call.prefetched = nxt  # finished when this module's backward is done (`_GatherBackward`)
         call.enter_scope()
         return grad, None
 

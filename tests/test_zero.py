@@ -262,6 +262,55 @@ def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
         assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
 
 
+def test_zero3_reduction_starts_with_only_the_next_module_gathered(monkeypatch):
+    """The peak of a ZeRO-3 backward is where a module's reduce-scatter makes its buffers. By then the
+    module's own gathered copies are freed, the next module's prefetched gather is finished into its
+    parameters (no all-gather buffers left in flight beside the reduction's), and the previous module's
+    gradients are no longer held by the reduction still in flight. Counted exactly: at each reduction the
+    live gathered bytes are the root's and the next block's; whenever the backward enters a module, the
+    gradients of the reduction started last are dead."""
+    import weakref
+    seen = []
+    reduce_start = zero._Call.reduce_start
+
+    def spy(call, grads):
+        live = [c for c in list(zero._LIVE) if c.rank == gt.rank() and not c.freed]
+        dead = all(r() is None for r in _GRADS.get(gt.rank(), []))
+        seen.append((gt.rank(), call.group.where.split("on ")[-1], zero.gathered_bytes(),
+                     sorted(c.group.where.split("on ")[-1] for c in live),
+                     any(c.pending is not None for c in list(zero._LIVE) if c.rank == gt.rank()), dead))
+        _GRADS[gt.rank()] = [weakref.ref(g) for g in grads if g is not None]
+        return reduce_start(call, grads)
+    _GRADS: dict = {}
+    monkeypatch.setattr(zero._Call, "reduce_start", spy)
+    regather, checked = zero._Call.regather, []
+
+    def entering(call):  # the backward enters a module: the reduction started before it is still in flight
+        if _GRADS.get(gt.rank()):
+            checked.append(all(r() is None for r in _GRADS[gt.rank()]))
+        regather(call)
+    monkeypatch.setattr(zero._Call, "regather", entering)
+
+    def run():
+        p = _mesh((2,))
+        torch.manual_seed(0)
+        model = GPT(CFG).double()
+        sizes = {n: m_.numel() * F64 for n, m_ in model.named_parameters()}
+        root = sum(v for k, v in sizes.items() if not k.startswith("blocks."))
+        block = sum(v for k, v in sizes.items() if k.startswith("blocks.0."))
+        gt.to_global(model, p, zero_plan(0, 1))
+        idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
+        model(idx, tgt)[1].backward()
+        return root, block
+    root, block = gt.launch(run, 2)[0]
+    for rank in (0, 1):
+        mine = [s_[1:] for s_ in seen if s_[0] == rank]
+        assert mine == [("'blocks.1'", root + block, ["'blocks.0'", "'the root module'"], False, True),
+                        ("'blocks.0'", root, ["'the root module'"], False, True),
+                        ("'the root module'", 0, [], False, True)], mine
+    assert checked and all(checked), checked
+
+
 def _step_after_a_dropped_forward(drop_first: bool):
     p = _mesh((2,))
     torch.manual_seed(0)
