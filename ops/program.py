@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torch._C import _increment_version
+
 from ..layout import Layout
 from ..runtime import context
 from ..sbp import Broadcast
@@ -41,11 +43,15 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     rule = dec.rule
     if dec.kind == "decompose":
         adopt = rule.overwrites
+        written = _written(func)
 
         def decomposed(args: tuple, kwargs: dict) -> Any:
             if adopt and _adopt(tensors_of(args, kwargs), cls):
                 return args[0]
-            return rule.decompose(func, args, kwargs)
+            out = rule.decompose(func, args, kwargs)
+            if written:
+                _bump_written(written, args, kwargs, cls)
+            return out
         decomposed.decision = dec  # type: ignore[attr-defined]
         return decomposed
 
@@ -124,6 +130,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             target = tensors[0]
             if writeback:
                 target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
+            _increment_version((target,))  # called from another op's decomposition, autograd has not
             return target
         if wrap_one is not None and isinstance(result, torch.Tensor):
             out = wrap_one(result)
@@ -140,6 +147,26 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
 
     program.decision = dec  # type: ignore[attr-defined]
     return program
+
+
+def _written(func: Any) -> tuple:
+    """The (position, name) of the arguments `func` writes, from its schema (`_foreach_mul_`'s list)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
+    """Bump the version of what a decomposed op wrote.
+
+    The reductions remembered for a Partial gradient (`ops/inputs.py`) are valid while its version is
+    unchanged. Autograd bumps it for an in-place op called on a GlobalTensor, but not for each tensor
+    of a foreach op's list (`clip_grad_norm_(foreach=True)`'s `_foreach_mul_`), nor for the ops a
+    decomposition runs inside the dispatcher: without this, the optimizer would read the gradient as
+    reduced before it was scaled."""
+    for i, name in written:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        ts = a if isinstance(a, (list, tuple)) else (a,)
+        _increment_version(tuple(t for t in ts if isinstance(t, cls)))
 
 
 def _tensor_list(args: tuple, kwargs: dict) -> list:
