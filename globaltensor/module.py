@@ -35,7 +35,7 @@ from .placement import Placement
 from .runtime import context, fiber
 from .sbp import SBP_TYPES, Broadcast, Partial
 from .tensor import GlobalTensor, _FromLocal, distribute
-from .zero import ParamGroup, compute_layout
+from .zero import ParamGroup, compute_layout, reinstall
 
 
 @dataclass(frozen=True)
@@ -334,6 +334,7 @@ class _StageForward:
         side = self._side(args, kwargs)
         if side is not None:
             fiber.cross(entering=side)
+            reinstall()  # other fibers may have run the modules this one is inside (their slots are shared)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rank = context.current().rank

@@ -32,7 +32,7 @@ from .sbp import Broadcast, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
 from .tensor import GlobalTensor, distribute
-from .zero import ParamGroup, accumulating, gathered_storages
+from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -206,11 +206,6 @@ class Pipeline:
         if schedule == "1f1b" and self.virtual > 1:  # a forward would wait on a stage busy in a backward
             raise ValueError(f"Pipeline(schedule='1f1b'): the model visits each stage {self.virtual} times per "
                              f"micro-batch (virtual stages); run it with schedule='interleaved' (or 'gpipe')")
-        if schedule == "interleaved" and _zero3_within_stages(model):
-            raise NotImplementedError("Pipeline(schedule='interleaved'): ZeRO-3 modules inside the stages "
-                                      "(gt.ModuleLayout(params=, reshard_after_forward=True) gathering on a "
-                                      "stage's own mesh) are not supported with interleaving yet; use ZeRO-2 "
-                                      "(reshard_after_forward=False) or schedule='1f1b' with pp_plan(virtual=1)")
         self.actions = schedule_actions(schedule, len(self.stages), microbatches,
                                         self.virtual if schedule == "interleaved" else 1)
 
@@ -292,18 +287,6 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
-
-
-def _zero3_within_stages(model: torch.nn.Module) -> bool:
-    """Whether a module gathers parameters on the placement they are stored on and frees them after its
-    forward (ZeRO-3 inside a stage), rather than keeping them or only moving them to another stage."""
-    for mod in model.modules():
-        for hook in mod._forward_pre_hooks.values():
-            group = getattr(hook, "__self__", None)
-            if isinstance(group, ParamGroup) and group.reshard_after_forward and any(
-                    c.placement == q.placement and c != q._layout for c, q in zip(group.compute, group.params)):
-                return True
-    return False
 
 
 def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:

@@ -88,6 +88,7 @@ class ParamGroup:
             gathered = call.gather()
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
+        _OPEN.installed.append(gathered)
         nxt = mine.get("next")
         if nxt is not None and "prefetched" not in _state(nxt) and not (scope is not None and nxt in scope.calls):
             ahead = _state(nxt)["prefetched"] = _Call(nxt)
@@ -103,6 +104,7 @@ class ParamGroup:
         and marks the output so that its backward gathers them again first."""
         dispatch.leave_named()
         call = _OPEN.stack.pop()
+        _OPEN.installed.pop()
         for mod, name, i in self.slots:
             mod._parameters[name] = self.params[i]
         kept = _SCOPES.get(context.current())
@@ -122,14 +124,30 @@ class ParamGroup:
 class _Open(threading.local):
     def __init__(self) -> None:
         self.stack: list = []
+        self.installed: list = []  # per open call, the gathered parameters it put in its module's slots
         self.last: Optional[ParamGroup] = None
         # the ZeRO-3 call whose forward ended last, since the last backward; weak, as the links between calls
         # are: a forward never backpropagated (its graph dropped) leaves no call for a later backward to prefetch
         self.ended: Optional["weakref.ref[_Call]"] = None
 
 
-_OPEN = _Open()  # per thread (simulated rank): the module calls whose parameters are gathered, and the
-                 # group whose forward started last
+_OPEN = _Open()  # per thread (simulated rank, pipeline fiber): the module calls whose parameters are gathered,
+                 # and the group whose forward started last
+
+
+def reinstall() -> None:
+    """Put this thread's open calls' gathered parameters back in their modules' slots (outermost first).
+
+    The slots are the module's, shared by every thread that runs it, but what a forward reads from them
+    must be its own call's tensors: each is an output of that call's `_Gather`, through which its
+    gradient returns. An interleaved pipeline runs a micro-batch's forward as a fiber (a thread) that
+    stops between chunks while other micro-batches' forwards enter and leave the same modules (the root,
+    whose parameters span the chunks), changing the slots; the fiber calls this when it resumes. Without
+    it a micro-batch's last chunk read another micro-batch's gathered parameters, so its gradient went to
+    that call's `_Gather`, whose other gradients autograd then made up as plain zeros."""
+    for call, gathered in zip(_OPEN.stack, _OPEN.installed):
+        for mod, name, i in call.group.slots:
+            mod._parameters[name] = gathered[i]
 _STATE: "weakref.WeakKeyDictionary[ParamGroup, dict]" = weakref.WeakKeyDictionary()
 
 
