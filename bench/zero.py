@@ -18,7 +18,11 @@ its design (each parameter's dim 0 padded to a multiple of the ranks, all-gather
 backward with reshard, reduce-scattered backward) and DDP's as one all-reduce of every gradient.
 Peak memory: a separate launch per implementation, VmHWM growth from just before building the model
 (`/proc/self/clear_refs`), max over ranks: parameters, gradients, optimizer state, gathered copies,
-activations and allocator slack together. Model-state bytes: local shards of parameters, gradients
+activations and the collectives' buffers (the backend's own copies among them). glibc's mmap threshold
+is fixed at 64 KiB in those launches (`MALLOC_MMAP_THRESHOLD_`), so that a freed tensor leaves resident
+memory and the peak counts live bytes, not the heap's fragmentation (glibc's default threshold grows
+to 32 MiB as large blocks are freed, after which freed tensors stay resident in a way that depends on
+the order of allocations; `--allocator-slack` keeps the default, as the runs before session 7 did). Model-state bytes: local shards of parameters, gradients
 and AdamW moments, max over ranks.
 """
 from __future__ import annotations
@@ -164,6 +168,9 @@ def run(name: str, cfg: GPTConfig, args) -> dict:
     res["config"] = name
     res["params"] = sum(p.numel() for p in GPT(cfg).parameters())
     res["memory"] = {}
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if not args.allocator_slack:  # read by the spawned ranks' glibc at start
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     for impl in IMPLS:
         if impl in res["errors"]:
             continue
@@ -173,6 +180,10 @@ def run(name: str, cfg: GPTConfig, args) -> dict:
                                                   args.threads))[0]
         except Exception as e:  # noqa: BLE001 - a benchmark reports, it does not crash
             res["errors"][impl] = f"memory launch failed: {type(e).__name__}: {e}"
+    if saved is None:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    else:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return res
 
 
@@ -186,7 +197,8 @@ def report(results: list[dict], args) -> str:
         med = {k: statistics.median(v) for k, v in t.items()}
         lines += [f"**{res['config']}** ({res['params'] / 1e6:.2f}M parameters)", "",
                   "| implementation | ms/step | bytes recv/rank/step | model state MiB/rank | peak RSS growth "
-                  "MiB/rank | final loss |", "|---|---|---|---|---|---|"]
+                  f"MiB/rank{' (default malloc)' if args.allocator_slack else ''} | final loss |",
+                  "|---|---|---|---|---|---|"]
         for k in IMPLS:
             if k in res["errors"]:
                 lines.append(f"| {k} | failed: {res['errors'][k]} | | | | |")
@@ -220,6 +232,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", choices=["small", "wide"], default=None, help="one of the two models")
+    ap.add_argument("--allocator-slack", action="store_true",
+                    help="peak memory with glibc's default (growing) mmap threshold: counts heap fragmentation too")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     configs = [("GPT (tests' size)", GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)),
