@@ -130,7 +130,6 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             target = tensors[0]
             if writeback:
                 target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
-            _increment_version((target,))  # called from another op's decomposition, autograd has not
             return target
         if wrap_one is not None and isinstance(result, torch.Tensor):
             out = wrap_one(result)
@@ -150,19 +149,23 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
 
 
 def _written(func: Any) -> tuple:
-    """The (position, name) of the arguments `func` writes, from its schema (`_foreach_mul_`'s list)."""
+    """The (position, name) of the tensor lists an in-place foreach op writes (`_foreach_mul_`'s first)."""
+    if not func._schema.name.startswith("aten::_foreach_"):
+        return ()
     return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
                  if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
-    """Bump the version of what a decomposed op wrote.
+    """Bump the version of each GlobalTensor an in-place foreach op wrote.
 
     The reductions remembered for a Partial gradient (`ops/inputs.py`) are valid while its version is
     unchanged. Autograd bumps it for an in-place op called on a GlobalTensor, but not for each tensor
-    of a foreach op's list (`clip_grad_norm_(foreach=True)`'s `_foreach_mul_`), nor for the ops a
-    decomposition runs inside the dispatcher: without this, the optimizer would read the gradient as
-    reduced before it was scaled."""
+    of a foreach op's list (`clip_grad_norm_(foreach=True)`'s `_foreach_mul_`), and the per-tensor ops
+    the decomposition runs inside the dispatcher bump nothing: without this, the optimizer would read
+    the gradient as reduced before it was scaled. Only foreach ops: an op that mutates an input as a
+    side effect (batch norm's running statistics) is not a change autograd counts on one device either,
+    and counting it would fail the backward that saved them."""
     for i, name in written:
         a = args[i] if i < len(args) else kwargs.get(name)
         ts = a if isinstance(a, (list, tuple)) else (a,)
