@@ -26,7 +26,7 @@ import torch
 
 from .. import boxing
 from ..layout import Layout
-from ..sbp import Broadcast, Partial, Split
+from ..sbp import Broadcast, Split
 from .errors import data_dependent, kernel_error
 from .registry import RULES, Ctx, Local, Rule, is_inplace
 from .scope import in_named
