@@ -283,3 +283,34 @@ def test_a_plan_can_follow_the_optimizer_steps():
         assert seen == [0, 1, 2, 3] and runs == 4, (seen, runs)
     with pytest.raises(TypeError, match="step_plan\\(optimizer\\)"):
         gt.step_plan("sgd")
+
+
+def _pure_data_parallel():
+    p = gt.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=1)
+    model = gt.to_global(GPT(cfg), p, {})  # every parameter Broadcast: data parallel, no hints
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (gt.to_global(torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g), p, gt.split(0))
+                for _ in range(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plan, backward = gt.step_plan(opt), []
+    for _ in range(4):
+        loss = model(idx, tgt)[1]
+        with gt.comm_log() as log:
+            loss.backward()
+        backward.append([e.kind for e in log.events])
+        opt.step()
+        opt.zero_grad()
+    plan.close()
+    return backward, plan.steered_runs
+
+
+def test_data_parallel_backward_communicates_nothing_when_steered():
+    """Pure DP (parameters Broadcast, batch split). Op by op, the embedding's backward sees an
+    all-to-all and an all-gather as cheaper than the Partial gradient's owed reduction; the step plan
+    sees that the gradient bucket reduces it with the others at the optimizer's read anyway: the
+    steered backward runs no collective, as DDP's (whose one all-reduce is the bucket's)."""
+    for backward, steered in gt.launch(_pure_data_parallel, 2):
+        assert backward[2] != [] and steered == 1, backward   # run 3 records (run 2 lost AdamW's state init)
+        assert backward[3] == [], backward
