@@ -257,13 +257,19 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
                   for j, lay in enumerate(out_layouts) if lay is not None]
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0)
+    per_rank, collectives = summed(bills)
+    return (max(per_rank, default=0), sum(per_rank), collectives, now)
+
+
+def summed(bills: list) -> tuple[tuple, int]:
+    """Several (bytes per rank, collectives) bills as one."""
     per_rank: list = []
     for vec, _ in bills:
         if len(per_rank) < len(vec):
             per_rank += [0] * (len(vec) - len(per_rank))
         for r, b in enumerate(vec):
             per_rank[r] += b
-    return (max(per_rank, default=0), sum(per_rank), sum(n for _, n in bills), now)
+    return tuple(per_rank), sum(n for _, n in bills)
 
 
 def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, inplace: bool,

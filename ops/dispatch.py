@@ -90,7 +90,7 @@ def _planned(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     try:
         if forced is None:
             return _program_for(func, args, kwargs, cls)(args, kwargs)
-        key = _key_of(func, args, kwargs, cls) + (_Steered(forced),)
+        key = _key_of(func, args, kwargs, cls) + (_STEERED, forced)
         program = _PROGRAMS.get(key)
         if program is None:
             dec = decide(func, args, kwargs, _tensors_of(args, kwargs), cls, forced=forced)
@@ -103,21 +103,8 @@ def _planned(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
         plan.leave(token)
 
 
-class _Steered:
-    """A key mark: the decision a step plan chose for this call (compared by the choice)."""
-    __slots__ = ("choice", "_hash")
-
-    def __init__(self, choice: tuple) -> None:
-        self.choice, self._hash = choice, hash(choice)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Steered) and other.choice == self.choice
-
-
 _NONE = object()
+_STEERED = object()  # key mark: the rest of the key is the choice a step plan made for this call
 _OPTIONS: dict = {}  # call key -> its valid choices (`decide.options`), for recording step plans
 
 

@@ -32,7 +32,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import Layout
-from .decide import Decision, conversion_cost, flatten_out
+from .decide import Decision, conversion_cost, flatten_out, summed
 from .registry import RULES
 from .scope import in_named
 from .step_solve import Graph, Read, solve
@@ -271,12 +271,7 @@ def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[t
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], dec.out_dtypes[0]))
     if any(b is None for b in bills):
         return None
-    per_rank: list = []
-    for vec, _ in bills:
-        per_rank += [0] * max(0, len(vec) - len(per_rank))
-        for r, b in enumerate(vec):
-            per_rank[r] += b
-    return tuple(per_rank), sum(n for _, n in bills)
+    return summed(bills)
 
 
 def step_plan(optimizer: Optional[torch.optim.Optimizer] = None) -> StepPlan:

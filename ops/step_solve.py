@@ -131,18 +131,14 @@ class _Search:
         self.targets = [[tuple(num(t) for t in ts) for ts, _ in c.cands] for c in g.calls]
         self.outs = [[tuple(num(o) for o in os) for _, os in c.cands] for c in g.calls]
         self.fixed = [num(v.fixed) for v in g.values]
-        self.partial = [lay.has_partial for lay in self.layouts]
         # per value: its readers as (call, slot, group key for the non-Partial dedupe); a conversion
         # outside the calls as (-1, its target layout's number, its own key)
         self.readers = [[(k, r.slot, ("call", k) if r.group is None else ("node", r.group)) for k, r in v.readers]
                         + [(-1, num(lay), ("outside", i)) for i, lay in enumerate(v.outside)]
                         for v in g.values]
+        self.partial = [lay.has_partial for lay in self.layouts]
         self._bills: dict = {}
         self.work = 0
-
-    def layout_of(self, v: int) -> Layout:
-        i = self._source(v)
-        return None if i < 0 else self.layouts[i]
 
     def _source(self, v: int) -> int:
         p = self.g.values[v].producer

@@ -195,18 +195,25 @@ def test_zero3_optimizers_and_clipping_as_one_device(opt_kind, clip):
             assert step == Counter()
 
 
+def _zero_gpt(reshard_after_forward: bool = True):
+    """The fp64 GPT under zero_plan on 2 ranks: (placement, model, the root's and one block's parameter
+    bytes, which a gather holds)."""
+    p = _mesh((2,))
+    torch.manual_seed(0)
+    model = GPT(CFG).double()
+    sizes = {n: m_.numel() * F64 for n, m_ in model.named_parameters()}
+    root = sum(v for k, v in sizes.items() if not k.startswith("blocks."))
+    block = sum(v for k, v in sizes.items() if k.startswith("blocks.0."))
+    gt.to_global(model, p, zero_plan(0, 1, reshard_after_forward=reshard_after_forward))
+    return p, model, root, block
+
+
 def test_zero3_frees_gathered_parameters_between_forward_and_backward():
     """ZeRO-3 holds at most the root's and one block's gathered parameters during the forward and
     none after it; ZeRO-2 holds every gathered parameter from the forward to its module's backward.
     Model-state bytes per rank (parameters, gradients, AdamW state) are the ZeRO formula's 16 Psi / N."""
     def run(stage):
-        p = _mesh((2,))
-        torch.manual_seed(0)
-        model = GPT(CFG).double()
-        sizes = {n: m_.numel() * F64 for n, m_ in model.named_parameters()}
-        root = sum(v for k, v in sizes.items() if not k.startswith("blocks."))
-        block = sum(v for k, v in sizes.items() if k.startswith("blocks.0."))
-        gt.to_global(model, p, zero_plan(0, 1, reshard_after_forward=stage == 3))
+        p, model, root, block = _zero_gpt(reshard_after_forward=stage == 3)
         peaks = []
         for b in model.blocks:
             b.mlp.register_forward_hook(lambda *a: peaks.append(zero.gathered_bytes()))  # inside the block
@@ -292,13 +299,7 @@ def test_zero3_reduction_starts_with_only_the_next_module_gathered(monkeypatch):
     monkeypatch.setattr(zero._Call, "regather", entering)
 
     def run():
-        p = _mesh((2,))
-        torch.manual_seed(0)
-        model = GPT(CFG).double()
-        sizes = {n: m_.numel() * F64 for n, m_ in model.named_parameters()}
-        root = sum(v for k, v in sizes.items() if not k.startswith("blocks."))
-        block = sum(v for k, v in sizes.items() if k.startswith("blocks.0."))
-        gt.to_global(model, p, zero_plan(0, 1))
+        p, model, root, block = _zero_gpt()
         idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
         model(idx, tgt)[1].backward()
         return root, block
