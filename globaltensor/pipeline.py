@@ -225,6 +225,11 @@ class Pipeline:
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
+        stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in self.model.modules())
+                          if isinstance(f, _StageForward)]
+        for f in stage_forwards:  # the parameters take the step's gradients once, at its end
+            f.open_step()
+        flushed = False
         try:
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for act, i, c in mine:
@@ -238,11 +243,17 @@ class Pipeline:
                         losses[i] = result if act == "F" else losses[i].detach()
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
+            for f in stage_forwards:
+                f.close_step()
+            flushed = True
         except BaseException:
             for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
                 f.cancel()
             raise
         finally:
+            if not flushed:
+                for f in stage_forwards:
+                    f.close_step(flush=False)
             t0 = time.perf_counter()
             comm.flush_sends()
             comm.p2p_wait_s += time.perf_counter() - t0
