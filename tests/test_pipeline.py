@@ -297,6 +297,32 @@ def test_a_failing_stage_and_a_schedule_mismatch_end_with_an_error(schedule):
     assert {t for t in threading.enumerate() if t.name.startswith("gt-pipeline")} <= before
 
 
+def test_fibers_reuse_their_worker_threads():
+    """A thread's first autograd call costs torch about a millisecond of setup: an interleaved step's
+    fibers run on pooled workers, so the next step's fibers (a cancelled one's included) run on the
+    same threads, each named after its fiber only while inside it."""
+    from globaltensor.runtime.fiber import Fiber, cross
+
+    def body():
+        cross(entering=False)
+        cross(entering=True)  # left a chunk, entering another: stops here
+        return threading.current_thread()
+
+    first = Fiber(body, name="gt-test-fiber")
+    first.resume()
+    assert not first.done and "gt-test-fiber" in {t.name for t in threading.enumerate()}
+    first.resume()
+    assert first.done
+    stopped = Fiber(body, name="gt-test-fiber")
+    stopped.resume()
+    stopped.cancel()
+    again = Fiber(body, name="gt-test-fiber")
+    again.resume()
+    again.resume()
+    assert again.result is first.result
+    assert "gt-test-fiber" not in {t.name for t in threading.enumerate()}
+
+
 def test_pipeline_bad_input():
     def run():
         stages = _stages(2, (1,))
