@@ -208,6 +208,9 @@ class Pipeline:
                              f"micro-batch (virtual stages); run it with schedule='interleaved' (or 'gpipe')")
         self.actions = schedule_actions(schedule, len(self.stages), microbatches,
                                         self.virtual if schedule == "interleaved" else 1)
+        # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
+        # skipped (after a first step) on the ranks outside it, as the model's stage modules are
+        self._losses: dict[Placement, _StageForward] = {}
 
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
@@ -262,10 +265,8 @@ class Pipeline:
         total = time.perf_counter() - start
         # idle: waiting on other stages (receives, the last sends) and outside any action
         self.bubble = (comm.p2p_wait_s + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
-        for mod in self.model.modules():  # stages seen whole: ranks outside them skip their ops from now on
-            settle = getattr(mod.__dict__.get("forward"), "settle", None)
-            if settle is not None:
-                settle()
+        for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
+            f.settle()                                             # skip their ops from now on
         loss = losses[0]
         for i in range(1, self.microbatches):
             loss = loss + losses[i]
@@ -281,7 +282,11 @@ class Pipeline:
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
             out = self.model(distribute(x, self.input_layout))
-            return self.loss_fn(out, _target_on(target, out, self.target_sbp)) * weight
+            where = (out[0] if isinstance(out, (tuple, list)) else out).placement
+            loss = self._losses.get(where)
+            if loss is None:
+                loss = self._losses[where] = _StageForward(_Loss(self.loss_fn), where)
+            return loss(out, _target_on(target, out, self.target_sbp), weight)
 
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
@@ -298,6 +303,17 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
+
+
+class _Loss(torch.nn.Module):
+    """A micro-batch's loss, weighted by its share of the batch, as a module (a stage of its own)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, out: Any, target: Any, weight: float) -> torch.Tensor:
+        return self.loss_fn(out, target) * weight
 
 
 def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:

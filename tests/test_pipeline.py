@@ -159,17 +159,31 @@ def test_a_stage_of_one_rank_runs_its_blocks_on_plain_tensors(monkeypatch):
     stage of two ranks (PP x DP) dispatches them. Values equal one device either way (the tests above)."""
     import globaltensor.tensor as gtt
     seen = []
-    run = gtt._run
+    run, step = gtt._run, gt.Pipeline.step
+    stepping = threading.local()
 
     def spy(func, args, kwargs, cls):
         where = next((a.placement for a in args if isinstance(a, gt.GlobalTensor)), None)
         if where is not None and gt.rank() in where:  # ranks outside see a stage's ops in the first step
-            seen.append((gt.world_size(), str(func)))
+            seen.append((gt.world_size(), str(func) + (" in the step" if getattr(stepping, "on", False) else "")))
         return run(func, args, kwargs, cls)
+
+    def spied_step(self, *args):
+        stepping.on = True
+        try:
+            return step(self, *args)
+        finally:
+            stepping.on = False
     monkeypatch.setattr(gtt, "_run", spy)
+    monkeypatch.setattr(gt.Pipeline, "step", spied_step)
     gt.launch(pipelined, 2, args=(2, 2, "1f1b", 2, 4, 1))
     # the blocks' linears (addmm) and attention; the head (bias-free mm) gathers the tied weight: dispatched
     assert not [f for n, f in seen if n == 2 and ("addmm" in f or "scaled_dot" in f)]
+    # the loss is a stage of its own (plain there too), and the two micro-batches' gradients are summed
+    # on the plain leaves: one GlobalTensor add_ in the step, where the tied weight's two gradients (the
+    # embedding's, the head's sent back) meet; none per parameter and micro-batch
+    assert not [f for n, f in seen if n == 2 and "nll_loss" in f]
+    assert [f for n, f in seen if n == 2 and "add_.Tensor in the step" in f] == ["aten.add_.Tensor in the step"]
     seen.clear()
     gt.launch(pipelined, 4, args=(2, 2, "1f1b", 2, 4, 1, "none", (2,)))
     assert [f for n, f in seen if n == 4 and "addmm" in f]
