@@ -257,14 +257,15 @@ class Pipeline:
             if not flushed:
                 for f in stage_forwards:
                     f.close_step(flush=False)
-            t0 = time.perf_counter()
             comm.flush_sends()
-            comm.p2p_wait_s += time.perf_counter() - t0
             comm.p2p_tag, comm.p2p_async = old
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         total = time.perf_counter() - start
-        # idle: waiting on other stages (receives, the last sends) and outside any action
-        self.bubble = (comm.p2p_wait_s + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
+        # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
+        # wait, the tied weight's gradient, the step's own work after the actions: counted idle, not work).
+        # Each moment once: a wait outside the actions is in the second term only.
+        waited = sum(w for *_, w in self.timeline)
+        self.bubble = (waited + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
         for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
             f.settle()                                             # skip their ops from now on
         loss = losses[0]
