@@ -36,6 +36,10 @@ tokens and weights:
 - all-gather dropless (DTensor style): every rank all-gathers all tokens, routes them all, runs its
   experts on the rows that chose them, and the partial outputs are summed back to each rank's tokens.
 
+Each call is also charged its process CPU time summed over the ranks (the "CPU" column and ratios):
+on a shared 2-core VM other sessions' load moves the wall time of a call by tens of percent, the CPU
+it used far less.
+
 Bytes received per rank for forward + backward: gt's counted by `gt.comm_log()`; the others worked
 out from their collectives (all-to-all (n-1)/n of the local part; all-gather and reduce-scatter
 (n-1)/n of the whole token tensor each, forward and again backward; the dropless floor's from its
@@ -47,6 +51,7 @@ import argparse
 import os
 import platform
 import statistics
+import time
 import warnings
 
 import torch
@@ -260,13 +265,24 @@ def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, thread
         t.step()
     ref = {k: layers.get("gt dropless" if k in DROPLESS else "gt EP") for k in layers}   # the same layer?
     diffs = {k: (t.y - ref[k].y).abs().max().item() if ref[k] is not None else float("nan") for k, t in layers.items()}
-    times = interleaved_times({k: t.step for k, t in layers.items()}, reps, warmup)
+    cpu: dict = {k: [] for k in layers}
+
+    def counted(k: str, step):
+        def fn() -> None:
+            c0 = time.process_time()
+            step()
+            cpu[k].append(time.process_time() - c0)
+        return fn
+    times = interleaved_times({k: counted(k, t.step) for k, t in layers.items()}, reps, warmup)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, diffs)
+    dist.all_gather_object(gathered, (diffs, {k: v[warmup:] for k, v in cpu.items()}))
     if dist.get_rank() != 0:
         return None
-    return {"times": times, "bytes": {k: t.bytes for k, t in layers.items()},
-            "max_output_difference": {k: max(g[k] for g in gathered) for k in impls}}
+    # CPU seconds of each call summed over the ranks: what the call cost the machine, which other
+    # sessions' load on the shared cores changes far less than the wall time
+    cpu_sum = {k: [sum(g[1][k][i] for g in gathered) for i in range(reps)] for k in impls}
+    return {"times": times, "cpu": cpu_sum, "bytes": {k: t.bytes for k, t in layers.items()},
+            "max_output_difference": {k: max(g[0][k] for g in gathered) for k in impls}}
 
 
 def report(results: list[dict], args) -> str:
@@ -274,7 +290,8 @@ def report(results: list[dict], args) -> str:
              f"{os.cpu_count()} CPUs, torch {torch.__version__}), fp32, top-2, capacity factor "
              f"{args.factor} (and dropless), d = {args.d}, expert hidden {args.hidden}, {args.tokens} tokens per rank in groups "
              f"of {args.group}; medians of {args.reps} interleaved calls after {args.warmup + 1} warm-up; ratios: "
-             "medians of per-call ratios with ~95% intervals", ""]
+             "medians of per-call ratios with ~95% intervals (wall time: the slowest rank's; CPU: process CPU "
+             "time summed over the ranks)", ""]
     for res in results:
         t = res["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
@@ -283,13 +300,19 @@ def report(results: list[dict], args) -> str:
                   f"dispatched [E, G, C, d] per rank: {res['dispatched']:,} bytes; capacity's ideal all-to-all bytes "
                   f"per rank, 2 forward + 2 backward: {res['ideal']:,}; dropless: the routed rows' bytes are the "
                   f"dropless floor's (rank 0's counts and rows, 2 forward + 2 backward))", "",
-                  "| implementation | ms | bytes recv/rank |", "|---|---|---|"]
+                  "| implementation | ms | CPU ms, all ranks | bytes recv/rank |", "|---|---|---|---|"]
+        c = res.get("cpu", {})
         for k in res["times"]:
-            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {res['bytes'][k]:,} |")
+            cpu_ms = f"{statistics.median(c[k]) * 1e3:.1f}" if k in c else "-"
+            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {cpu_ms} | {res['bytes'][k]:,} |")
         lines.append("")
         for a, b in [(a, b) for a, b in PAIRS if a in t and b in t]:
             lo, hi = paired_ratio_ci(t, a, b)
-            lines.append(f"- {a} / {b}: {paired_ratio(t, a, b):.2f} ({lo:.2f}-{hi:.2f})")
+            line = f"- {a} / {b}: {paired_ratio(t, a, b):.2f} ({lo:.2f}-{hi:.2f})"
+            if a in c and b in c:
+                clo, chi = paired_ratio_ci(c, a, b)
+                line += f"; CPU {paired_ratio(c, a, b):.2f} ({clo:.2f}-{chi:.2f})"
+            lines.append(line)
         lines.append("")
     return "\n".join(lines)
 
