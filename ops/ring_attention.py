@@ -153,14 +153,18 @@ Block = tuple[tuple[int, int], tuple[int, int], bool]  # (query rows, key rows) 
 # piece j + 1 sets off, so a rank holds one piece in hand and one arriving (and in the backward their
 # gradient accumulators), never a whole foreign block; the backward also cuts the queries into pieces,
 # so the kernel's gradient temporaries are a piece's too. The bytes are the whole blocks' either way.
-PIECES = 16          # at most this many pieces a block: the ring's extra memory is ~15 pieces in all
-MIN_PIECE_ROWS = 256  # but no piece under this many rows: a short sequence keeps a few large kernel calls
+PIECES = 16          # at most this many key/value pieces a block in the backward (its extra memory: ~14 pieces)
+QUERY_PIECES = 4     # at most this many query pieces in the backward (the kernel's query-sized temporaries)
+FORWARD_PIECES = 4   # at most this many pieces a block in the forward, whose peak is below the backward's
+MIN_PIECE_ROWS = 256  # and no piece under this many rows: a short sequence keeps a few large kernel calls
 
 
-def pieces_of(rows: int) -> int:
-    """How many pieces a block of `rows` sequence rows is cut into (measured: CPU flash calls of 256
-    rows and more cost what one whole call does, 128 about 10% more)."""
-    return max(1, min(PIECES, rows // max(1, MIN_PIECE_ROWS)))
+def pieces_of(rows: int, most: int) -> int:
+    """How many pieces a block of `rows` sequence rows is cut into, at most `most` (measured: CPU flash
+    calls of 256 rows and more cost what one whole call does, 128 about 10% more). Each piece costs a
+    pass over the whole query block (the forward merges its output in, the backward adds its query
+    gradient), so the counts are as small as the memory target allows."""
+    return max(1, min(most, rows // max(1, MIN_PIECE_ROWS)))
 
 
 def _cuts(rows: int, count: int) -> list[tuple[int, int]]:
@@ -285,9 +289,9 @@ class _Pieces:
     rows: dict[int, tuple]
 
 
-def _pieces(ring: Ring, layout: Layout, shape: tuple) -> _Pieces:
+def _pieces(ring: Ring, layout: Layout, shape: tuple, most: int) -> _Pieces:
     sizes = {m: layout.local_shape(shape, m)[SEQ] for m in ring.members}
-    count = pieces_of(max(sizes.values()))
+    count = pieces_of(max(sizes.values()), most)
     return _Pieces(count, {m: _cuts(s, count) for m, s in sizes.items()},
                    {m: _rows(layout, shape, m) for m in ring.members})
 
@@ -301,7 +305,7 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
     comm, ring = context.current(), ring_of(where.in_layouts[1], where.rank)
     n = len(ring.members)
     q_rows = _rows(where.in_layouts[0], where.ctx.shapes[0], where.rank)
-    kv = _pieces(ring, where.in_layouts[1], where.ctx.shapes[1])
+    kv = _pieces(ring, where.in_layouts[1], where.ctx.shapes[1], FORWARD_PIECES)
     out = lse = None
     for j in range(kv.count):
         mine = kv.cuts[where.rank][j]
@@ -356,8 +360,8 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         if q.numel() and k.numel():
             return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kv = _pieces(ring, where.in_layouts[2], where.ctx.shapes[2])
-    q_pieces = [(p, _sub_rows(q_rows, p)) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ]))]
+    kv = _pieces(ring, where.in_layouts[2], where.ctx.shapes[2], PIECES)
+    q_pieces = [(p, _sub_rows(q_rows, p)) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ], QUERY_PIECES))]
     grads: dict[str, Optional[torch.Tensor]] = {"q": None, "k": None, "v": None}
     sent = None  # the accumulator passed on last
     home = None  # this rank's own accumulator piece on its last hop: (piece, finish)

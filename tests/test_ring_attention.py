@@ -30,12 +30,15 @@ def _pieces(count: int):
     """Ring blocks cut into `count` pieces whatever their size (the pieces the simulator's ranks, threads
     of this process, all read), so that small shapes take the blockwise path long sequences take."""
     from globaltensor.ops import ring_attention
-    saved = ring_attention.PIECES, ring_attention.MIN_PIECE_ROWS
-    ring_attention.PIECES, ring_attention.MIN_PIECE_ROWS = count, 1
+    names = ("PIECES", "QUERY_PIECES", "FORWARD_PIECES", "MIN_PIECE_ROWS")
+    saved = [getattr(ring_attention, name) for name in names]
+    for name, value in zip(names, (count, count, count, 1)):
+        setattr(ring_attention, name, value)
     try:
         yield
     finally:
-        ring_attention.PIECES, ring_attention.MIN_PIECE_ROWS = saved
+        for name, value in zip(names, saved):
+            setattr(ring_attention, name, value)
 
 
 def _inputs(b: int, heads: int, kv_heads: int, seq: int, hd: int = 4, seed: int = 0) -> list:
@@ -347,7 +350,8 @@ def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, pieces, monkeyp
     inputs = _inputs(1, 2, 1, s)
     shape = tuple(inputs[1].shape)
     work = _count_work(monkeypatch)
-    monkeypatch.setattr("globaltensor.ops.ring_attention.PIECES", pieces)
+    for name in ("PIECES", "QUERY_PIECES", "FORWARD_PIECES"):
+        monkeypatch.setattr(f"globaltensor.ops.ring_attention.{name}", pieces)
     monkeypatch.setattr("globaltensor.ops.ring_attention.MIN_PIECE_ROWS", 1)
     results = _check(inputs, True, (n,), (ZIG,), "ring")
     zigzag = [work[r] for r in range(n)]
