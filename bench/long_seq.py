@@ -3,6 +3,7 @@
     python bench/long_seq.py                  # 2 and 4 processes, sequences 2k-16k, causal
     python bench/long_seq.py --quick          # 2 processes, 2k and 4k
     python bench/long_seq.py --no-causal      # all-gather-KV too (it is offered without causal only)
+    python bench/long_seq.py --seqs 16384 --ranks 2 --methods ring,ring-zigzag   # only those rows
 
     python bench/long_seq.py --gpt            # a GPT training step instead (2 layers, 4 heads of 64, AdamW)
 
@@ -192,7 +193,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pieces", type=int, default=None,
-                    help="ring attention's most pieces per block (default: ops/ring_attention.PIECES)")
+                    help="ring attention's most key/value pieces per block in the backward (ops/ring_attention.PIECES)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()

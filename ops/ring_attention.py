@@ -2,16 +2,20 @@
 
 Liu et al.'s blockwise attention over a sequence split: with n ranks on the
 ring, rank p holds query block p and, at step s, the key/value block of
-member p - s; the next block is already on its way (an asynchronous
+member p - s; the next one is already on its way (an asynchronous
 point-to-point exchange) while this one is computed with torch's CPU flash
-kernel. Partial results merge by their log-sum-exp (the online softmax), so
-no rank ever holds more than two key/value blocks. Causal: the global offsets
-of the blocks say whether a block is wholly visible, wholly hidden (skipped)
-or the diagonal one (the kernel's own causal mask, as q and k share the
-split). The backward passes the key/value blocks around again with their
-gradient accumulators, which end on their owner after n hops; every block's
-contribution uses the saved global output and log-sum-exp, as the flash
-backward does for its own tiles.
+kernel. Partial results merge by their log-sum-exp (the online softmax).
+Blocks travel in pieces, piece j of every block going round the ring before
+piece j + 1 leaves its owner, so a rank holds one piece in hand and one
+arriving, never a foreign block: the ring's memory beyond its own blocks and
+results is a few pieces (`PIECES`, `pieces_of`), which is what puts its
+peak at one process's / n. Causal: the global rows of the query block and a
+key piece say which keys each query row sees (`_blocks`): all of them, none
+(skipped), or, on rows both share, the kernel's own causal mask. The
+backward passes the key/value pieces around again with their gradient
+accumulators, which end on their owner after n hops, and cuts the queries
+into pieces too; every piece's contribution uses the saved global output and
+log-sum-exp, as the flash backward does for its own tiles.
 
 The ring of a rank is every rank of the placement that differs from it only
 on the mesh axes that split the keys' sequence, in mesh order, which is the
