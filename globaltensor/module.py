@@ -334,10 +334,13 @@ class _StageForward:
         """On a one-rank placement a GlobalTensor is its local tensor, whatever its SBP: a module whose
         parameters all live there and that names no layouts inside (no hints, no gathering) computes
         the same on the plain local tensors, without the dispatcher (a pipeline stage of one rank runs
-        as fast as plain torch). Decided at the first call, when every hook is installed."""
+        as fast as plain torch). A module that only gathers its parameters onto this placement (the
+        tied head on the last stage) does too: its gathered copies are swapped for their local tensors
+        as the parameters are. Decided at the first call, when every hook is installed."""
         if self.plain is None:
             self.plain = self.placement.size == 1 and not any(
-                m.__dict__.get("_gt_layout_hooks") for m in self.module.modules())
+                m.__dict__.get("_gt_layout_hooks") and m.__dict__.get("_gt_gathers_onto") != self.placement
+                for m in self.module.modules())
         return self.plain
 
     def _side(self, args: tuple, kwargs: dict) -> Optional[bool]:
@@ -421,8 +424,8 @@ def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, 
                     swapped.append((table, name, t))
                     if not (grad and t.requires_grad):
                         table[name] = t._local
-                    elif leaves is None or table is not mod._parameters:
-                        table[name] = t.to_local()
+                    elif leaves is None or table is not mod._parameters or not t.is_leaf:
+                        table[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
                     else:
                         leaf = leaves.get(t)
                         if leaf is None:
@@ -595,6 +598,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
+        mod.__dict__.pop("_gt_gathers_onto", None)
         if isinstance(mod.__dict__.get("forward"), _StageForward):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
@@ -612,6 +616,9 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         if mod in groups:
             handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
             handles.append(mod.register_forward_hook(groups[mod].after))
+            onto = {c.placement for c in groups[mod].compute}
+            if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
+                mod.__dict__["_gt_gathers_onto"] = onto.pop()  # only gathers: may run plain there
         if post is not None:
             handles.append(mod.register_forward_hook(post))
         mod.__dict__["_gt_layout_hooks"] = handles
