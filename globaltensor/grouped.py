@@ -45,7 +45,8 @@ from .tensor import GlobalTensor, grad_layout
 class Routing:
     """One step's routing, as this rank needs it: data (counts), not structure, like a ragged size."""
     sort_local: torch.Tensor         # this rank's rows, group-major -> expert-major (a permutation)
-    sort_received: Optional[torch.Tensor]  # received rows, (sender, expert, group) -> (expert, sender, group); None: as they are
+    # received rows, (sender, expert, group) -> (expert, sender, group); None: already in that order
+    sort_received: Optional[torch.Tensor]
     send: tuple                      # rows sent to each of the peers
     recv: tuple                      # rows received from each of them
     per_expert: tuple                # rows of each local expert, in order (the grouped layer's offsets)
