@@ -69,6 +69,8 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int, pieces=
     if pieces is not None:  # the ring's most pieces per block (ops/ring_attention.py), to compare
         from globaltensor.ops import ring_attention
         ring_attention.PIECES = pieces
+        ring_attention.QUERY_PIECES = min(pieces, ring_attention.QUERY_PIECES)
+        ring_attention.FORWARD_PIECES = min(pieces, ring_attention.FORWARD_PIECES)
     n = gt.world_size()
     p = gt.placement("cpu", list(range(n)))
     shape = (1, heads, seq, HEAD_DIM)
@@ -193,7 +195,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pieces", type=int, default=None,
-                    help="ring attention's most key/value pieces per block in the backward (ops/ring_attention.PIECES)")
+                    help="ring attention's most key/value pieces per block in the backward (ops/ring_attention.PIECES; "
+                         "the query and forward counts at most this too: 1 is the whole-block ring)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
