@@ -28,6 +28,7 @@ def _one_buffer(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (size * len(parts),))
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the received pieces (gloo's reduce-scatter)
 
 
 def _explain(watch: CollectiveWatch | None) -> str:
@@ -158,38 +159,56 @@ class TorchDistCommunicator(Communicator):
         return finish
 
     def _reduce_scatter_start(self, chunks, group, op):
-        """The single-tensor form left in flight, or None where the chunks are not one buffer."""
-        order = sorted(group)
-        by_rank = dict(zip(group, chunks))
-        flat = _one_buffer([by_rank[r] for r in order])
-        if flat is None:
-            return None
-        out = torch.empty_like(by_rank[self.rank])
-        work = self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
-            out.view(-1), flat, op=OPS[op], group=self._pg(group), async_op=True), (flat.numel(), flat.dtype, op))
-
-        def finish():
-            try:
-                work.wait()
-            except RuntimeError as e:
-                raise CollectiveError(f"reduce_scatter on group {group} failed on rank {self.rank}: {e}") from e
-            return out
-        return finish
+        """Left in flight: on gloo always, elsewhere where the chunks are one buffer (else None)."""
+        return self._reduce_scatter_any(chunks, group, op, async_op=True)
 
     def _reduce_scatter(self, chunks, group, op):
+        return self._reduce_scatter_any(chunks, group, op, async_op=False)()
+
+    def _reduce_scatter_any(self, chunks, group, op, async_op):
+        """Reduce-scatter, finished by calling the result.
+
+        gloo's reduce-scatter is an all-reduce of a copy of its input with the own chunk kept: each rank
+        receives 2 (n-1)/n of the buffer, not the (n-1)/n a reduce-scatter needs. On gloo it runs instead
+        as the all-to-all that is a reduce-scatter's first half (each rank receives every peer's piece
+        of its own chunk: the textbook bytes) and a local reduction of the n pieces: 2.4x faster at
+        48 MiB on 2 loopback ranks, 2.7x on 4, a third of the CPU time (bench/RESULTS.md), and no more
+        memory (the receive buffer is the size of gloo's copy). nccl keeps its own."""
         order = sorted(group)
         by_rank = dict(zip(group, chunks))
-        out = torch.empty_like(by_rank[self.rank])
         inputs = [by_rank[r] for r in order]
+        out = torch.empty_like(by_rank[self.rank])
         flat = _one_buffer(inputs)
-        if flat is not None:  # the single-tensor form is markedly faster on gloo
-            self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
-                out.view(-1), flat, op=OPS[op], group=self._pg(group)), (flat.numel(), flat.dtype, op))
+        pg = self._pg(group)
+        what = (sum(t.numel() for t in inputs), out.dtype, op)
+        if self.backend == "gloo":
+            if flat is None:
+                flat = torch.cat([t.reshape(-1) for t in inputs])
+            sizes = [t.numel() for t in inputs]
+            even = len(set(sizes)) == 1
+            recv = out.new_empty(out.numel() * len(group))
+            work = self._call("reduce_scatter", group, lambda: dist.all_to_all_single(
+                recv, flat, None if even else [out.numel()] * len(group), None if even else sizes,
+                group=pg, async_op=async_op), what)
+        elif flat is not None:
+            work = self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
+                out.view(-1), flat, op=OPS[op], group=pg, async_op=async_op), what)
+        elif async_op:
+            return None
+        else:
+            work = self._call("reduce_scatter", group, lambda: dist.reduce_scatter(
+                out, inputs, op=OPS[op], group=pg), what)
+
+        def finish():
+            if async_op:
+                try:
+                    work.wait()
+                except RuntimeError as e:
+                    raise CollectiveError(f"reduce_scatter on group {group} failed on rank {self.rank}: {e}") from e
+            if self.backend == "gloo" and out.numel():
+                _REDUCE[op](recv.view(len(group), -1), 0, out=out.view(-1))
             return out
-        self._call("reduce_scatter", group,
-                   lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=self._pg(group)),
-                   (sum(t.numel() for t in inputs), out.dtype, op))
-        return out
+        return finish
 
     def _all_reduce(self, t, group, op):
         out = t.clone()
