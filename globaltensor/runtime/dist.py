@@ -28,6 +28,8 @@ def _one_buffer(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (size * len(parts),))
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+GLOO_SENDS_FROM_BYTES = 1 << 20  # all-gathers at least this large run as sends on gloo (`_all_gather_by_sends`)
+_GATHER_TAG = 1 << 24  # their messages' tag: apart from the pipeline's (micro-batch numbers) on the same pairs
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the received pieces (gloo's reduce-scatter)
 
 
@@ -120,28 +122,18 @@ class TorchDistCommunicator(Communicator):
                 watch.leave()
 
     def _all_gather(self, t, group, shapes):
-        order = sorted(group)
-        numels = [torch.Size(s).numel() for s in shapes]
-        width = max(numels)
-        if width == 0:
-            return [t.new_empty(s) for s in shapes]
-        flat = t.reshape(-1)
-        if flat.numel() < width:
-            flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
-        buf = t.new_empty(width * len(group))
-        self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group)),
-                   (width, t.dtype))
-        pos = {r: k for k, r in enumerate(order)}
-        return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
+        return self._all_gather_start(t, group, shapes)()
 
     _async_gather = True
 
     def _all_gather_start(self, t, group, shapes):
-        order = sorted(group)
         numels = [torch.Size(s).numel() for s in shapes]
-        width = max(numels)
-        if width == 0:
+        if max(numels) == 0:
             return lambda: [t.new_empty(s) for s in shapes]
+        if self.backend == "gloo" and sum(numels) * t.element_size() >= GLOO_SENDS_FROM_BYTES:
+            return self._all_gather_by_sends(t.reshape(-1), group, shapes, numels)
+        order = sorted(group)
+        width = max(numels)
         flat = t.reshape(-1)
         if flat.numel() < width:
             flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
@@ -158,6 +150,42 @@ class TorchDistCommunicator(Communicator):
             return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
         return finish
 
+    def _all_gather_by_sends(self, flat, group, shapes, numels):
+        """An all-gather as one send of this rank's piece to each peer and one receive from each, straight
+        into the output (no padding). gloo's all-gather relays every piece round a ring through a flat
+        buffer of its own, then copies it out: at 48 MiB it took 3x the time and 2.7x the CPU of the
+        sends (2 and 4 loopback ranks; 1.7x at 4 MiB), and held a second output while in flight. Below
+        `GLOO_SENDS_FROM_BYTES` gloo's one collective call wins (n - 1 messages each way cost latency)."""
+        pg = self._pg(group)
+        at = [0]
+        for k in numels:
+            at.append(at[-1] + k)
+        buf = flat.new_empty(at[-1])
+        me = group.index(self.rank)
+
+        def post():
+            works = []
+            for j, r in enumerate(group):
+                if r == self.rank:
+                    continue
+                if numels[me]:
+                    works.append(dist.isend(flat, r, group=pg, tag=_GATHER_TAG))
+                if numels[j]:
+                    works.append(dist.irecv(buf[at[j]:at[j + 1]], r, group=pg, tag=_GATHER_TAG))
+            return works
+        works = self._call("all_gather", group, post, (tuple(numels), flat.dtype))
+        buf[at[me]:at[me + 1]].copy_(flat)
+
+        def finish():
+            try:
+                for w in works:
+                    w.wait()
+            except RuntimeError as e:
+                raise CollectiveError(f"all_gather on group {group} failed on rank {self.rank}: {e}") from e
+            works.clear()  # the sent piece is kept alive until here
+            return [buf[at[j]:at[j + 1]].view(shapes[j]) for j in range(len(group))]
+        return finish
+
     def _reduce_scatter_start(self, chunks, group, op):
         """Left in flight: on gloo always, elsewhere where the chunks are one buffer (else None)."""
         return self._reduce_scatter_any(chunks, group, op, async_op=True)
@@ -172,8 +200,10 @@ class TorchDistCommunicator(Communicator):
         receives 2 (n-1)/n of the buffer, not the (n-1)/n a reduce-scatter needs. On gloo it runs instead
         as the all-to-all that is a reduce-scatter's first half (each rank receives every peer's piece
         of its own chunk: the textbook bytes) and a local reduction of the n pieces: 2.4x faster at
-        48 MiB on 2 loopback ranks, 2.7x on 4, a third of the CPU time (bench/RESULTS.md), and no more
-        memory (the receive buffer is the size of gloo's copy). nccl keeps its own."""
+        48 MiB on 2 loopback ranks, 2.7x on 4, a third of the CPU time (bench/RESULTS.md). The reduction
+        runs as the all-to-all's completion callback (gloo's thread), so its receive buffer and the send
+        buffer are freed when it lands, not when the caller comes to finish it (a ZeRO gradient bucket
+        left in flight across the next module's backward). nccl keeps its own."""
         order = sorted(group)
         by_rank = dict(zip(group, chunks))
         inputs = [by_rank[r] for r in order]
@@ -182,31 +212,37 @@ class TorchDistCommunicator(Communicator):
         pg = self._pg(group)
         what = (sum(t.numel() for t in inputs), out.dtype, op)
         if self.backend == "gloo":
-            if flat is None:
-                flat = torch.cat([t.reshape(-1) for t in inputs])
             sizes = [t.numel() for t in inputs]
             even = len(set(sizes)) == 1
-            recv = out.new_empty(out.numel() * len(group))
-            work = self._call("reduce_scatter", group, lambda: dist.all_to_all_single(
-                recv, flat, None if even else [out.numel()] * len(group), None if even else sizes,
-                group=pg, async_op=async_op), what)
+            n = len(group)
+
+            def send():
+                send = flat if flat is not None else torch.cat([t.reshape(-1) for t in inputs])
+                return dist.all_to_all_single(out.new_empty(out.numel() * n), send,
+                                              None if even else [out.numel()] * n, None if even else sizes,
+                                              group=pg, async_op=True)
+
+            def reduce(fut) -> torch.Tensor:  # no reference to the buffers: the work's own, freed with it
+                _REDUCE[op](fut.value()[0].view(n, -1), 0, out=out.view(-1))
+                return out
+            done = self._call("reduce_scatter", group, send, what).get_future().then(reduce)
+            del flat, inputs, by_rank, chunks
         elif flat is not None:
             work = self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
                 out.view(-1), flat, op=OPS[op], group=pg, async_op=async_op), what)
+            done = work.get_future() if async_op else None
         elif async_op:
             return None
         else:
-            work = self._call("reduce_scatter", group, lambda: dist.reduce_scatter(
-                out, inputs, op=OPS[op], group=pg), what)
+            self._call("reduce_scatter", group, lambda: dist.reduce_scatter(out, inputs, op=OPS[op], group=pg), what)
+            done = None
 
         def finish():
-            if async_op:
+            if done is not None:
                 try:
-                    work.wait()
+                    done.wait()
                 except RuntimeError as e:
                     raise CollectiveError(f"reduce_scatter on group {group} failed on rank {self.rank}: {e}") from e
-            if self.backend == "gloo" and out.numel():
-                _REDUCE[op](recv.view(len(group), -1), 0, out=out.view(-1))
             return out
         return finish
 
