@@ -33,6 +33,14 @@ _GATHER_TAG = 1 << 24  # their messages' tag: apart from the pipeline's (micro-b
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the received pieces (gloo's reduce-scatter)
 
 
+def _waited(work, wait: bool):
+    """The work, waited for first if `wait` (inside the collective watch's bracket: a rank blocked there is
+    named as waiting in that collective)."""
+    if wait:
+        work.wait()
+    return work
+
+
 def _explain(watch: CollectiveWatch | None) -> str:
     """What the peers posted about a failed collective (one of them finished, or waits elsewhere)."""
     try:
@@ -122,35 +130,38 @@ class TorchDistCommunicator(Communicator):
                 watch.leave()
 
     def _all_gather(self, t, group, shapes):
-        return self._all_gather_start(t, group, shapes)()
+        return self._all_gather_start(t, group, shapes, wait=True)()
 
     _async_gather = True
 
-    def _all_gather_start(self, t, group, shapes):
+    def _all_gather_start(self, t, group, shapes, wait=False):
+        """Started now, finished by calling the result; `wait`: finished inside the collective watch's
+        bracket (a rank blocked in it is named as waiting in this all-gather)."""
         numels = [torch.Size(s).numel() for s in shapes]
         if max(numels) == 0:
             return lambda: [t.new_empty(s) for s in shapes]
         if self.backend == "gloo" and sum(numels) * t.element_size() >= GLOO_SENDS_FROM_BYTES:
-            return self._all_gather_by_sends(t.reshape(-1), group, shapes, numels)
+            return self._all_gather_by_sends(t.reshape(-1), group, shapes, numels, wait)
         order = sorted(group)
         width = max(numels)
         flat = t.reshape(-1)
         if flat.numel() < width:
             flat = torch.cat([flat, flat.new_empty(width - flat.numel())])
         buf = t.new_empty(width * len(group))
-        work = self._call("all_gather", group, lambda: _all_gather_single(buf, flat, group=self._pg(group),
-                                                                          async_op=True), (width, t.dtype))
+        work = self._call("all_gather", group, lambda: _waited(_all_gather_single(
+            buf, flat, group=self._pg(group), async_op=True), wait), (width, t.dtype))
         pos = {r: k for k, r in enumerate(order)}
 
         def finish():
             try:
-                work.wait()
+                if not wait:
+                    work.wait()
             except RuntimeError as e:
                 raise CollectiveError(f"all_gather on group {group} failed on rank {self.rank}: {e}") from e
             return [buf[pos[r] * width: pos[r] * width + numels[j]].view(shapes[j]) for j, r in enumerate(group)]
         return finish
 
-    def _all_gather_by_sends(self, flat, group, shapes, numels):
+    def _all_gather_by_sends(self, flat, group, shapes, numels, wait):
         """An all-gather as one send of this rank's piece to each peer and one receive from each, straight
         into the output (no padding). gloo's all-gather relays every piece round a ring through a flat
         buffer of its own, then copies it out: at 48 MiB it took 3x the time and 2.7x the CPU of the
@@ -172,9 +183,13 @@ class TorchDistCommunicator(Communicator):
                     works.append(dist.isend(flat, r, group=pg, tag=_GATHER_TAG))
                 if numels[j]:
                     works.append(dist.irecv(buf[at[j]:at[j + 1]], r, group=pg, tag=_GATHER_TAG))
+            buf[at[me]:at[me + 1]].copy_(flat)
+            if wait:  # each once: waiting on a gloo send again waits for another send
+                for w in works:
+                    w.wait()
+                works.clear()
             return works
-        works = self._call("all_gather", group, post, (tuple(numels), flat.dtype))
-        buf[at[me]:at[me + 1]].copy_(flat)
+        works = self._call("all_gather", group, post, (max(numels), flat.dtype))
 
         def finish():
             try:
@@ -225,12 +240,12 @@ class TorchDistCommunicator(Communicator):
             def reduce(fut) -> torch.Tensor:  # no reference to the buffers: the work's own, freed with it
                 _REDUCE[op](fut.value()[0].view(n, -1), 0, out=out.view(-1))
                 return out
-            done = self._call("reduce_scatter", group, send, what).get_future().then(reduce)
+            done = self._call("reduce_scatter", group, lambda: _waited(send(), not async_op), what
+                              ).get_future().then(reduce)
             del flat, inputs, by_rank, chunks
         elif flat is not None:
-            work = self._call("reduce_scatter", group, lambda: _reduce_scatter_single(
-                out.view(-1), flat, op=OPS[op], group=pg, async_op=async_op), what)
-            done = work.get_future() if async_op else None
+            done = self._call("reduce_scatter", group, lambda: _waited(_reduce_scatter_single(
+                out.view(-1), flat, op=OPS[op], group=pg, async_op=True), not async_op), what).get_future()
         elif async_op:
             return None
         else:
@@ -257,8 +272,10 @@ class TorchDistCommunicator(Communicator):
         args = self._a2a_args.get(key)
         if args is None:  # worked out once per (group, splits): a compiled plan repeats them
             even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1  # gloo's even path beats alltoallv
-            args = self._a2a_args[key] = (self._pg(group) if list(group) == sorted(group) else None,
-                                          None if even else list(recv_splits), None if even else list(send_splits))
+            args = (self._pg(group) if list(group) == sorted(group) else None,
+                    None if even else list(recv_splits), None if even else list(send_splits))
+            if even:  # uneven splits are data-dependent (a dropless dispatch's): remembered, they would pile up
+                self._a2a_args[key] = args
         pg, out_splits, in_splits = args
         if pg is None:  # torch orders segments by global rank: permute (a mesh order that is not rank order)
             self._all_to_all_permuted(send, send_splits, recv, recv_splits, group)
