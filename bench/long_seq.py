@@ -3,6 +3,7 @@
     python bench/long_seq.py                  # 2 and 4 processes, sequences 2k-16k, causal
     python bench/long_seq.py --quick          # 2 processes, 2k and 4k
     python bench/long_seq.py --no-causal      # all-gather-KV too (it is offered without causal only)
+    python bench/long_seq.py --seqs 16384 --ranks 2 --methods ring,ring-zigzag   # only those rows
 
     python bench/long_seq.py --gpt            # a GPT training step instead (2 layers, 4 heads of 64, AdamW)
 
@@ -63,8 +64,13 @@ def peak_bytes(fn) -> int:
     return _status("VmHWM:") - before
 
 
-def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict:
+def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int, pieces=None) -> dict:
     torch.set_num_threads(1)
+    if pieces is not None:  # the ring's most pieces per block (ops/ring_attention.py), to compare
+        from globaltensor.ops import ring_attention
+        ring_attention.PIECES = pieces
+        ring_attention.QUERY_PIECES = min(pieces, ring_attention.QUERY_PIECES)
+        ring_attention.FORWARD_PIECES = min(pieces, ring_attention.FORWARD_PIECES)
     n = gt.world_size()
     p = gt.placement("cpu", list(range(n)))
     shape = (1, heads, seq, HEAD_DIM)
@@ -188,18 +194,29 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pieces", type=int, default=None,
+                    help="ring attention's most key/value pieces per block in the backward (ops/ring_attention.PIECES; "
+                         "the query and forward counts at most this too: 1 is the whole-block ring)")
+    ap.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     seqs = [2048, 4096] if args.quick else [int(s) for s in args.seqs.split(",")]
     ranks = [2] if args.quick else [int(r) for r in args.ranks.split(",")]
     causal = not args.no_causal or args.gpt  # the GPT is causal
     methods = ["ring", "ulysses"] + (["ring-zigzag"] if causal else ["allgather"])
+    if args.methods:
+        wanted = args.methods.split(",")
+        unknown = set(wanted) - set(methods)
+        if unknown:
+            ap.error(f"--methods: {sorted(unknown)} not among {methods} for this run")
+        methods = [m for m in methods if m in wanted]
     ranks_fn, alone_fn = (_gpt_ranks, _gpt_alone) if args.gpt else (_ranks, _alone)
     rows, data = [], []
     for seq in seqs:
         one = gt.launch(alone_fn, 1, backend="gloo", args=(seq, args.heads, causal, args.reps))[0]
         for n in ranks:
-            res = gt.launch(ranks_fn, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps))
+            extra = () if args.gpt else (args.pieces,)
+            res = gt.launch(ranks_fn, n, backend="gloo", args=(seq, args.heads, methods, causal, args.reps) + extra)
             for m in methods:
                 s = max(r[m]["s"] for r in res)
                 cpu = max(r[m]["cpu"] for r in res)

@@ -36,6 +36,10 @@ tokens and weights:
 - all-gather dropless (DTensor style): every rank all-gathers all tokens, routes them all, runs its
   experts on the rows that chose them, and the partial outputs are summed back to each rank's tokens.
 
+Each call is also charged its process CPU time summed over the ranks (the "CPU" column and ratios):
+on a shared 2-core VM other sessions' load moves the wall time of a call by tens of percent, the CPU
+it used far less.
+
 Bytes received per rank for forward + backward: gt's counted by `gt.comm_log()`; the others worked
 out from their collectives (all-to-all (n-1)/n of the local part; all-gather and reduce-scatter
 (n-1)/n of the whole token tensor each, forward and again backward; the dropless floor's from its
@@ -47,6 +51,7 @@ import argparse
 import os
 import platform
 import statistics
+import time
 import warnings
 
 import torch
@@ -193,13 +198,15 @@ class TorchDroplessLayer(LocalShards):
         return top_p.reshape(-1), top_i.reshape(-1), aux.sum() * e
 
     def experts(self, rows: torch.Tensor, per_expert: list) -> torch.Tensor:
-        """One matmul per local expert on its contiguous rows (as `gt.grouped_linear`), both layers."""
-        outs, start = [], 0
-        for e, m in enumerate(per_expert):
-            h = torch.nn.functional.gelu(torch.addmm(self.b1[e], rows[start:start + m], self.w1[e]))
-            outs.append(torch.addmm(self.b2[e], h, self.w2[e]))
-            start += m
-        return torch.cat(outs)
+        """One matmul per local expert on its contiguous rows (as `gt.grouped_linear`), both layers.
+
+        Megatron's SequentialMLP: the rows `split` and the weights `unbind` per expert, whose backwards
+        are a cat and a stack (indexing them, `rows[a:b]`, `w1[e]`, would zero-fill a whole-size
+        gradient per expert and add them up: a slower floor than the one Megatron runs)."""
+        parts = torch.split(rows, per_expert)
+        weights = zip(self.w1.unbind(0), self.b1.unbind(0), self.w2.unbind(0), self.b2.unbind(0))
+        return torch.cat([torch.addmm(b2, torch.nn.functional.gelu(torch.addmm(b1, r, w1)), w2)
+                          for r, (w1, b1, w2, b2) in zip(parts, weights)])
 
     def step(self) -> None:
         n, k, e = self.n, self.cfg.top_k, self.cfg.n_expert
@@ -250,21 +257,32 @@ def build(impl: str, cfg: MoEConfig, tokens: int, seed: int):
     return TorchLayer(cfg, tokens, seed, impl)
 
 
-def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, threads: int):
+def timed(cfg: MoEConfig, tokens: int, reps: int, warmup: int, seed: int, threads: int, impls: tuple = IMPLS):
     warnings.simplefilter("ignore")
     torch.set_num_threads(threads)
-    layers = {k: build(k, cfg, tokens, seed) for k in IMPLS}
+    layers = {k: build(k, cfg, tokens, seed) for k in impls}
     for t in layers.values():
         t.step()
-    same = lambda k: layers["gt dropless" if k in DROPLESS else "gt EP"].y  # noqa: E731  (the same layer?)
-    diffs = {k: (t.y - same(k)).abs().max().item() for k, t in layers.items()}
-    times = interleaved_times({k: t.step for k, t in layers.items()}, reps, warmup)
+    ref = {k: layers.get("gt dropless" if k in DROPLESS else "gt EP") for k in layers}   # the same layer?
+    diffs = {k: (t.y - ref[k].y).abs().max().item() if ref[k] is not None else float("nan") for k, t in layers.items()}
+    cpu: dict = {k: [] for k in layers}
+
+    def counted(k: str, step):
+        def fn() -> None:
+            c0 = time.process_time()
+            step()
+            cpu[k].append(time.process_time() - c0)
+        return fn
+    times = interleaved_times({k: counted(k, t.step) for k, t in layers.items()}, reps, warmup)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, diffs)
+    dist.all_gather_object(gathered, (diffs, {k: v[warmup:] for k, v in cpu.items()}))
     if dist.get_rank() != 0:
         return None
-    return {"times": times, "bytes": {k: t.bytes for k, t in layers.items()},
-            "max_output_difference": {k: max(g[k] for g in gathered) for k in IMPLS}}
+    # CPU seconds of each call summed over the ranks: what the call cost the machine, which other
+    # sessions' load on the shared cores changes far less than the wall time
+    cpu_sum = {k: [sum(g[1][k][i] for g in gathered) for i in range(reps)] for k in impls}
+    return {"times": times, "cpu": cpu_sum, "bytes": {k: t.bytes for k, t in layers.items()},
+            "max_output_difference": {k: max(g[0][k] for g in gathered) for k in impls}}
 
 
 def report(results: list[dict], args) -> str:
@@ -272,7 +290,8 @@ def report(results: list[dict], args) -> str:
              f"{os.cpu_count()} CPUs, torch {torch.__version__}), fp32, top-2, capacity factor "
              f"{args.factor} (and dropless), d = {args.d}, expert hidden {args.hidden}, {args.tokens} tokens per rank in groups "
              f"of {args.group}; medians of {args.reps} interleaved calls after {args.warmup + 1} warm-up; ratios: "
-             "medians of per-call ratios with ~95% intervals", ""]
+             "medians of per-call ratios with ~95% intervals (wall time: the slowest rank's; CPU: process CPU "
+             "time summed over the ranks)", ""]
     for res in results:
         t = res["times"]
         med = {k: statistics.median(v) for k, v in t.items()}
@@ -281,13 +300,19 @@ def report(results: list[dict], args) -> str:
                   f"dispatched [E, G, C, d] per rank: {res['dispatched']:,} bytes; capacity's ideal all-to-all bytes "
                   f"per rank, 2 forward + 2 backward: {res['ideal']:,}; dropless: the routed rows' bytes are the "
                   f"dropless floor's (rank 0's counts and rows, 2 forward + 2 backward))", "",
-                  "| implementation | ms | bytes recv/rank |", "|---|---|---|"]
-        for k in IMPLS:
-            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {res['bytes'][k]:,} |")
+                  "| implementation | ms | CPU ms, all ranks | bytes recv/rank |", "|---|---|---|---|"]
+        c = res.get("cpu", {})
+        for k in res["times"]:
+            cpu_ms = f"{statistics.median(c[k]) * 1e3:.1f}" if k in c else "-"
+            lines.append(f"| {k} | {med[k] * 1e3:.1f} | {cpu_ms} | {res['bytes'][k]:,} |")
         lines.append("")
-        for a, b in PAIRS:
+        for a, b in [(a, b) for a, b in PAIRS if a in t and b in t]:
             lo, hi = paired_ratio_ci(t, a, b)
-            lines.append(f"- {a} / {b}: {paired_ratio(t, a, b):.2f} ({lo:.2f}-{hi:.2f})")
+            line = f"- {a} / {b}: {paired_ratio(t, a, b):.2f} ({lo:.2f}-{hi:.2f})"
+            if a in c and b in c:
+                clo, chi = paired_ratio_ci(c, a, b)
+                line += f"; CPU {paired_ratio(c, a, b):.2f} ({clo:.2f}-{chi:.2f})"
+            lines.append(line)
         lines.append("")
     return "\n".join(lines)
 
@@ -306,16 +331,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of: " + ", ".join(IMPLS))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.quick:
         args.reps, args.warmup, args.tokens, args.experts = 3, 0, 256, [4]
+    impls = tuple(k.strip() for k in args.impls.split(","))
+    unknown = [k for k in impls if k not in IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
     results = []
     for e in args.experts:
         cfg = MoEConfig(n_embd=args.d, expert_hidden=args.hidden, n_expert=e, top_k=2,
                         capacity_factor=args.factor, block_size=args.group)
         res = gt.launch(timed, args.ranks, backend="gloo", timeout=1800,
-                        args=(cfg, args.tokens, args.reps, args.warmup, args.seed, args.threads))[0]
+                        args=(cfg, args.tokens, args.reps, args.warmup, args.seed, args.threads, impls))[0]
         groups = args.ranks * args.tokens // args.group
         local = e * (groups // args.ranks) * capacity(cfg, args.group) * args.d * 4
         res.update(experts=e, dispatched=local, ideal=4 * (args.ranks - 1) * local // args.ranks)

@@ -11,8 +11,8 @@ interleaved step by step in one launch (each step between barriers, a fresh rand
 repetition; a step's time is its slowest rank's):
 
 - gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer))`, `gt.Pipeline(model, m, schedule, loss_fn)`.
-  The head keeps its weight tied to the embedding: the weight goes to the last stage each micro-batch
-  and its gradient comes back (the global program's one parameter).
+  The head keeps its weight tied to the embedding: the weight goes to the last stage once per step
+  and its gradient, summed over the micro-batches, comes back (the global program's one parameter).
 - torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`, and
   `ScheduleInterleaved1F1B` with two stages per rank); the head gets its own copy of the embedding
   weight (torch's pipelining cannot tie across stages).
@@ -20,9 +20,11 @@ repetition; a step's time is its slowest rank's):
 Interleaved: two chunks per stage (`pp_plan(virtual=2)`, one block each), theory bubble
 (p-1)/(vm+p-1).
 
-Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the theoretical bubble
-fraction (p-1)/(m+p-1), gt's measured one per rank (time waiting on other stages, in receives and
-the last sends, over the step; median over steps), micro-batches in flight per stage (gt's measured
+Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the CPU time per step
+summed over the ranks' processes (every thread: fibers and gloo's too; robust where other load on the
+machine makes wall times noisy) and its ratio likewise, the theoretical bubble
+fraction (p-1)/(m+p-1), gt's measured one per rank (`Pipeline.bubble`: the time waiting on other stages inside
+the actions plus all the time outside them, over the step; median over steps), micro-batches in flight per stage (gt's measured
 maximum: GPipe holds m, 1F1B at most p - stage), the peak bytes autograd saved per stage in one
 more step (`Pipeline(measure_activations=True)`), and an SVG timeline of the last step per schedule
 (`results/pipeline_<schedule>_m<m>.svg`: which rank ran which action when, from real timestamps).
@@ -33,6 +35,7 @@ import argparse
 import os
 import platform
 import statistics
+import time
 import warnings
 
 import torch
@@ -131,7 +134,16 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     torch.set_num_threads(1)
     data = batches(cfg, batch, 1)[0]
     impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed), "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
-    times = interleaved_times({k: (lambda v=v: v.step(*data)) for k, v in impls.items()}, reps, warmup)
+    cpu: dict = {k: [] for k in impls}  # this process's CPU seconds per step (all its threads: fibers, gloo's)
+
+    def stepped(k, v):
+        c0 = time.process_time()
+        v.step(*data)
+        cpu[k].append(time.process_time() - c0)
+    times = interleaved_times({k: (lambda k=k, v=v: stepped(k, v)) for k, v in impls.items()}, reps, warmup)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {k: c[warmup:] for k, c in cpu.items()})
+    cpu = {k: [sum(e[k][i] for e in every) for i in range(reps)] for k in impls}  # summed over the ranks
     ours = impls["gt"]
     # one more step, untimed, counting the bytes autograd saves (saved-tensor hooks cost a little time)
     probe = gt.Pipeline(ours.model, microbatches=m, schedule=kind, loss_fn=loss_fn, measure_activations=True)
@@ -141,7 +153,7 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
             probe.activations.peak)
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
-    return (times, got) if dist.get_rank() == 0 else None
+    return (times, cpu, got) if dist.get_rank() == 0 else None
 
 
 def main() -> None:
@@ -165,14 +177,14 @@ def main() -> None:
     lines = [f"Pipeline, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}), {p} stages on {p} gloo processes "
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
              f"fp32, AdamW; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
-             "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | theory bubble | "
-             "gt measured bubble per rank | gt micro-batches in flight per stage | gt peak saved activations "
-             "per stage (KiB) |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | CPU ms/step, all ranks: "
+             "gt / torch = ratio | theory bubble | gt measured bubble per rank | gt micro-batches in flight per "
+             "stage | gt peak saved activations per stage (KiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     data = []
     for kind in ("gpipe", "1f1b", "interleaved"):
         for m in micros:
-            times, got = gt.launch(timed, p, backend="gloo", timeout=1800,
-                                   args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
+            times, cpu, got = gt.launch(timed, p, backend="gloo", timeout=1800,
+                                        args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
             peaks, bubbles = [g[0] for g in got], [round(g[1], 2) for g in got]
             v = VIRTUAL if kind == "interleaved" else 1
             os.makedirs(args.out, exist_ok=True)
@@ -180,10 +192,14 @@ def main() -> None:
                 f.write(timeline_svg([g[2] for g in got]))
             med = {k: statistics.median(v) for k, v in times.items()}
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
+            clo, chi = paired_ratio_ci(cpu, "gt", "torch.pipelining")
+            cmed = {k: statistics.median(v) for k, v in cpu.items()}
             lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
+                         f"{cmed['gt'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
+                         f"{paired_ratio(cpu, 'gt', 'torch.pipelining'):.2f} ({clo:.2f}-{chi:.2f}) | "
                          f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {peaks} | {[g[3] // 1024 for g in got]} |")
-            data.append({"schedule": kind, "m": m, "times": times, "peaks": peaks, "bubbles": bubbles,
+            data.append({"schedule": kind, "m": m, "times": times, "cpu": cpu, "peaks": peaks, "bubbles": bubbles,
                          "activation_bytes": [g[3] for g in got],
                          "timelines": [g[2] for g in got]})
     table = "\n".join(lines)

@@ -45,7 +45,8 @@ from .tensor import GlobalTensor, grad_layout
 class Routing:
     """One step's routing, as this rank needs it: data (counts), not structure, like a ragged size."""
     sort_local: torch.Tensor         # this rank's rows, group-major -> expert-major (a permutation)
-    sort_received: torch.Tensor      # received rows, (sender, expert, group) -> (expert, sender, group)
+    # received rows, (sender, expert, group) -> (expert, sender, group); None: already in that order
+    sort_received: Optional[torch.Tensor]
     send: tuple                      # rows sent to each of the peers
     recv: tuple                      # rows received from each of them
     per_expert: tuple                # rows of each local expert, in order (the grouped layer's offsets)
@@ -71,37 +72,50 @@ def _expert_axis(experts: GlobalTensor) -> int:
     return axes[0]
 
 
-def by_expert(xs: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-    """xs [G, R, d] (each group's rows sorted by expert) -> ([G*R, d] expert-major, its Routing)."""
-    g, r = xs.shape[0], xs.shape[1]
+def by_expert(xs: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
+              index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Routing]:
+    """xs [G, R, d] (each group's rows sorted by expert) -> ([G*R, d] expert-major, its Routing).
+
+    With `index` [G, R] the rows are `xs.gather(1, index)` (xs then the tokens [G, S, d], index the
+    token of each sorted row, e.g. `order // k`), read in the same one row index as the sort: a
+    gather first would copy every row once more forward and scatter it once more backward."""
+    g = xs.shape[0]
+    r = xs.shape[1] if index is None else index.shape[-1]
     n_expert = experts.shape[0]
     if tuple(counts.shape) != (g, n_expert):
         raise ValueError(f"by_expert(counts): expected [G, E] = {(g, n_expert)} (rows of each group per expert), "
                          f"got {tuple(counts.shape)}")
+    if index is not None and (index.dim() != 2 or index.shape[0] != g or index.dtype.is_floating_point
+                              or index.dtype == torch.bool):
+        raise ValueError(f"by_expert(index): expected integer [G, R] (the token of each sorted row, G = {g}), "
+                         f"got {index.dtype} {tuple(index.shape)}")
     if not isinstance(xs, GlobalTensor):
         c = counts.detach().to(torch.long)
         if bool((c.sum(1) != r).any()):
             raise ValueError(f"by_expert(counts): every group's counts must add up to its {r} rows")
         ids = _ids(c, torch.arange(n_expert, device=c.device))
         local = tuple(int(v) for v in c.sum(0))
-        routing = Routing(torch.argsort(ids, stable=True), torch.arange(g * r), (g * r,), (g * r,), local, (),
-                          token_shape=tuple(xs.shape))
+        routing = Routing(torch.argsort(ids, stable=True), None, (g * r,), (g * r,), local, (),
+                          token_shape=(g, r) + tuple(xs.shape[2:]))
+        rows = _Rows.reading_tokens(routing.sort_local, None if index is None else index.detach(), xs.shape[1])
     else:
-        xs, counts = _token_side(xs, counts, experts)
-        routing = _global_routing(xs, counts, experts)
-    return _Regroup.apply(xs, routing, True), routing
+        xs, counts, index = _token_side(xs, counts, experts, index)
+        routing = _global_routing(xs, counts, experts, r)
+        rows = _Rows.reading_tokens(routing.sort_local, None if index is None else index._local.detach(), xs.shape[1])
+    return _Regroup.apply(xs, routing, True, rows, tuple(xs.shape)), routing
 
 
-def _token_side(xs: GlobalTensor, counts: Any, experts: Any) -> tuple[GlobalTensor, GlobalTensor]:
-    """Rows and counts with the groups split over the expert axis (and split or whole elsewhere).
+def _token_side(xs: GlobalTensor, counts: Any, experts: Any,
+                index: Any = None) -> tuple[GlobalTensor, GlobalTensor, Optional[GlobalTensor]]:
+    """Rows, counts (and index) with the groups split over the expert axis (and split or whole elsewhere).
 
     The router leaves them so whenever the groups divide over the ranks; otherwise (a size-1 or uneven
     group dim, which the dispatcher may keep whole or Partial) they are converted here, so that the
     count exchange and the rows' all-to-all always start from one known layout.
     """
     if not isinstance(xs, GlobalTensor) or not isinstance(counts, GlobalTensor) or \
-            not isinstance(experts, GlobalTensor):
-        raise ValueError("by_expert: xs, counts and experts must all be GlobalTensors or all plain tensors")
+            not isinstance(experts, GlobalTensor) or not isinstance(index, (GlobalTensor, type(None))):
+        raise ValueError("by_expert: xs, counts, experts (and index) must all be GlobalTensors or all plain tensors")
     if isinstance(xs, RaggedTensor) or isinstance(counts, RaggedTensor):
         raise ValueError("by_expert(xs): takes the token side (groups split on dim 0), not a ragged tensor")
     axis = _expert_axis(experts)
@@ -110,23 +124,33 @@ def _token_side(xs: GlobalTensor, counts: Any, experts: Any) -> tuple[GlobalTens
         xs = xs.to_global(xs.placement, want)
     if counts.placement != xs.placement or counts.sbp != want:
         counts = counts.to_global(xs.placement, want)
-    return xs, counts
+    return xs, counts, _index_on(index, xs._layout)
 
 
-def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTensor) -> Routing:
-    """The count exchange (one all-gather over the expert axis) and everything the rows' moves need."""
+def _index_on(index: Optional[GlobalTensor], layout: Layout) -> Optional[GlobalTensor]:
+    if index is not None and (index.placement != layout.placement or index.sbp != layout.sbp):
+        index = index.to_global(layout.placement, layout.sbp)
+    return index
+
+
+def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTensor, rows: int) -> Routing:
+    """The count exchange (one all-gather over the expert axis) and everything the rows' moves need.
+
+    The counts arrive as one [n, G_r, E] block and everything else is read off it in Python ints: a
+    loop of small tensor sums per peer and expert would cost more than the exchange itself."""
     axis = _expert_axis(experts)
     if experts.placement != xs.placement:
         raise ValueError("by_expert(experts): the expert weight must be on the tokens' placement")
     comm = context.current()
     p = xs.placement
-    n_expert, rows = experts.shape[0], xs.shape[1]
+    n_expert = experts.shape[0]
+    token_shape = (xs.shape[0], rows) + tuple(xs.shape[2:])
     coord = p.coord(comm.rank)
     sbp = tuple(Ragged(0) if a == axis or s == Split(0) else Broadcast() for a, s in enumerate(xs.sbp))
     expert_layout = Layout(p, sbp)
     if coord is None:
         empty = torch.zeros(0, dtype=torch.long)
-        return Routing(empty, empty, (), (), (), (), xs._layout, tuple(xs.shape), expert_layout,
+        return Routing(empty, None, (), (), (), (), xs._layout, token_shape, expert_layout,
                        tuple(None for _ in sbp))
     peers = p.group(comm.rank, axis)
     n, me = len(peers), peers.index(comm.rank)
@@ -135,64 +159,147 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
         raise ValueError(f"by_expert(counts): every group's counts must add up to its {rows} rows")
     shapes = [counts._layout.local_shape(counts.shape, q) for q in peers]
     pieces = comm.all_gather(mine, peers, shapes)                 # the count exchange
+    per_peer = torch.stack([c.sum(0) for c in pieces]).tolist()  # [n][E]: each member's rows per expert
     starts = [split_range(n_expert, n, j) for j in range(n)]      # each member's experts: (first, how many)
-    block = lambda c, j: c[:, starts[j][0]:starts[j][0] + starts[j][1]]  # noqa: E731
-    send = tuple(int(block(mine, j).sum()) for j in range(n))
-    recv = tuple(int(block(c, me).sum()) for c in pieces)
-    sizes_here = tuple(sum(int(block(c, j).sum()) for c in pieces) for j in range(n))
+    cols = [range(f, f + m) for f, m in starts]
+    send = tuple(sum(per_peer[me][e] for e in cols[j]) for j in range(n))
+    recv = tuple(sum(c[e] for e in cols[me]) for c in per_peer)
+    sizes_here = tuple(sum(c[e] for c in per_peer for e in cols[j]) for j in range(n))
     e0, ne = starts[me]
-    local_experts = torch.arange(e0, e0 + ne)
+    per_expert = tuple(sum(c[e] for c in per_peer) for e in cols[me])
     # each sender's rows arrive expert-major over its groups; a stable sort by expert makes (expert, sender, group)
-    ids = torch.cat([local_experts.repeat_interleave(block(c, me).sum(0)) for c in pieces])
-    per_expert = tuple(int(sum(block(c, me)[:, e].sum() for c in pieces)) for e in range(ne))
+    arrived = torch.tensor([c[e] for c in per_peer for e in cols[me]], dtype=torch.long)
+    ids = torch.arange(ne).repeat(n).repeat_interleave(arrived)
     sizes = tuple(sizes_here if a == axis else None for a in range(p.ndim))
     return Routing(torch.argsort(_ids(mine, torch.arange(n_expert)), stable=True), torch.argsort(ids, stable=True),
-                   send, recv, per_expert, tuple(peers), xs._layout, tuple(xs.shape), expert_layout, sizes)
+                   send, recv, per_expert, tuple(peers), xs._layout, token_shape, expert_layout, sizes)
 
 
-def by_group(y: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """The inverse of `by_expert`: expert-major rows [G*R, d] back to [G, R, d], each group's rows by expert."""
-    return _Regroup.apply(y, routing, False)
+def by_group(y: torch.Tensor, routing: Routing, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The inverse of `by_expert`: expert-major rows [G*R, d] back to [G, R, d], each group's rows by expert.
+
+    With `index` [G, R'] the result is `by_group(y, routing).gather(1, index)` (e.g. the inverse of the
+    sort, `order.argsort(1)`, to put the rows back in choice order), read in one row index."""
+    g, r = routing.token_shape[0], routing.token_shape[1]
+    if index is not None and (index.dim() != 2 or index.shape[0] != g or index.dtype.is_floating_point
+                              or index.dtype == torch.bool):
+        raise ValueError(f"by_group(index): expected integer [G, R'] (the sorted row of each result row, G = {g}), "
+                         f"got {index.dtype} {tuple(index.shape)}")
+    if index is None:
+        rows = _Rows.reading_tokens(routing.sort_local, None, r)
+    elif isinstance(index, GlobalTensor):
+        if not isinstance(y, GlobalTensor) or routing.token_layout is None:
+            raise ValueError("by_group(index): a GlobalTensor index needs the global rows of a global by_expert")
+        rows = _Rows.writing_tokens(routing.sort_local, _index_on(index, routing.token_layout)._local.detach(), r)
+    else:
+        if isinstance(y, GlobalTensor):
+            raise ValueError("by_group(index): give a GlobalTensor index (groups split as the tokens) with global rows")
+        rows = _Rows.writing_tokens(routing.sort_local, index.detach(), r)
+    shape = (g, r if index is None else index.shape[1], y.shape[-1])
+    return _Regroup.apply(y, routing, False, rows, shape)
 
 
-def _forward_rows(local: torch.Tensor, routing: Routing, comm: Any) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Rows:
+    """This rank's token-side rows [T, d] <-> its expert-major rows [N, d] before the all-to-all, as one
+    row index: `read_tokens` (expert row i is token row index[i]: by_expert), or not (token row i is
+    expert row index[i]: by_group with an index). A permutation is undone by writing through the
+    index; otherwise the reverse sums the rows that read the same one (a gather's backward)."""
+    index: torch.Tensor
+    read_tokens: bool
+    permutation: bool
+    n_tokens: int
+    n_expert: int
+
+    @staticmethod
+    def reading_tokens(sort_local: torch.Tensor, index: Optional[torch.Tensor], per_group: int) -> "_Rows":
+        """Expert row i reads token row flat[sort_local[i]], flat the index's rows offset by group."""
+        n = sort_local.numel()
+        if index is None:
+            return _Rows(sort_local, True, True, n, n)
+        index = index.to(torch.long)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= per_group):
+            raise ValueError(f"by_expert(index): entries must lie in [0, {per_group}) (the tokens of a group)")
+        g = index.shape[0]
+        flat = (index + torch.arange(g).unsqueeze(1) * per_group).reshape(-1)
+        return _Rows.of(flat[sort_local], True, g * per_group, n)
+
+    @staticmethod
+    def writing_tokens(sort_local: torch.Tensor, index: torch.Tensor, per_group: int) -> "_Rows":
+        """Token row i reads the expert row holding sorted row flat[i] (the inverse of sort_local)."""
+        index = index.to(torch.long)
+        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= per_group):
+            raise ValueError(f"by_group(index): entries must lie in [0, {per_group}) (the rows of a group)")
+        n = sort_local.numel()
+        inverse = torch.empty_like(sort_local)
+        inverse[sort_local] = torch.arange(n)
+        g = index.shape[0]
+        flat = (index + torch.arange(g).unsqueeze(1) * per_group).reshape(-1)
+        return _Rows.of(inverse[flat], False, flat.numel(), n)
+
+    @staticmethod
+    def of(index: torch.Tensor, read_tokens: bool, n_tokens: int, n_expert: int) -> "_Rows":
+        into = n_tokens if read_tokens else n_expert
+        perm = index.numel() == into and bool((torch.bincount(index, minlength=into) == 1).all())
+        return _Rows(index, read_tokens, perm, n_tokens, n_expert)
+
+    def to_experts(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._move(tokens, self.read_tokens, self.n_expert)
+
+    def to_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._move(rows, not self.read_tokens, self.n_tokens)
+
+    def _move(self, x: torch.Tensor, read: bool, n: int) -> torch.Tensor:
+        if read:
+            return x[self.index]
+        if self.permutation:
+            out = x.new_empty((n,) + tuple(x.shape[1:]))
+            out[self.index] = x
+            return out
+        return x.new_zeros((n,) + tuple(x.shape[1:])).index_add_(0, self.index, x)
+
+
+def _forward_rows(local: torch.Tensor, routing: Routing, rows_map: _Rows, comm: Any) -> torch.Tensor:
     """Token side -> expert side on this rank's shard: sort by expert, the all-to-all, sort the arrivals."""
-    rows = local.reshape(-1, local.shape[-1])[routing.sort_local]
+    rows = rows_map.to_experts(local.reshape(-1, local.shape[-1]))
     if routing.peers:
         d = rows.shape[-1]
         out = rows.new_empty((sum(routing.recv), d))
         comm.all_to_all_into(rows.contiguous().view(-1), [k * d for k in routing.send], out.view(-1),
                              [k * d for k in routing.recv], routing.peers)
         rows = out
-    return rows[routing.sort_received]
+    return rows if routing.sort_received is None else rows[routing.sort_received]
 
 
-def _backward_rows(local: torch.Tensor, routing: Routing, comm: Any, token_local_shape: tuple) -> torch.Tensor:
+def _backward_rows(local: torch.Tensor, routing: Routing, rows_map: _Rows, comm: Any,
+                   token_local_shape: tuple) -> torch.Tensor:
     """Expert side -> token side: the exact reverse of `_forward_rows` (inverse sorts, all-to-all back)."""
     d = local.shape[-1]
-    rows = torch.empty_like(local)
-    rows[routing.sort_received] = local
+    if routing.sort_received is None:
+        rows = local
+    else:
+        rows = torch.empty_like(local)
+        rows[routing.sort_received] = local
     if routing.peers:
         out = rows.new_empty((sum(routing.send), d))
         comm.all_to_all_into(rows.contiguous().view(-1), [k * d for k in routing.recv], out.view(-1),
                              [k * d for k in routing.send], routing.peers)
         rows = out
-    back = torch.empty_like(rows)
-    back[routing.sort_local] = rows
-    return back.reshape(token_local_shape[:-1] + (d,))
+    return rows_map.to_tokens(rows).reshape(token_local_shape[:-1] + (d,))
 
 
 class _Regroup(torch.autograd.Function):
     """Token side <-> expert side; the backward is the other direction on the gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, routing: Routing, to_experts: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, routing: Routing, to_experts: bool, rows: _Rows,  # type: ignore[override]
+                token_shape: tuple) -> torch.Tensor:
         if isinstance(x, RaggedTensor) == to_experts and routing.peers:
             raise ValueError("by_expert/by_group: by_expert takes the token side (split groups), by_group the "
                              "ragged expert side")
-        ctx.routing, ctx.to_experts = routing, to_experts
-        ctx.shape = tuple(x.shape)
-        return _move(x, routing, to_experts)
+        ctx.routing, ctx.to_experts, ctx.rows = routing, to_experts, rows
+        ctx.token_shape = token_shape     # the token side's (global) shape: by_expert's input, by_group's output
+        return _move(x, routing, to_experts, rows, token_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
@@ -201,7 +308,7 @@ class _Regroup(torch.autograd.Function):
             want = routing.expert_layout if ctx.to_experts else grad_layout(routing.token_layout)
             if grad._layout != want or (ctx.to_experts and getattr(grad, "_sizes", None) != routing.sizes):
                 grad = _to(grad, want, routing.sizes if ctx.to_experts else None)
-        return _move(grad, routing, not ctx.to_experts), None, None
+        return _move(grad, routing, not ctx.to_experts, ctx.rows, ctx.token_shape), None, None, None, None
 
 
 def _to(grad: GlobalTensor, layout: Layout, sizes: Any) -> GlobalTensor:
@@ -211,20 +318,20 @@ def _to(grad: GlobalTensor, layout: Layout, sizes: Any) -> GlobalTensor:
     return grad.to_global(layout.placement, layout.sbp)
 
 
-def _move(x: torch.Tensor, routing: Routing, to_experts: bool) -> torch.Tensor:
+def _move(x: torch.Tensor, routing: Routing, to_experts: bool, rows: _Rows, token_shape: tuple) -> torch.Tensor:
     comm = context.current() if routing.peers else None
     if not isinstance(x, GlobalTensor):
         if to_experts:
-            return _forward_rows(x, routing, comm)
-        return _backward_rows(x, routing, comm, routing.token_shape[:-1] + (x.shape[-1],))
+            return _forward_rows(x, routing, rows, comm)
+        return _backward_rows(x, routing, rows, comm, token_shape)
     inside = x.placement.coord(context.current().rank) is not None
     if to_experts:
-        local = _forward_rows(x._local, routing, comm) if inside else x._local.new_empty((0,))
+        local = _forward_rows(x._local, routing, rows, comm) if inside else x._local.new_empty((0,))
         shape = (routing.token_shape[0] * routing.token_shape[1], x.shape[-1])
         return make(local, routing.expert_layout, shape, routing.sizes)
-    shape = routing.token_shape[:-1] + (x.shape[-1],)
+    shape = token_shape[:-1] + (x.shape[-1],)
     local_shape = routing.token_layout.local_shape(shape, context.current().rank)
-    local = _backward_rows(x._local, routing, comm, local_shape) if inside else x._local.new_empty((0,))
+    local = _backward_rows(x._local, routing, rows, comm, local_shape) if inside else x._local.new_empty((0,))
     return GlobalTensor(local, routing.token_layout, shape)
 
 

@@ -34,7 +34,7 @@ from .ops import dispatch
 from .placement import Placement
 from .runtime import context, fiber
 from .sbp import SBP_TYPES, Broadcast, Partial
-from .tensor import GlobalTensor, _FromLocal, distribute
+from .tensor import GlobalTensor, _FromLocal, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
 
 
@@ -297,6 +297,12 @@ class _StageForward:
     `gt.Pipeline` after each step) lets it make the empty output directly, connected to the inputs
     and parameters by autograd (`_Elsewhere`) so that the boundaries' backward runs here as inside.
     Installed as the module's `forward` attribute (the class's is untouched).
+
+    Within a pipeline step (`open_step` .. `close_step`) the parameters take their gradients once per
+    step rather than once per micro-batch: a one-rank stage runs every micro-batch on the same plain
+    leaf per parameter, so autograd sums the micro-batches' gradients in plain torch, and a rank
+    outside gives the parameters their empty gradients at the step's end. The sum is the same one
+    autograd would have formed in the parameters' `.grad`, in the same order.
     """
 
     def __init__(self, module: torch.nn.Module, placement: Placement) -> None:
@@ -304,15 +310,37 @@ class _StageForward:
         self.seen: dict = {}      # call key -> (output layout, shape, dtype, requires grad, gradient layouts)
         self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
         self.plain: Optional[bool] = None  # whether it runs on plain tensors (see `_runs_plain`)
+        self.leaves: Optional[dict] = None  # in a step, inside: parameter -> its plain leaf for the step
+        self.owed: Optional[dict] = None    # in a step, outside: parameter -> the layout its gradient takes
+
+    def open_step(self) -> None:
+        self.leaves, self.owed = {}, {}
+
+    def close_step(self, flush: bool = True) -> None:
+        """The step's gradients into the parameters' `.grad`, as autograd's accumulation would have
+        left them (post-accumulate hooks included, once); `flush=False` drops them (a failed step)."""
+        leaves, owed, self.leaves, self.owed = self.leaves, self.owed, None, None
+        if not flush or leaves is None:
+            return
+        with torch.no_grad():
+            for p, leaf in leaves.items():
+                if leaf.grad is not None:
+                    _accumulate(p, GlobalTensor(leaf.grad, grad_layout(p._layout), tuple(p.shape)))
+            for p, (lay, shape, dtype) in owed.items():
+                empty = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay, shape)
+                _accumulate(p, empty if p.grad is None else None)
 
     def _runs_plain(self) -> bool:
         """On a one-rank placement a GlobalTensor is its local tensor, whatever its SBP: a module whose
         parameters all live there and that names no layouts inside (no hints, no gathering) computes
         the same on the plain local tensors, without the dispatcher (a pipeline stage of one rank runs
-        as fast as plain torch). Decided at the first call, when every hook is installed."""
+        as fast as plain torch). A module that only gathers its parameters onto this placement (the
+        tied head on the last stage) does too: its gathered copies are swapped for their local tensors
+        as the parameters are. Decided at the first call, when every hook is installed."""
         if self.plain is None:
             self.plain = self.placement.size == 1 and not any(
-                m.__dict__.get("_gt_layout_hooks") for m in self.module.modules())
+                m.__dict__.get("_gt_layout_hooks") and m.__dict__.get("_gt_gathers_onto") != self.placement
+                for m in self.module.modules())
         return self.plain
 
     def _side(self, args: tuple, kwargs: dict) -> Optional[bool]:
@@ -344,7 +372,7 @@ class _StageForward:
         forward = type(self.module).forward
         if inside:
             if self._runs_plain():
-                return _plain_forward(self.module, forward, self.placement, args, kwargs)
+                return _plain_forward(self.module, forward, self.placement, args, kwargs, self.leaves)
             return forward(self.module, *args, **kwargs)
         ins = _tensors((args, kwargs))
         targets = [t for t in ins + list(self.module.parameters()) if isinstance(t, GlobalTensor) and t.requires_grad]
@@ -360,7 +388,16 @@ class _StageForward:
                     t.register_hook(_GradLayout(layouts, i))
             return out
         if meta[3] and targets and torch.is_grad_enabled():
-            return _Elsewhere.apply(meta, *targets)
+            if self.owed is not None:  # the parameters' (empty) gradients come once, at the step's end
+                n_in = len(targets) - sum(1 for q in self.module.parameters() if q.requires_grad)
+                wired = [i for i, t in enumerate(targets) if i < n_in or not t.is_leaf or meta[4][i] is None]
+                for i, t in enumerate(targets):
+                    if i not in wired:
+                        self.owed[t] = meta[4][i]
+                meta = meta[:4] + (tuple(meta[4][i] for i in wired),)
+                targets = [targets[i] for i in wired]
+            if targets:
+                return _Elsewhere.apply(meta, *targets)
         # requiring grad as on the ranks inside (its parameters do): the ops after it, a stage boundary's
         # among them, must record their backward here too (the boundary's sends the gradient across)
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ins[0].device if ins else None), meta[0],
@@ -373,9 +410,11 @@ class _StageForward:
         self.watching.clear()
 
 
-def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, args: tuple, kwargs: dict) -> Any:
+def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, args: tuple, kwargs: dict,
+                   leaves: Optional[dict] = None) -> Any:
     """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their
-    local tensors while it runs (connected to them by autograd), outputs wrapped back (Broadcast)."""
+    local tensors while it runs (connected to them by autograd, or, given `leaves`, the step's plain
+    leaf per parameter, whose gradient the step hands on once), outputs wrapped back (Broadcast)."""
     swapped = []
     grad = torch.is_grad_enabled()
     for mod in module.modules():
@@ -383,13 +422,32 @@ def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, 
             for name, t in table.items():
                 if isinstance(t, GlobalTensor):
                     swapped.append((table, name, t))
-                    table[name] = t.to_local() if grad and t.requires_grad else t._local
+                    if not (grad and t.requires_grad):
+                        table[name] = t._local
+                    elif leaves is None or table is not mod._parameters or not t.is_leaf:
+                        table[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
+                    else:
+                        leaf = leaves.get(t)
+                        if leaf is None:
+                            leaf = leaves[t] = t._local.detach().requires_grad_()
+                        table[name] = leaf
     try:
         out = forward(module, *_as_local((args,), grad)[0], **_as_local(kwargs, grad))
     finally:
         for table, name, t in swapped:
             table[name] = t
     return _as_global(out, Layout(placement, (Broadcast(),) * placement.ndim))
+
+
+def _accumulate(p: torch.Tensor, grad: Optional[GlobalTensor]) -> None:
+    """`grad` added into `p.grad` as autograd's AccumulateGrad does, then `p`'s post-accumulate hooks."""
+    if grad is not None:
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.add_(grad)
+    for hook in (p._post_accumulate_grad_hooks or {}).values():
+        hook(p)
 
 
 def _as_local(obj: Any, grad: bool) -> Any:
@@ -540,6 +598,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
+        mod.__dict__.pop("_gt_gathers_onto", None)
         if isinstance(mod.__dict__.get("forward"), _StageForward):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
@@ -557,6 +616,9 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         if mod in groups:
             handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
             handles.append(mod.register_forward_hook(groups[mod].after))
+            onto = {c.placement for c in groups[mod].compute}
+            if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
+                mod.__dict__["_gt_gathers_onto"] = onto.pop()  # only gathers: may run plain there
         if post is not None:
             handles.append(mod.register_forward_hook(post))
         mod.__dict__["_gt_layout_hooks"] = handles

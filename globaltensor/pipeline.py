@@ -208,6 +208,9 @@ class Pipeline:
                              f"micro-batch (virtual stages); run it with schedule='interleaved' (or 'gpipe')")
         self.actions = schedule_actions(schedule, len(self.stages), microbatches,
                                         self.virtual if schedule == "interleaved" else 1)
+        # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
+        # skipped (after a first step) on the ranks outside it, as the model's stage modules are
+        self._losses: dict[Placement, _StageForward] = {}
 
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
@@ -225,6 +228,11 @@ class Pipeline:
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
+        stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in self.model.modules())
+                          if isinstance(f, _StageForward)]
+        for f in stage_forwards:  # the parameters take the step's gradients once, at its end
+            f.open_step()
+        flushed = False
         try:
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for act, i, c in mine:
@@ -238,23 +246,28 @@ class Pipeline:
                         losses[i] = result if act == "F" else losses[i].detach()
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
+            for f in stage_forwards:
+                f.close_step()
+            flushed = True
         except BaseException:
             for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
                 f.cancel()
             raise
         finally:
-            t0 = time.perf_counter()
+            if not flushed:
+                for f in stage_forwards:
+                    f.close_step(flush=False)
             comm.flush_sends()
-            comm.p2p_wait_s += time.perf_counter() - t0
             comm.p2p_tag, comm.p2p_async = old
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         total = time.perf_counter() - start
-        # idle: waiting on other stages (receives, the last sends) and outside any action
-        self.bubble = (comm.p2p_wait_s + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
-        for mod in self.model.modules():  # stages seen whole: ranks outside them skip their ops from now on
-            settle = getattr(mod.__dict__.get("forward"), "settle", None)
-            if settle is not None:
-                settle()
+        # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
+        # wait, the tied weight's gradient, the step's own work after the actions: counted idle, not work).
+        # Each moment once: a wait outside the actions is in the second term only.
+        waited = sum(w for *_, w in self.timeline)
+        self.bubble = (waited + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
+        for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
+            f.settle()                                             # skip their ops from now on
         loss = losses[0]
         for i in range(1, self.microbatches):
             loss = loss + losses[i]
@@ -270,7 +283,11 @@ class Pipeline:
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
             out = self.model(distribute(x, self.input_layout))
-            return self.loss_fn(out, _target_on(target, out, self.target_sbp)) * weight
+            where = (out[0] if isinstance(out, (tuple, list)) else out).placement
+            loss = self._losses.get(where)
+            if loss is None:
+                loss = self._losses[where] = _StageForward(_Loss(self.loss_fn), where)
+            return loss(out, _target_on(target, out, self.target_sbp), weight)
 
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
@@ -287,6 +304,17 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
+
+
+class _Loss(torch.nn.Module):
+    """A micro-batch's loss, weighted by its share of the batch, as a module (a stage of its own)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, out: Any, target: Any, weight: float) -> torch.Tensor:
+        return self.loss_fn(out, target) * weight
 
 
 def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:

@@ -249,8 +249,9 @@ def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, resh
 def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int = 1) -> dict:
     """Pipeline stages as placements: blocks split evenly (earlier stages take the extra ones), the
     embeddings on the first stage, the final norm on the last, and the head, whose weight is the
-    embedding's, used on the last stage (moved there each forward, its gradient sent back and added to
-    the embedding's: one parameter, a Partial across the two placements).
+    embedding's, used on the last stage (moved there once per `gt.Pipeline` step, its gradient summed
+    over the micro-batches sent back and added to the embedding's: one parameter, a Partial across the
+    two placements).
 
     `virtual`: chunks per stage, for the interleaved schedule: the blocks split evenly into
     `len(stages) * virtual` chunks, chunk c on stage c mod len(stages) (Megatron's virtual stages).

@@ -112,12 +112,14 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(e, h, d) * (0.02 / math.sqrt(2 * cfg.n_layer)))
         self.b2 = nn.Parameter(torch.zeros(e, 1, d))
 
-    def forward(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Capacity: x [E, G, C, d]. Dropless: x [G, R, d] each group's rows sorted by expert, counts [G, E]."""
+    def forward(self, x: torch.Tensor, counts: Optional[torch.Tensor] = None, index: Optional[torch.Tensor] = None,
+                back: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Capacity: x [E, G, C, d]. Dropless: x [G, S, d] tokens, counts [G, E], index [G, R] the token of each
+        of a group's rows sorted by expert, back [G, R] the sorted row of each choice: -> [G, R, d] by choice."""
         if counts is not None:
-            rows, routing = by_expert(x, counts, self.w1)             # [G*R, d], expert-major (ragged)
+            rows, routing = by_expert(x, counts, self.w1, index)     # [G*R, d], expert-major (ragged)
             h = F.gelu(grouped_linear(rows, self.w1, self.b1, routing))
-            return by_group(grouped_linear(h, self.w2, self.b2, routing), routing)
+            return by_group(grouped_linear(h, self.w2, self.b2, routing), routing, back)
         e, g, c, d = x.shape
         h = F.gelu(torch.bmm(x.reshape(e, g * c, d), self.w1) + self.b1)
         return (torch.bmm(h, self.w2) + self.b2).reshape(e, g, c, d)
@@ -166,11 +168,9 @@ class MoE(nn.Module):
         ids = top_i.reshape(g, s * k)                                 # choice j of token i at i*k + j
         order = ids.argsort(dim=1, stable=True)                       # each group's choices by expert
         counts = F.one_hot(ids, e).sum(1)                             # [G, E]
-        rows = tokens.gather(1, (order // k).unsqueeze(-1).expand(g, s * k, d))
-        out = self.experts(rows, counts)                              # [G, S*k, d], still sorted
-        gate = top_p.reshape(g, s * k).gather(1, order).unsqueeze(-1)
-        back = order.argsort(dim=1, stable=True).unsqueeze(-1).expand(g, s * k, d)
-        return (out * gate).gather(1, back).reshape(g, s, k, d).sum(2)
+        # the rows are gathered (tokens by `order`) and put back in choice order inside the dispatch and combine
+        out = self.experts(tokens, counts, order // k, order.argsort(dim=1))   # [G, S*k, d], choice order
+        return (out * top_p.reshape(g, s * k, 1)).reshape(g, s, k, d).sum(2)
 
 
 class MoEBlock(nn.Module):

@@ -2,16 +2,20 @@
 
 Liu et al.'s blockwise attention over a sequence split: with n ranks on the
 ring, rank p holds query block p and, at step s, the key/value block of
-member p - s; the next block is already on its way (an asynchronous
+member p - s; the next one is already on its way (an asynchronous
 point-to-point exchange) while this one is computed with torch's CPU flash
-kernel. Partial results merge by their log-sum-exp (the online softmax), so
-no rank ever holds more than two key/value blocks. Causal: the global offsets
-of the blocks say whether a block is wholly visible, wholly hidden (skipped)
-or the diagonal one (the kernel's own causal mask, as q and k share the
-split). The backward passes the key/value blocks around again with their
-gradient accumulators, which end on their owner after n hops; every block's
-contribution uses the saved global output and log-sum-exp, as the flash
-backward does for its own tiles.
+kernel. Partial results merge by their log-sum-exp (the online softmax).
+Blocks travel in pieces, piece j of every block going round the ring before
+piece j + 1 leaves its owner, so a rank holds one piece in hand and one
+arriving, never a foreign block: the ring's memory beyond its own blocks and
+results is a few pieces (`PIECES`, `pieces_of`), which is what puts its
+peak at one process's / n. Causal: the global rows of the query block and a
+key piece say which keys each query row sees (`_blocks`): all of them, none
+(skipped), or, on rows both share, the kernel's own causal mask. The
+backward passes the key/value pieces around again with their gradient
+accumulators, which end on their owner after n hops, and cuts the queries
+into pieces too; every piece's contribution uses the saved global output and
+log-sum-exp, as the flash backward does for its own tiles.
 
 The ring of a rank is every rank of the placement that differs from it only
 on the mesh axes that split the keys' sequence, in mesh order, which is the
@@ -148,43 +152,105 @@ def _rows(layout: Layout, shape: tuple, rank: int) -> tuple[tuple[int, int], ...
 
 Block = tuple[tuple[int, int], tuple[int, int], bool]  # (query rows, key rows) as local (start, size), causal
 
+# Blockwise within a ring step, as Liu et al.'s ring attention computes each hop: a rank's key/value
+# block travels, and is attended, in pieces, piece j of every block going once round the ring before
+# piece j + 1 sets off, so a rank holds one piece in hand and one arriving (and in the backward their
+# gradient accumulators), never a whole foreign block; the backward also cuts the queries into pieces,
+# so the kernel's gradient temporaries are a piece's too. The bytes are the whole blocks' either way.
+PIECES = 16          # at most this many key/value pieces a block in the backward (its extra memory: ~14 pieces)
+QUERY_PIECES = 4     # at most this many query pieces in the backward (the kernel's query-sized temporaries)
+FORWARD_PIECES = 4   # at most this many pieces a block in the forward, whose peak is below the backward's
+MIN_PIECE_ROWS = 256  # and no piece under this many rows: a short sequence keeps a few large kernel calls
+
+
+def pieces_of(rows: int, most: int) -> int:
+    """How many pieces a block of `rows` sequence rows is cut into, at most `most` (measured: CPU flash
+    calls of 256 rows and more cost what one whole call does, 128 about 10% more). Each piece costs a
+    pass over the whole query block (the forward merges its output in, the backward adds its query
+    gradient), so the counts are as small as the memory target allows."""
+    return max(1, min(most, rows // max(1, MIN_PIECE_ROWS)))
+
+
+def _cuts(rows: int, count: int) -> list[tuple[int, int]]:
+    """`rows` local rows as `count` balanced (start, size) pieces."""
+    bounds = [rows * j // count for j in range(count + 1)]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _sub_rows(rows: tuple, piece: tuple[int, int]) -> tuple:
+    """The global ranges of the local rows `piece` of a rank holding `rows` (global ranges, local order)."""
+    start, n = piece
+    out, off = [], 0
+    for a, m in rows:
+        lo, hi = max(start, off), min(start + n, off + m)
+        if lo < hi:
+            out.append((a + lo - off, hi - lo))
+        off += m
+    return tuple(out)
+
 
 def _blocks(q_rows: tuple, k_rows: tuple, causal: bool) -> list[Block]:
     """The kernel calls that attend query rows `q_rows` to key rows `k_rows` (global ranges in local
-    order): one call on the whole blocks where it can, the causal mask only on a block's own rows.
+    order, each increasing): one call on the whole where it can, the causal mask only where both sides
+    are the same rows (the kernel's mask aligns them at their first row).
 
-    Causal: a key chunk is wholly before a query chunk (seen), wholly after (hidden) or the same rows
-    (the diagonal). On the same rows the local order is the global one and both split alike, so one
-    call with the kernel's mask is exact; else the seen pairs are, for a contiguous or zigzag split,
-    a rectangle of chunks, one call (any other pattern: a call per seen pair).
+    Causal: key rows before a query chunk are seen by all of it, key rows it shares are its diagonal
+    (the kernel's mask on those rows), key rows after it are hidden; unmasked calls on adjacent rows
+    are merged, so a contiguous or zigzag block is one or two calls.
     """
     q_n, k_n = sum(n for _, n in q_rows), sum(n for _, n in k_rows)
     if q_n == 0 or k_n == 0:
         return []
     if not causal:
         return [((0, q_n), (0, k_n), False)]
-    if q_rows == k_rows:
+    if q_rows == k_rows:  # the same rows in the same increasing order: the kernel's mask is exact
         return [((0, q_n), (0, k_n), True)]
-    seen = []
+    calls: list = []
     q_off = 0
     for qa, qn in q_rows:
         k_off = 0
         for ka, kn in k_rows:
-            if qn and kn and ka + kn - 1 <= qa:
-                seen.append(((q_off, qn), (k_off, kn)))
-            elif qn and kn and ka <= qa + qn - 1:
-                raise AssertionError(f"ring attention: query rows {q_rows} and key rows {k_rows} overlap unaligned")
+            calls += _causal_pair(qa, qn, q_off, ka, kn, k_off)
             k_off += kn
         q_off += qn
-    qs = sorted({q for q, _ in seen})
-    ks = sorted({k for _, k in seen})
-    if len(seen) == len(qs) * len(ks) and _adjacent(qs) and _adjacent(ks):
-        return [((qs[0][0], sum(n for _, n in qs)), (ks[0][0], sum(n for _, n in ks)), False)] if seen else []
-    return [(q, k, False) for q, k in seen]
+    return _merged(calls)
 
 
-def _adjacent(pieces: list) -> bool:
-    return all(a[0] + a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+def _causal_pair(qa: int, qn: int, qo: int, ka: int, kn: int, ko: int) -> list[Block]:
+    """Causal calls for global query rows [qa, qa+qn) at local offset qo against key rows [ka, ka+kn) at ko."""
+    qb, kb = qa + qn, ka + kn
+    calls = []
+    if min(kb, qa) > ka:  # keys before the first query row: seen by every query row
+        calls.append(((qo, qn), (ko, min(kb, qa) - ka), False))
+    start, end = max(ka, qa), min(qb, kb)
+    if start < end:  # rows on both sides: query row r sees keys start..r, the kernel's mask from `start`
+        calls.append(((qo + start - qa, end - start), (ko + start - ka, end - start), True))
+    if start < kb < qb:  # query rows after the last key see every key from `start`
+        calls.append(((qo + kb - qa, qb - kb), (ko + start - ka, kb - start), False))
+    return calls
+
+
+def _merged(calls: list) -> list[Block]:
+    """Unmasked calls on the same query rows and adjacent keys, or the same keys and adjacent query
+    rows, as one call."""
+    calls = list(calls)
+    changed = True
+    while changed:
+        changed = False
+        for x, y in itertools.permutations(range(len(calls)), 2):
+            (qx, kx, mx), (qy, ky, my) = calls[x], calls[y]
+            if mx or my:
+                continue
+            if qx == qy and kx[0] + kx[1] == ky[0]:
+                calls[x] = (qx, (kx[0], kx[1] + ky[1]), False)
+            elif kx == ky and qx[0] + qx[1] == qy[0]:
+                calls[x] = ((qx[0], qx[1] + qy[1]), kx, False)
+            else:
+                continue
+            del calls[y]
+            changed = True
+            break
+    return calls
 
 
 def _rows_of(t: torch.Tensor, piece: tuple[int, int]) -> torch.Tensor:
@@ -214,8 +280,24 @@ def _pass_on(comm: Any, ring: Ring, tensors: dict[str, torch.Tensor], shapes: di
     return lambda: {name: f().get(ring.prev) for name, f in finishes.items()}
 
 
-def _block_shape(t: torch.Tensor, layout: Layout, shape: tuple, rank: int) -> tuple:
-    return tuple(t.shape[:SEQ]) + (layout.local_shape(shape, rank)[SEQ],) + tuple(t.shape[SEQ + 1:])
+def _piece_shape(t: torch.Tensor, piece: tuple[int, int]) -> tuple:
+    return tuple(t.shape[:SEQ]) + (piece[1],) + tuple(t.shape[SEQ + 1:])
+
+
+@dataclass
+class _Pieces:
+    """How the key/value blocks of a ring travel: the same number of pieces for every member (all
+    members iterate alike), each member's block cut into them, and its rows."""
+    count: int
+    cuts: dict[int, list[tuple[int, int]]]
+    rows: dict[int, tuple]
+
+
+def _pieces(ring: Ring, layout: Layout, shape: tuple, most: int) -> _Pieces:
+    sizes = {m: layout.local_shape(shape, m)[SEQ] for m in ring.members}
+    count = pieces_of(max(sizes.values()), most)
+    return _Pieces(count, {m: _cuts(s, count) for m, s in sizes.items()},
+                   {m: _rows(layout, shape, m) for m in ring.members})
 
 
 def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,33 +307,37 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
     if where.checking:
         return func(q, k, v, 0.0, causal, scale=scale)
     comm, ring = context.current(), ring_of(where.in_layouts[1], where.rank)
-    k_layout, v_layout = where.in_layouts[1], where.in_layouts[2]
+    n = len(ring.members)
     q_rows = _rows(where.in_layouts[0], where.ctx.shapes[0], where.rank)
+    kv = _pieces(ring, where.in_layouts[1], where.ctx.shapes[1], FORWARD_PIECES)
     out = lse = None
-    held = {"k": k, "v": v}
-    for step in range(len(ring.members)):
-        arriving = None
-        if step < len(ring.members) - 1:  # the next block travels while this one is computed
-            source = ring.holder(step + 1)
-            arriving = _pass_on(comm, ring, held, {
-                "k": _block_shape(k, k_layout, where.ctx.shapes[1], source),
-                "v": _block_shape(v, v_layout, where.ctx.shapes[2], source)}, k.dtype, step)
-        k_rows = _rows(k_layout, where.ctx.shapes[1], ring.holder(step))
-        # an empty shard (uneven heads or batch) attends nothing: the CPU kernels divide by its size
-        blocks = _blocks(q_rows, k_rows, causal) if q.numel() and held["k"].numel() else []
-        for q_piece, k_piece, masked in blocks:
-            o, l = _attend(func, _rows_of(q, q_piece), _rows_of(held["k"], k_piece), _rows_of(held["v"], k_piece),
-                           masked, scale)
-            if out is None and q_piece == (0, q.shape[SEQ]):
-                out, lse = o.to(l.dtype), l
-                continue
-            if out is None:  # rows no block has reached yet: nothing seen (zero weight, log-sum-exp -inf)
-                out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=l.dtype)
-                lse = torch.full(q.shape[:-1], -torch.inf, dtype=l.dtype, device=q.device)
-            rows = slice(q_piece[0], q_piece[0] + q_piece[1])
-            _, lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o, l)
-        if arriving is not None:
-            held = arriving()
+    for j in range(kv.count):
+        mine = kv.cuts[where.rank][j]
+        held = {"k": _rows_of(k, mine), "v": _rows_of(v, mine)}
+        for step in range(n):
+            holder = ring.holder(step)
+            arriving = None
+            if step < n - 1:  # the next piece travels while this one is computed
+                source = kv.cuts[ring.holder(step + 1)][j]
+                arriving = _pass_on(comm, ring, held, {"k": _piece_shape(k, source), "v": _piece_shape(v, source)},
+                                    k.dtype, ("fwd", j, step))
+            k_rows = _sub_rows(kv.rows[holder], kv.cuts[holder][j])
+            # an empty shard (uneven heads or batch) attends nothing: the CPU kernels divide by its size
+            blocks = _blocks(q_rows, k_rows, causal) if q.numel() and held["k"].numel() else []
+            for q_piece, k_piece, masked in blocks:
+                o, l = _attend(func, _rows_of(q, q_piece), _rows_of(held["k"], k_piece),
+                               _rows_of(held["v"], k_piece), masked, scale)
+                if out is None and q_piece == (0, q.shape[SEQ]):
+                    out, lse = o.to(l.dtype), l
+                    continue
+                if out is None:  # rows no block has reached yet: nothing seen (zero weight, log-sum-exp -inf)
+                    out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=l.dtype)
+                    lse = torch.full(q.shape[:-1], -torch.inf, dtype=l.dtype, device=q.device)
+                rows = slice(q_piece[0], q_piece[0] + q_piece[1])
+                _, lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o, l)
+                del o, l
+            if arriving is not None:
+                held = arriving()
     if out is None:  # no keys seen (an empty shard): what the kernel gives for empty inputs
         return (q.new_zeros(q.shape[:-1] + v.shape[-1:]),
                 q.new_zeros(q.shape[:-1], dtype=torch.float32 if q.dtype in (torch.half, torch.bfloat16) else q.dtype))
@@ -278,59 +364,90 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         if q.numel() and k.numel():
             return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    k_layout, v_layout = where.in_layouts[2], where.in_layouts[3]
-    grad_q = None
-    held = {"k": k, "v": v}
-    sent = None  # the accumulator passed on last step
-    for step in range(n):
-        owner = ring.holder(step)
-        arriving = None
-        if step < n - 1:
-            source = ring.holder(step + 1)
-            arriving = _pass_on(comm, ring, held, {
-                "k": _block_shape(k, k_layout, where.ctx.shapes[2], source),
-                "v": _block_shape(v, v_layout, where.ctx.shapes[3], source)}, k.dtype, ("kv", step))
-        # the accumulator of the block held now comes from the previous member, which finished with it
-        incoming = None if step == 0 else _receive(comm, ring, {
-            "dk": _block_shape(k, k_layout, where.ctx.shapes[2], owner),
-            "dv": _block_shape(v, v_layout, where.ctx.shapes[3], owner)}, k.dtype, ("grad", step))
-        if sent is not None:  # its receiver has posted the receive (above): freed before the kernel's peak
-            sent()
-        k_rows = _rows(k_layout, where.ctx.shapes[2], owner)
-        dk = dv = None
-        blocks = _blocks(q_rows, k_rows, causal) if q.numel() and held["k"].numel() else []
-        for q_piece, k_piece, masked in blocks:
-            pq = lambda t: _rows_of(t, q_piece)
-            pk = lambda t: _rows_of(t, k_piece)
-            dq_, dk_, dv_ = _attend_backward(func, pq(grad_out), pq(q), pk(held["k"]), pk(held["v"]), pq(out),
-                                             pq(lse), masked, scale)
-            if grad_q is None and q_piece == (0, q.shape[SEQ]):
-                grad_q = dq_
-            else:
-                if grad_q is None:
-                    grad_q = torch.zeros_like(q)
-                pq(grad_q).add_(dq_)
-            if k_piece == (0, held["k"].shape[SEQ]) and dk is None:
-                dk, dv = dk_, dv_
-            else:
-                if dk is None:
-                    dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
-                pk(dk).add_(dk_)
-                pk(dv).add_(dv_)
-            del dq_, dk_, dv_
-        if dk is None:
-            dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
-        if incoming is not None:
-            acc = incoming()
-            dk, dv = acc["dk"].add_(dk), acc["dv"].add_(dv)
-        # after n - 1 hops the accumulator's next member is its owner
-        sent = _pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", step + 1))
-        del dk, dv
-        if arriving is not None:
-            held = arriving()
-    mine = _receive(comm, ring, {"dk": tuple(k.shape), "dv": tuple(v.shape)}, k.dtype, ("grad", n))()
+    kv = _pieces(ring, where.in_layouts[2], where.ctx.shapes[2], PIECES)
+    q_pieces = [(p, _sub_rows(q_rows, p)) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ], QUERY_PIECES))]
+    grads: dict[str, Optional[torch.Tensor]] = {"q": None, "k": None, "v": None}
+    sent = None  # the accumulator passed on last
+    home = None  # this rank's own accumulator piece on its last hop: (piece, finish)
+    for j in range(kv.count):
+        mine = kv.cuts[where.rank][j]
+        held = {"k": _rows_of(k, mine), "v": _rows_of(v, mine)}
+        for step in range(n):
+            owner = ring.holder(step)
+            piece = kv.cuts[owner][j]
+            arriving = None
+            if step < n - 1:
+                source = kv.cuts[ring.holder(step + 1)][j]
+                arriving = _pass_on(comm, ring, held, {"k": _piece_shape(k, source), "v": _piece_shape(v, source)},
+                                    k.dtype, ("kv", j, step))
+            # the accumulator of the piece held now comes from the previous member, which finished with it
+            incoming = None if step == 0 else _receive(
+                comm, ring, {"dk": _piece_shape(k, piece), "dv": _piece_shape(v, piece)}, k.dtype, ("grad", j, step))
+            if sent is not None:  # its receiver has posted the receive (above): freed before the kernel's peak
+                sent()
+            dk, dv = _piece_backward(func, grad_out, q, out, lse, held, q_pieces,
+                                     _sub_rows(kv.rows[owner], piece), causal, scale, grads)
+            if home is not None:  # landed after the compute, which it overlapped
+                _land(home, grads, k, v)
+                home = None
+            if incoming is not None:
+                acc = incoming()
+                dk, dv = acc["dk"].add_(dk), acc["dv"].add_(dv)
+            # after n - 1 hops the accumulator's next member is its owner
+            sent = _pass_on(comm, ring, {"dk": dk, "dv": dv}, {}, k.dtype, ("grad", j, step + 1))
+            del dk, dv
+            if arriving is not None:
+                held = arriving()
+        home = (mine, _receive(comm, ring, {"dk": _piece_shape(k, mine), "dv": _piece_shape(v, mine)}, k.dtype,
+                               ("grad", j, n)))
+    _land(home, grads, k, v)
     sent()
-    return torch.zeros_like(q) if grad_q is None else grad_q, mine["dk"], mine["dv"]
+    return torch.zeros_like(q) if grads["q"] is None else grads["q"], grads["k"], grads["v"]
+
+
+def _piece_backward(func: Any, grad_out, q, out, lse, held: dict, q_pieces: list, k_rows: tuple, causal: bool,
+                    scale: Any, grads: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One key/value piece's gradient from every query piece that sees it (adding the queries' gradient
+    into `grads["q"]`); the query pieces keep the kernel's temporaries a piece's size."""
+    dk = dv = None
+    if q.numel() and held["k"].numel():
+        for q_piece, q_piece_rows in q_pieces:
+            for qq, k_piece, masked in _blocks(q_piece_rows, k_rows, causal):
+                q_at = (q_piece[0] + qq[0], qq[1])
+                pq = lambda t: _rows_of(t, q_at)
+                pk = lambda t: _rows_of(t, k_piece)
+                dq_, dk_, dv_ = _attend_backward(func, pq(grad_out), pq(q), pk(held["k"]), pk(held["v"]), pq(out),
+                                                 pq(lse), masked, scale)
+                if grads["q"] is None and q_at == (0, q.shape[SEQ]):
+                    grads["q"] = dq_
+                else:
+                    if grads["q"] is None:
+                        grads["q"] = torch.zeros_like(q)
+                    pq(grads["q"]).add_(dq_)
+                if dk is None and k_piece == (0, held["k"].shape[SEQ]):
+                    dk, dv = dk_, dv_
+                else:
+                    if dk is None:
+                        dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
+                    pk(dk).add_(dk_)
+                    pk(dv).add_(dv_)
+                del dq_, dk_, dv_
+    if dk is None:
+        dk, dv = torch.zeros_like(held["k"]), torch.zeros_like(held["v"])
+    return dk, dv
+
+
+def _land(home: tuple, grads: dict, k: torch.Tensor, v: torch.Tensor) -> None:
+    """This rank's own key/value gradient piece, back after its round, into the gradients it returns."""
+    piece, finish = home
+    got = finish()
+    if piece == (0, k.shape[SEQ]):
+        grads["k"], grads["v"] = got["dk"], got["dv"]
+        return
+    if grads["k"] is None:
+        grads["k"], grads["v"] = torch.empty_like(k), torch.empty_like(v)
+    _rows_of(grads["k"], piece).copy_(got["dk"])
+    _rows_of(grads["v"], piece).copy_(got["dv"])
 
 
 def _receive(comm: Any, ring: Ring, shapes: dict[str, tuple], dtype: torch.dtype,

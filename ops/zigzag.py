@@ -228,6 +228,19 @@ def _cut_of_seq(layout: Layout) -> tuple:
     return tuple((a, s) for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag)) and s.dim == SEQ)
 
 
+def _constant_reading(t: Any, key: Reading, plain: type) -> Any:
+    """A Broadcast tensor of one value repeated (every stride 0: the gradient `out.sum()` sends) on the
+    zigzag reading as a view, not a copy of this rank's rows: they are all that value. None otherwise."""
+    if not hasattr(t, "_layout") or t.ndim <= SEQ or t._local.numel() == 0 or any(t._local.stride()) \
+            or not all(isinstance(s, Broadcast) for s in t._layout.sbp):
+        return None
+    target = _pattern(t._layout, SEQ, tuple(t.shape), key)
+    if target is None:
+        return None
+    local = target.local_shape(tuple(t.shape), context.current().rank)
+    return plain(t._local.as_strided(local, (0,) * len(local)), target.zigzag_as_split(), tuple(t.shape))
+
+
 def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, tensors: list) -> Any:
     """Attention on zigzag q, k, v (and in the backward grad_out, out, lse): the ring for causal, any
     method on the zigzag reading without it; None (box to contiguous) where neither is exact."""
@@ -248,7 +261,9 @@ def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, ten
     if dim != SEQ or any(t._layout.placement != q._layout.placement for t in main):
         return None
     # q, k, v zigzag alike; the backward's grad_out (Broadcast from out.sum(), say) is cut to the zigzag
-    read = lambda t, i: _to_reading(t, SEQ, key, plain, zig, q._layout.placement, take=True)
+    def read(t: Any, i: int) -> Any:
+        constant = _constant_reading(t, key, plain)
+        return _to_reading(t, SEQ, key, plain, zig, q._layout.placement, take=True) if constant is None else constant
     new_args, new_kwargs = map_tensors(args, kwargs, read)
     if any(t is None for t in new_args[:n_main]):
         return None

@@ -159,17 +159,32 @@ def test_a_stage_of_one_rank_runs_its_blocks_on_plain_tensors(monkeypatch):
     stage of two ranks (PP x DP) dispatches them. Values equal one device either way (the tests above)."""
     import globaltensor.tensor as gtt
     seen = []
-    run = gtt._run
+    run, step = gtt._run, gt.Pipeline.step
+    stepping = threading.local()
 
     def spy(func, args, kwargs, cls):
         where = next((a.placement for a in args if isinstance(a, gt.GlobalTensor)), None)
         if where is not None and gt.rank() in where:  # ranks outside see a stage's ops in the first step
-            seen.append((gt.world_size(), str(func)))
+            seen.append((gt.world_size(), str(func) + (" in the step" if getattr(stepping, "on", False) else "")))
         return run(func, args, kwargs, cls)
+
+    def spied_step(self, *args):
+        stepping.on = True
+        try:
+            return step(self, *args)
+        finally:
+            stepping.on = False
     monkeypatch.setattr(gtt, "_run", spy)
+    monkeypatch.setattr(gt.Pipeline, "step", spied_step)
     gt.launch(pipelined, 2, args=(2, 2, "1f1b", 2, 4, 1))
-    # the blocks' linears (addmm) and attention; the head (bias-free mm) gathers the tied weight: dispatched
-    assert not [f for n, f in seen if n == 2 and ("addmm" in f or "scaled_dot" in f)]
+    # the blocks' linears (addmm) and attention, and the head (bias-free mm), which gathers the tied
+    # weight onto the last stage: its gathered copy runs as a local tensor too
+    assert not [f for n, f in seen if n == 2 and ("addmm" in f or "scaled_dot" in f or ".mm." in f)]
+    # the loss is a stage of its own (plain there too), and the two micro-batches' gradients are summed
+    # on the plain leaves: one GlobalTensor add_ in the step, where the tied weight's two gradients (the
+    # embedding's, the head's sent back) meet; none per parameter and micro-batch
+    assert not [f for n, f in seen if n == 2 and "nll_loss" in f]
+    assert [f for n, f in seen if n == 2 and "add_.Tensor in the step" in f] == ["aten.add_.Tensor in the step"]
     seen.clear()
     gt.launch(pipelined, 4, args=(2, 2, "1f1b", 2, 4, 1, "none", (2,)))
     assert [f for n, f in seen if n == 4 and "addmm" in f]
@@ -295,6 +310,32 @@ def test_a_failing_stage_and_a_schedule_mismatch_end_with_an_error(schedule):
         gt.launch(_failing, 2, args=("mismatch", schedule), timeout=20)
     time.sleep(0.2)
     assert {t for t in threading.enumerate() if t.name.startswith("gt-pipeline")} <= before
+
+
+def test_fibers_reuse_their_worker_threads():
+    """A thread's first autograd call costs torch about a millisecond of setup: an interleaved step's
+    fibers run on pooled workers, so the next step's fibers (a cancelled one's included) run on the
+    same threads, each named after its fiber only while inside it."""
+    from globaltensor.runtime.fiber import Fiber, cross
+
+    def body():
+        cross(entering=False)
+        cross(entering=True)  # left a chunk, entering another: stops here
+        return threading.current_thread()
+
+    first = Fiber(body, name="gt-test-fiber")
+    first.resume()
+    assert not first.done and "gt-test-fiber" in {t.name for t in threading.enumerate()}
+    first.resume()
+    assert first.done
+    stopped = Fiber(body, name="gt-test-fiber")
+    stopped.resume()
+    stopped.cancel()
+    again = Fiber(body, name="gt-test-fiber")
+    again.resume()
+    again.resume()
+    assert again.result is first.result
+    assert "gt-test-fiber" not in {t.name for t in threading.enumerate()}
 
 
 def test_pipeline_bad_input():

@@ -180,3 +180,74 @@ def _grouped_step(case):
 def test_grouped_ops_name_what_is_wrong(case, match):
     with pytest.raises(ValueError, match=match):
         launch(_grouped_step, 4, case)
+
+
+def _indexed_step(tokens, index, counts, back, w, gy, mesh, indexed):
+    """by_expert / by_group on 2 ranks (groups and experts split), with the index folded in or as gathers."""
+    p = _mesh(mesh)
+    x = gt.to_global(tokens, p, gt.split(0)).requires_grad_(True)
+    gi, gc, gb = (gt.to_global(t, p, gt.split(0)) for t in (index, counts, back))
+    gw = gt.to_global(w, p, gt.split(0))
+    d = tokens.shape[-1]
+    with gt.comm_log() as log:
+        if indexed:
+            rows, routing = gt.by_expert(x, gc, gw, gi)
+            y = gt.by_group(rows * 3.0, routing, gb)
+        else:
+            rows, routing = gt.by_expert(x.gather(1, gi.unsqueeze(-1).expand(-1, -1, d)), gc, gw)
+            y = gt.by_group(rows * 3.0, routing).gather(1, gb.unsqueeze(-1).expand(-1, -1, d))
+        (y * gt.to_global(gy, p, gt.split(0))).sum().backward()
+    return y.full_tensor(), x.grad.full_tensor(), [(e.kind, e.recv_bytes) for e in log.events if e.kind == "all_to_all"]
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(1, 3), seed=st.integers(0, 99))
+def test_by_expert_and_by_group_fold_an_index(k, seed):
+    """`by_expert(xs, counts, w, index)` is `by_expert(xs.gather(1, index), ...)` and `by_group(y, routing, back)`
+    is `by_group(y, routing).gather(1, back)`, on one device and on 2 ranks, values and gradients; folded,
+    the all-to-alls move the same bytes (the gather and its scatter happen on each rank's own rows)."""
+    g, s, d, e = 4, 5, 3, 4
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randn(g, s, d, dtype=torch.float64, generator=gen)
+    ids = torch.randint(0, e, (g, s * k), generator=gen)
+    order = ids.argsort(dim=1, stable=True)
+    index, back = order // k, order.argsort(1)
+    counts = torch.nn.functional.one_hot(ids, e).sum(1)
+    w = torch.randn(e, d, 2, dtype=torch.float64, generator=gen)
+    gy = torch.randn(g, s * k, d, dtype=torch.float64, generator=gen)
+    x = tokens.clone().requires_grad_(True)
+    rows, routing = gt.by_expert(x, counts, w, index)
+    y = gt.by_group(rows * 3.0, routing, back)
+    (y * gy).sum().backward()
+    want = tokens.repeat_interleave(k, dim=1) * 3.0    # every choice back in choice order, times 3
+    torch.testing.assert_close(y.detach(), want, **TOL)
+    torch.testing.assert_close(x.grad, gy.reshape(g, s, k, d).sum(2) * 3.0, **TOL)
+    folded = launch(_indexed_step, 2, tokens, index, counts, back, w, gy, (2,), True)
+    gathered = launch(_indexed_step, 2, tokens, index, counts, back, w, gy, (2,), False)
+    for (yf, gf, bf), (yg, gg, bg) in zip(folded, gathered):
+        torch.testing.assert_close(yf, want, **TOL)
+        torch.testing.assert_close(yg, want, **TOL)
+        torch.testing.assert_close(gf, x.grad, **TOL)
+        torch.testing.assert_close(gg, x.grad, **TOL)
+        assert bf == bg and len(bf) == 4
+
+
+def _bad_index_step(case):
+    p = _mesh((2,))
+    counts = gt.to_global(torch.tensor([[2, 2], [4, 0]]), p, gt.split(0))
+    xs = gt.to_global(torch.randn(2, 3, 2, dtype=torch.float64), p, gt.split(0))
+    w = gt.to_global(torch.randn(2, 2, 2, dtype=torch.float64), p, gt.split(0))
+    if case == "range":     # a token index past the group's 3 tokens
+        return gt.by_expert(xs, counts, w, gt.to_global(torch.tensor([[0, 1, 2, 3], [0, 0, 1, 1]]), p, gt.split(0)))
+    if case == "float":
+        return gt.by_expert(xs, counts, w, gt.to_global(torch.zeros(2, 4), p, gt.split(0)))
+    rows, routing = gt.by_expert(xs, counts, w, gt.to_global(torch.tensor([[0, 1, 2, 2], [0, 0, 1, 1]]), p,
+                                                             gt.split(0)))
+    return gt.by_group(rows, routing, gt.to_global(torch.tensor([[0, 4], [1, 2]]), p, gt.split(0)))
+
+
+@pytest.mark.parametrize("case, match", [("range", r"by_expert\(index\).*\[0, 3\)"), ("float", r"by_expert\(index\)"),
+                                         ("back", r"by_group\(index\).*\[0, 4\)")])
+def test_a_bad_index_is_named(case, match):
+    with pytest.raises(ValueError, match=match):
+        launch(_bad_index_step, 2, case)

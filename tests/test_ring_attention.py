@@ -8,6 +8,7 @@ the axis is an error that names them and suggests the ring.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -22,6 +23,22 @@ TOL = dict(atol=1e-10, rtol=1e-10)
 SEQ = gt.split(2)
 # the collective each method runs in the forward when q, k, v arrive split on the sequence
 MARK = {"ring": "send_recv", "ulysses": "all_to_all", "allgather": "all_gather"}
+
+
+@contextmanager
+def _pieces(count: int):
+    """Ring blocks cut into `count` pieces whatever their size (the pieces the simulator's ranks, threads
+    of this process, all read), so that small shapes take the blockwise path long sequences take."""
+    from globaltensor.ops import ring_attention
+    names = ("PIECES", "QUERY_PIECES", "FORWARD_PIECES", "MIN_PIECE_ROWS")
+    saved = [getattr(ring_attention, name) for name in names]
+    for name, value in zip(names, (count, count, count, 1)):
+        setattr(ring_attention, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(ring_attention, name, value)
 
 
 def _inputs(b: int, heads: int, kv_heads: int, seq: int, hd: int = 4, seed: int = 0) -> list:
@@ -113,16 +130,19 @@ def _block_bytes(shape: tuple, ranks: int, index: int) -> int:
     return b * h * (s // ranks + (index < s % ranks)) * hd * 8
 
 
+@pytest.mark.parametrize("pieces", [1, 2])
 @pytest.mark.parametrize("n, s, causal", [(2, 8, False), (3, 7, True), (4, 10, True)])
-def test_ring_receives_the_other_blocks_exactly(n, s, causal):
-    """Forward: n - 1 blocks of k and of v per rank; backward: those again and every block of dk, dv."""
+def test_ring_receives_the_other_blocks_exactly(n, s, causal, pieces):
+    """Forward: n - 1 blocks of k and of v per rank; backward: those again and every block of dk, dv.
+    Blockwise within the steps (`pieces` per block, one message each) the bytes are the same."""
     inputs = _inputs(1, 2, 1, s)
-    results = _check(inputs, causal, (n,), (SEQ,), "ring")
+    with _pieces(pieces):
+        results = _check(inputs, causal, (n,), (SEQ,), "ring")
     shape = tuple(inputs[1].shape)
     for rank, (_, _, fwd, bwd, _) in enumerate(results):
         others = sum(_block_bytes(shape, n, j) for j in range(n) if j != rank)
         everyone = sum(_block_bytes(shape, n, j) for j in range(n))
-        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1)
+        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1) * pieces
         assert sum(e.recv_bytes for e in fwd) == 2 * others
         ring = [e for e in bwd if e.kind == "send_recv"]
         assert sum(e.recv_bytes for e in ring) == 2 * others + 2 * everyone
@@ -196,14 +216,26 @@ def test_dropout_runs_replicated_not_on_the_ring():
 
 @given(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (2, 1)]), st.integers(1, 9),
        st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 3), (4, 2), (4, 4)]), st.integers(1, 2), st.booleans(),
-       st.sampled_from(["ring", "auto", "ulysses"]), st.data())
-def test_sequence_split_equals_one_device(mesh, s, heads, b, causal, method, data):
+       st.sampled_from(["ring", "auto", "ulysses"]), st.integers(1, 4), st.data())
+def test_sequence_split_equals_one_device(mesh, s, heads, b, causal, method, pieces, data):
+    """`pieces`: the ring's blocks cut into that many (some empty where a block has fewer rows)."""
     h, kvh = heads
     other = data.draw(st.sampled_from([gt.broadcast, gt.split(0), gt.split(1), SEQ]))
     sbp = (SEQ,) if len(mesh) == 1 else ((SEQ, other) if data.draw(st.booleans()) else (other, SEQ))
     if method == "ulysses":
         method = "auto"  # forced, it raises where the heads do not divide (its own test)
-    _check(_inputs(b, h, kvh, s, seed=s), causal, Mesh(mesh), sbp, method)
+    with _pieces(pieces):
+        _check(_inputs(b, h, kvh, s, seed=s), causal, Mesh(mesh), sbp, method)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-b{c[2]}h{c[3]}kv{c[4]}s{c[5]}")
+def test_blockwise_ring_equals_one_device(case):
+    """Causal, each block cut into 3 pieces (a block of 2 rows: one piece empty): a piece's diagonal
+    with the whole query block is cut at the piece's rows, query pieces meet key pieces in the
+    backward, and the gradient accumulators come home piece by piece."""
+    mesh, sbp, b, h, kvh, s = case
+    with _pieces(3):
+        _check(_inputs(b, h, kvh, s), True, mesh, sbp, "ring")
 
 
 def _gloo_ring():
@@ -282,13 +314,14 @@ ZIGZAG_CASES = [  # (mesh, sbp of q/k/v, batch, heads, kv heads, seq)
 ]
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, pieces", [(False, 1), (True, 1), (True, 3)])
 @pytest.mark.parametrize("case", ZIGZAG_CASES, ids=lambda c: f"{c[0]}-{c[1]}-b{c[2]}h{c[3]}kv{c[4]}s{c[5]}")
-def test_zigzag_ring_equals_one_device(case, causal):
+def test_zigzag_ring_equals_one_device(case, causal, pieces):
     """q, k, v zigzag: the ring runs on them as they are (no conversion), the output and the gradients
-    stay zigzag and equal one device."""
+    stay zigzag and equal one device; blockwise too (3 pieces: a piece may span both chunks)."""
     mesh, sbp, b, h, kvh, s = case
-    results = _check(_inputs(b, h, kvh, s), causal, mesh, sbp, "ring")
+    with _pieces(pieces):
+        results = _check(_inputs(b, h, kvh, s), causal, mesh, sbp, "ring")
     assert _kinds(results[0][2]) == {"send_recv"} and _kinds(results[0][3]) == {"send_recv"}
     assert results[0][4] == sbp
 
@@ -308,8 +341,8 @@ def _count_work(monkeypatch) -> dict:
     return work
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, monkeypatch):
+@pytest.mark.parametrize("n, pieces", [(2, 1), (4, 1), (2, 3)])
+def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, pieces, monkeypatch):
     """Causal, 4n rows: with zigzag every rank attends the same number of (query, key) pairs; on a
     contiguous split the last rank attends (2n-1)/n of the mean (minus the diagonal's half). Bytes are
     the ring's: n - 1 key and value blocks forward, those again and every gradient block backward."""
@@ -317,6 +350,9 @@ def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, monkeypatch):
     inputs = _inputs(1, 2, 1, s)
     shape = tuple(inputs[1].shape)
     work = _count_work(monkeypatch)
+    for name in ("PIECES", "QUERY_PIECES", "FORWARD_PIECES"):
+        monkeypatch.setattr(f"globaltensor.ops.ring_attention.{name}", pieces)
+    monkeypatch.setattr("globaltensor.ops.ring_attention.MIN_PIECE_ROWS", 1)
     results = _check(inputs, True, (n,), (ZIG,), "ring")
     zigzag = [work[r] for r in range(n)]
     work.clear()
@@ -329,7 +365,7 @@ def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, monkeypatch):
     for rank, (_, _, fwd, bwd, _) in enumerate(results):
         others = sum(_block_bytes(shape, n, j) for j in range(n) if j != rank)
         everyone = sum(_block_bytes(shape, n, j) for j in range(n))
-        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1)
+        assert [e.kind for e in fwd] == ["send_recv"] * 2 * (n - 1) * pieces
         assert sum(e.recv_bytes for e in fwd) == 2 * others
         assert sum(e.recv_bytes for e in bwd) == 2 * others + 2 * everyone
 
@@ -368,3 +404,28 @@ def test_ring_with_an_empty_heads_shard(seq):
     CPU kernels divide by the shard's size), while it still passes the blocks on."""
     _check(_inputs(1, 1, 1, 5), True, (2, 2), (seq, gt.split(1)), "ring")
 
+
+
+def _chunks(draw, length: int) -> tuple:
+    """Increasing disjoint global row ranges within [0, length) (a contiguous, zigzag or piece's rows)."""
+    cuts = sorted(draw(st.sets(st.integers(0, length), min_size=2, max_size=6)))
+    pairs = [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+    return tuple(p for p in pairs if draw(st.booleans())) or pairs[:1]
+
+
+@given(st.data())
+def test_blocks_attend_each_causal_pair_once(data):
+    """The calls `_blocks` plans for any query and key rows attend every (query, key) pair with the
+    key not after the query exactly once; a masked call has the same rows on both sides."""
+    from globaltensor.ops.ring_attention import _blocks
+    q_rows, k_rows = _chunks(data.draw, 12), _chunks(data.draw, 12)
+    q_global = [a + i for a, n in q_rows for i in range(n)]  # local row -> global row
+    k_global = [a + i for a, n in k_rows for i in range(n)]
+    seen: list = []
+    for (qs, qn), (ks, kn), masked in _blocks(q_rows, k_rows, True):
+        if masked:
+            assert qn == kn and q_global[qs:qs + qn] == k_global[ks:ks + kn]
+        seen += [(q_global[qs + i], k_global[ks + j]) for i in range(qn) for j in range(kn)
+                 if not masked or j <= i]
+    want = [(r, c) for r in q_global for c in k_global if c <= r]
+    assert sorted(seen) == sorted(want)

@@ -28,14 +28,17 @@ _CURRENT = _Current()
 
 class Fiber:
     """`fn` run on its own thread in steps: each `resume()` runs it until it stops at a boundary
-    (`cross`) or returns; an exception it raises is raised by the `resume()` that ran it."""
+    (`cross`) or returns; an exception it raises is raised by the `resume()` that ran it.
+
+    The thread is a pooled worker (`_Worker`), not a new one per fiber: a thread's first autograd
+    forward and backward cost torch about a millisecond of per-thread setup, which an interleaved
+    step (two fibers per micro-batch) would pay again every step."""
 
     def __init__(self, fn: Callable[[], Any], name: str = "gt-fiber") -> None:
-        self._fn = fn
+        self._fn, self.name = fn, name
         self._comm = context.current_or_none()
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = False
         self._cancelled = False
         self._left = False  # whether this step has left one of the rank's chunks
@@ -44,6 +47,7 @@ class Fiber:
         self._error: Optional[BaseException] = None
 
     def _main(self) -> None:
+        """The fiber's whole run, on a worker thread (which then goes back to its pool)."""
         self._go.acquire()
         context.set_thread(self._comm)  # a simulated rank's communicator is its thread's
         _CURRENT.fiber = self
@@ -54,8 +58,9 @@ class Fiber:
         except BaseException as e:  # noqa: BLE001 - handed to the resuming thread
             self._error = e
         finally:
+            _CURRENT.fiber = None
+            self._fn = None  # the micro-batch's graph and tensors go with it
             self.done = True
-            self._back.release()
 
     def resume(self) -> None:
         """Run until the next stop or the end (the calling thread waits meanwhile)."""
@@ -64,7 +69,7 @@ class Fiber:
         self._left = False
         if not self._started:
             self._started = True
-            self._thread.start()
+            _Worker.take().run(self)
         self._go.release()
         self._back.acquire()
         if self._error is not None:
@@ -85,6 +90,58 @@ class Fiber:
         if self._cancelled:
             raise _Cancelled()
         self._left = False
+
+
+class _Worker:
+    """A thread that runs fibers one after another; idle ones wait in a pool per resuming thread (a
+    rank: its fibers are resumed from there only), and end after `IDLE_S` seconds unused."""
+    IDLE_S = 30.0
+
+    def __init__(self, pool: list, lock: threading.Lock) -> None:
+        self._pool, self._lock = pool, lock
+        self._job: Optional[Fiber] = None
+        self._ready = threading.Semaphore(0)
+        threading.Thread(target=self._loop, name="gt-fiber", daemon=True).start()
+
+    @staticmethod
+    def take() -> "_Worker":
+        if _POOLS.workers is None:
+            _POOLS.workers, _POOLS.lock = [], threading.Lock()
+        with _POOLS.lock:
+            if _POOLS.workers:
+                return _POOLS.workers.pop()
+        return _Worker(_POOLS.workers, _POOLS.lock)
+
+    def run(self, fiber: Fiber) -> None:
+        self._job = fiber
+        self._ready.release()
+
+    def _loop(self) -> None:
+        while True:
+            if not self._ready.acquire(timeout=self.IDLE_S):
+                with self._lock:
+                    if self in self._pool:  # not taken meanwhile: end
+                        self._pool.remove(self)
+                        return
+                continue  # taken just now: its fiber follows
+            fiber, self._job = self._job, None
+            me = threading.current_thread()
+            me.name = fiber.name  # a thread named after a fiber is one still inside it
+            try:
+                fiber._main()
+            finally:
+                me.name = "gt-fiber"
+                with self._lock:
+                    self._pool.append(self)
+                fiber._back.release()
+
+
+class _Pools(threading.local):
+    workers: Optional[list] = None
+    lock: Optional[threading.Lock] = None
+
+
+_POOLS = _Pools()
 
 
 class _Cancelled(BaseException):
