@@ -322,18 +322,30 @@ class _Gather(torch.autograd.Function):
         ahead, call.prefetched = call.prefetched, None
         if ahead is not None and not ahead.reduced:  # (reduced already: the backward went another way)
             ahead.regather()
-        while _LANDING.pending and len(_LANDING.pending) >= MAX_IN_FLIGHT:  # the previous buffers go first
-            _land(*_LANDING.pending.pop(0))
+        _land_down_to(max(in_flight(call.group.params[0].device), 1) - 1)  # the previous buffers go first
+        # left in flight at least until the next module's backward begins (`_Regather`): by then autograd has
+        # dropped this call's gradients, which it holds until this function returns
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
-        while len(_LANDING.pending) > MAX_IN_FLIGHT:
-            _land(*_LANDING.pending.pop(0))
         if not _LANDING.queued:
             _LANDING.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
         return (None,) * (1 + len(grads))
 
 
-MAX_IN_FLIGHT = 1  # reduce-scatters left running while the backward goes on (FSDP2 keeps one too)
+MAX_IN_FLIGHT: Optional[int] = None  # reduce-scatters left running while the backward goes on; None: `in_flight`
+
+
+def in_flight(device: torch.device) -> int:
+    """How many reduce-scatters stay in flight across a module's backward: FSDP2's choice per device. On a
+    GPU one runs on its own stream beside the backward's kernels. On CPU the collective's copies compete
+    with the backward for the same cores, and a bucket in flight only holds its buffers longer: FSDP2 runs
+    it at once there. We land it when the next module's backward begins (after autograd has dropped the
+    full-size gradients it was made from, which landing inside the reducing call would hold beside its
+    buffers). Wide GPT on 4 gloo ranks: peak 1.08x FSDP2's with one in flight, 1.00x with none
+    (bench/RESULTS.md). `MAX_IN_FLIGHT` overrides it."""
+    if MAX_IN_FLIGHT is not None:
+        return MAX_IN_FLIGHT
+    return 1 if device.type == "cuda" else 0
 
 
 class _Accumulation:
@@ -404,6 +416,12 @@ def _land_gradients() -> None:
         _land(params, finish)
 
 
+def _land_down_to(limit: int) -> None:
+    """Land the oldest reductions in flight until at most `limit` are left."""
+    while len(_LANDING.pending) > limit:
+        _land(*_LANDING.pending.pop(0))
+
+
 def _land(params: tuple, finish: Any) -> None:
     with torch.no_grad():
         for p, g in zip(params, finish()):
@@ -430,6 +448,7 @@ class _Regather(torch.autograd.Function):
     def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
         call = ctx.call
         _OPEN.ended = None  # a forward after this backward starts a new chain
+        _land_down_to(in_flight(call.group.params[0].device))  # before this module's backward allocates
         call.regather()
         link, call.before_in_backward = call.before_in_backward, None
         nxt = link() if link is not None else None

@@ -58,6 +58,19 @@ def check_pairs(out, pairs):
         np.testing.assert_array_equal(after, before, err_msg=what)
 
 
+def run_pairs_both_gathers():
+    """Every pair twice: all-gathers by gloo's own collective (small ones), then as sends (large ones)."""
+    from globaltensor.runtime import dist
+    small = run_pairs()
+    saved, dist.GLOO_SENDS_FROM_BYTES = dist.GLOO_SENDS_FROM_BYTES, 0
+    try:
+        return small, run_pairs()
+    finally:
+        dist.GLOO_SENDS_FROM_BYTES = saved
+
+
 @pytest.mark.gloo
 def test_every_pair_under_gloo():
-    check_pairs(gt.launch(run_pairs, 4, backend="gloo"), PAIRS)
+    out = gt.launch(run_pairs_both_gathers, 4, backend="gloo")
+    check_pairs([small for small, _ in out], PAIRS)
+    check_pairs([sends for _, sends in out], PAIRS)

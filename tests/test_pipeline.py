@@ -39,10 +39,10 @@ def loss_fn(logits, tgt):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
 
 
-def reference(n_layer: int, batch: int, steps: int):
+def reference(n_layer: int, batch: int, steps: int, foreach: bool = False):
     torch.manual_seed(0)
     model = GPT(_cfg(n_layer)).double()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(batch)
     losses = []
     for _ in range(steps):
@@ -60,7 +60,8 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
             for s in range(n_stages)]
 
 
-def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1):
+def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1,
+              foreach=False):
     stages = _stages(n_stages, stage_mesh)
     nd = len(stage_mesh)
     inner_plan = {"none": None, "tp": lambda: tp_plan(1, 2), "zero": lambda: zero_plan(0, 1),
@@ -70,7 +71,7 @@ def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_
                          pp_plan(stages, n_layer, inner_plan() if inner_plan else None, virtual=virtual))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
     pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, input_sbp=data_sbp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(batch)
     losses, events = [], []
     for _ in range(steps):
@@ -127,6 +128,14 @@ def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stage
             assert peak == min(n_stages - stage, micro)
         else:  # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forward chunks, then one more
             assert peak == min((n_stages - stage - 1) * 2 + (virtual - 1) * n_stages + 1, micro * virtual) / virtual
+
+
+def test_foreach_adamw_updates_every_stage_as_one_device():
+    """torch.optim's foreach path (the default on CUDA) passes every parameter in one list, so a pipeline's
+    lists span the stages' placements; each index is one parameter, on one placement."""
+    want_losses, want_state = reference(2, 4, 3, foreach=True)
+    _check_values(gt.launch(pipelined, 2, args=(2, 2, "1f1b", 2, 4, 3, "none", (1,), 1, True)),
+                  want_losses, want_state)
 
 
 def _peak_saved_bytes(n_stages, kind, micro, batch):

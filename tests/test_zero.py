@@ -269,7 +269,8 @@ def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
         assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
 
 
-def test_zero3_reduction_starts_with_only_the_next_module_gathered(monkeypatch):
+@pytest.mark.parametrize("in_flight", [0, 1])  # CPU's default, GPU's
+def test_zero3_reduction_starts_with_only_the_next_module_gathered(monkeypatch, in_flight):
     """The peak of a ZeRO-3 backward is where a module's reduce-scatter makes its buffers. By then the
     module's own gathered copies are freed, the next module's prefetched gather is finished into its
     parameters (no all-gather buffers left in flight beside the reduction's), and the previous module's
@@ -290,6 +291,7 @@ def test_zero3_reduction_starts_with_only_the_next_module_gathered(monkeypatch):
         return reduce_start(call, grads)
     _GRADS: dict = {}
     monkeypatch.setattr(zero._Call, "reduce_start", spy)
+    monkeypatch.setattr(zero, "MAX_IN_FLIGHT", in_flight)
     regather, checked = zero._Call.regather, []
 
     def entering(call):  # the backward enters a module: the reduction started before it is still in flight
