@@ -6,7 +6,8 @@
 
 The GPT (`models/gpt.py`) split in two: the embeddings and the first half of the blocks on stage 0,
 the rest, the final norm and the head on stage 1 (blocks split evenly, so compute per stage is
-balanced up to the embedding/head). Both run the same schedule on the same micro-batches and AdamW,
+balanced up to the embedding/head). Both run the same schedule on the same micro-batches and AdamW
+(foreach, as torch.optim does on GPUs and `bench/zero.py` here),
 interleaved step by step in one launch (each step between barriers, a fresh random order per
 repetition; a step's time is its slowest rank's):
 
@@ -65,7 +66,7 @@ class GlobalTensorPipe:
         virtual = VIRTUAL if kind == "interleaved" else 1
         self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer, virtual=virtual))
         self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=True)
         self.bubbles: list = []
 
     def step(self, x, t) -> None:
@@ -115,7 +116,7 @@ class TorchPipe:
         else:
             self.schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(stages[0], n_microbatches=m,
                                                                                    loss_fn=loss_fn)
-        self.opt = torch.optim.AdamW(self.stage_modules.parameters(), lr=1e-3)
+        self.opt = torch.optim.AdamW(self.stage_modules.parameters(), lr=1e-3, foreach=True)
         self.first, self.last = r == 0, r == n - 1
 
     def step(self, x, t) -> None:
@@ -176,7 +177,7 @@ def main() -> None:
     p = args.ranks
     lines = [f"Pipeline, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}), {p} stages on {p} gloo processes "
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
-             f"fp32, AdamW; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
+             f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | CPU ms/step, all ranks: "
              "gt / torch = ratio | theory bubble | gt measured bubble per rank | gt micro-batches in flight per "
              "stage | gt peak saved activations per stage (KiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
