@@ -28,7 +28,7 @@ def _one_buffer(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (size * len(parts),))
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-GLOO_SENDS_FROM_BYTES = 1 << 20  # all-gathers at least this large run as sends on gloo (`_all_gather_by_sends`)
+GLOO_SENDS_FROM_BYTES = 8 << 20  # all-gathers at least this large (output bytes) run as sends on gloo (`_all_gather_by_sends`)
 _GATHER_TAG = 1 << 24  # their messages' tag: apart from the pipeline's (micro-batch numbers) on the same pairs
 _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}  # over the received pieces (gloo's reduce-scatter)
 
@@ -164,9 +164,9 @@ class TorchDistCommunicator(Communicator):
     def _all_gather_by_sends(self, flat, group, shapes, numels, wait):
         """An all-gather as one send of this rank's piece to each peer and one receive from each, straight
         into the output (no padding). gloo's all-gather relays every piece round a ring through a flat
-        buffer of its own, then copies it out: at 48 MiB it took 3x the time and 2.7x the CPU of the
-        sends (2 and 4 loopback ranks; 1.7x at 4 MiB), and held a second output while in flight. Below
-        `GLOO_SENDS_FROM_BYTES` gloo's one collective call wins (n - 1 messages each way cost latency)."""
+        buffer of its own, then copies it out, and holds that second output while in flight; at 48 MiB
+        out the sends take 0.84-0.92x its time on 2 and 4 loopback ranks, at 4 MiB 1.07-1.14x
+        (`bench/collectives.py`): below `GLOO_SENDS_FROM_BYTES` gloo's one collective call is kept."""
         pg = self._pg(group)
         at = [0]
         for k in numels:
@@ -214,8 +214,8 @@ class TorchDistCommunicator(Communicator):
         gloo's reduce-scatter is an all-reduce of a copy of its input with the own chunk kept: each rank
         receives 2 (n-1)/n of the buffer, not the (n-1)/n a reduce-scatter needs. On gloo it runs instead
         as the all-to-all that is a reduce-scatter's first half (each rank receives every peer's piece
-        of its own chunk: the textbook bytes) and a local reduction of the n pieces: 2.4x faster at
-        48 MiB on 2 loopback ranks, 2.7x on 4, a third of the CPU time (bench/RESULTS.md). The reduction
+        of its own chunk: the textbook bytes) and a local reduction of the n pieces: 0.63-0.92x gloo's
+        time at 4 and 48 MiB on 2 and 4 loopback ranks (`bench/collectives.py`). The reduction
         runs as the all-to-all's completion callback (gloo's thread), so its receive buffer and the send
         buffer are freed when it lands, not when the caller comes to finish it (a ZeRO gradient bucket
         left in flight across the next module's backward). nccl keeps its own."""
