@@ -341,7 +341,7 @@ def in_flight(device: torch.device) -> int:
     with the backward for the same cores, and a bucket in flight only holds its buffers longer: FSDP2 runs
     it at once there. We land it when the next module's backward begins (after autograd has dropped the
     full-size gradients it was made from, which landing inside the reducing call would hold beside its
-    buffers). Wide GPT on 4 gloo ranks: peak 1.08x FSDP2's with one in flight, 1.00x with none
+    buffers). Wide GPT on 4 gloo ranks: peak 1.08x FSDP2's with one in flight, 0.93x landed so
     (bench/RESULTS.md). `MAX_IN_FLIGHT` overrides it."""
     if MAX_IN_FLIGHT is not None:
         return MAX_IN_FLIGHT

@@ -136,16 +136,15 @@ def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> An
     (ctx, rule, placement, source layouts, meta outputs, in-place)."""
     rule = RULES.get(func)
     inplace = is_inplace(func)
-    if rule is not None and rule.decompose is not None and rule.decompose_when is None:
-        # its own calls check their placements: a foreach op's lists may span several (one per pipeline
-        # stage: each index is one parameter's, on its stage), each index on one
-        placement = next(t._layout.placement for t in tensors if isinstance(t, cls))
-        bcast = Layout(placement, (Broadcast(),) * placement.ndim)
-        srcs = tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
-        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
-    placement = placement_of(func, tensors, cls)
+    decomposes = rule is not None and rule.decompose is not None and rule.decompose_when is None
+    # a decomposition's own calls check their placements: a foreach op's lists may span several (one per
+    # pipeline stage: each index is one parameter's, on its stage)
+    placement = (next(t._layout.placement for t in tensors if isinstance(t, cls)) if decomposes else
+                 placement_of(func, tensors, cls))
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
     srcs = tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
+    if decomposes:
+        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
     try:
         meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_like(t, t.shape))
         outs, _ = flatten_out(func(*meta_args, **meta_kwargs) if rule is None or rule.meta is None else
