@@ -99,93 +99,180 @@ def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], c
                        ) -> Callable[[], list[torch.Tensor]]:
     """`execute_many` started now, finished by calling the result: its all-gather and reduce-scatter
     buckets may stay in flight meanwhile (a prefetch of the next module's parameters, a gradient
-    bucket reduced while the backward goes on); everything else runs now."""
-    out: list = [None] * len(plans)
+    bucket reduced while the backward goes on); everything else runs now.
+
+    What does not depend on the values (which plans share a bucket, each member's boxes and sizes,
+    whether a bucket's pieces are even rows) is worked out once per list of plans and rank: ZeRO asks
+    for the same lists every step, and a small model's step is bound by such per-call work."""
+    key = (tuple(map(id, plans)), comm.rank, comm.world_size)
+    hit = _MANY.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], plans)):
+        if len(_MANY) >= MAX_MANY:
+            _MANY.clear()
+        for p in plans:
+            _check_world(p, comm)
+        hit = _MANY[key] = (tuple(plans), _compile_many(plans, comm.rank))
+    return hit[1](locals_, comm)
+
+
+MAX_MANY = 4096
+_MANY: dict = {}  # (plan ids, rank, world) -> (the plans, kept alive so the ids stay theirs; the program)
+
+
+def _compile_many(plans: Sequence[Plan], rank: int) -> Callable:
+    singles: list[int] = []
     buckets: dict[tuple, list[int]] = {}
     for i, p in enumerate(plans):
         key = bucket_key(p)
-        _check_world(p, comm)
         if key is None:
-            out[i] = execute(p, locals_[i], comm)
+            singles.append(i)
         else:
             buckets.setdefault(key, []).append(i)
-    pending = []
+    outside: list[int] = []
+    started, runs = [], []  # (members, start(locals, comm) -> finish), (members, run(locals, comm))
     for (primitive, placement, axis, _, op), members in buckets.items():
         if len(members) == 1:
-            out[members[0]] = execute(plans[members[0]], locals_[members[0]], comm)
-            continue
-        if comm.rank not in placement:
-            for i in members:
-                out[i] = locals_[i].new_empty((0,))
-            continue
-        group = placement.group(comm.rank, axis)
-        args = ([plans[i] for i in members], [locals_[i] for i in members], group, op, comm)
-        if primitive in _BUCKET_STARTS:
-            pending.append((members, _BUCKET_STARTS[primitive](*args)))
-            continue
-        for i, o in zip(members, _BUCKET_RUNS[primitive](*args)):
-            out[i] = o
+            singles.append(members[0])
+        elif rank not in placement:
+            outside += members
+        else:
+            group = placement.group(rank, axis)
+            compiled = (members, _BUCKETS[primitive]([plans[i] for i in members], group, op, rank))
+            (started if primitive in _STARTED else runs).append(compiled)
+    singles.sort()
+    n = len(plans)
 
-    def finish() -> list[torch.Tensor]:
-        for members, done in pending:
-            for i, o in zip(members, done()):
+    def start(locals_: Sequence[torch.Tensor], comm: Communicator) -> Callable[[], list[torch.Tensor]]:
+        out: list = [None] * n
+        for i in singles:
+            out[i] = execute(plans[i], locals_[i], comm)
+        for i in outside:
+            out[i] = locals_[i].new_empty((0,))
+        pending = [(members, begin([locals_[i] for i in members], comm)) for members, begin in started]
+        for members, run in runs:
+            for i, o in zip(members, run([locals_[i] for i in members], comm)):
                 out[i] = o
-        return out
-    return finish
+
+        def finish() -> list[torch.Tensor]:
+            for members, done in pending:
+                for i, o in zip(members, done()):
+                    out[i] = o
+            return out
+        return finish
+    return start
 
 
-def _all_reduce_bucket(plans, locals_, group, op, comm) -> list[torch.Tensor]:
-    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), group, op)
-    return [piece.view(t.shape) for t, piece in zip(locals_, flat.split([t.numel() for t in locals_]))]
+def _all_reduce_bucket(plans, group, op, rank) -> Callable:
+    def run(locals_, comm) -> list[torch.Tensor]:
+        flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), group, op)
+        return [piece.view(t.shape) for t, piece in zip(locals_, flat.split([t.numel() for t in locals_]))]
+    return run
 
 
-def _all_gather_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
-    """One all-gather of every shard back to back; each member's piece holds its shards in plan order."""
+def _all_gather_bucket(plans, group, op, rank) -> Callable:
+    """One all-gather of every shard back to back; each member's piece holds its shards in plan order.
+
+    When every shard is an equal share of dim 0 (FSDP's case), the gathered buffer, read as [members,
+    piece], holds each parameter as a block of columns: one `split_with_sizes_copy` puts them all in
+    place (FSDP2's copy-out), instead of a view and a cat per parameter."""
     shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in plans]
     numels = [[math.prod(s) for s in per] for per in shapes]  # [plan][member]
-    done = comm.all_gather_start(torch.cat([t.reshape(-1) for t in locals_]), group,
-                                 [(sum(n[j] for n in numels),) for j in range(len(group))])
+    piece_shapes = [(sum(n[j] for n in numels),) for j in range(len(group))]
+    dims = [p.steps[0].src.sbp[p.steps[0].axis].dim for p in plans]
+    m = len(group)
+    full = [p.steps[0].dst.local_shape(p.shape, rank) for p in plans]
+    even = all(d == 0 and len(set(per)) == 1 and per[0] and per[0][0] * m == f[0]
+               for d, per, f in zip(dims, shapes, full))
+    widths = [n[0] for n in numels]
+    row = sum(widths)
 
-    def finish() -> list[torch.Tensor]:
-        got = done()
-        splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
-        return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(len(group))],
-                          dim=p.steps[0].src.sbp[p.steps[0].axis].dim) for i, p in enumerate(plans)]
-    return finish
+    def begin(locals_, comm) -> Callable[[], list[torch.Tensor]]:
+        done = comm.all_gather_start(torch.cat([t.reshape(-1) for t in locals_]), group, piece_shapes)
+
+        def finish() -> list[torch.Tensor]:
+            got = done()
+            if even:  # the pieces lie back to back in the backend's buffer (gloo), or are put so (simulator)
+                rows = got[0].as_strided((m, row), (row, 1)) if _back_to_back(got) else torch.stack(got)
+                outs = [got[0].new_empty(f) for f in full]
+                torch.split_with_sizes_copy(rows, widths, dim=1, out=[o.view(m, -1) for o in outs])
+                return outs
+            splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
+            return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(m)], dim=dims[i])
+                    for i in range(len(plans))]
+        return finish
+    return begin
 
 
-def _reduce_scatter_bucket_start(plans, locals_, group, op, comm) -> Callable[[], list[torch.Tensor]]:
+def _back_to_back(pieces: list[torch.Tensor]) -> bool:
+    """Whether the pieces are equal, contiguous and lie one after another in one storage (a backend's
+    gathered buffer, as gloo's all-gather gives it)."""
+    first = pieces[0]
+    step = first.numel() * first.element_size()
+    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
+    for k, p in enumerate(pieces):
+        if (p.numel() != first.numel() or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage
+                or p.data_ptr() != at + k * step):
+            return False
+    return True
+
+
+def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
     """One reduce-scatter: the chunk for member j holds, back to back, each shard's part for j. The
     chunks are views of one buffer, back to back in group order, so that a backend can reduce-scatter
-    the single tensor (gloo's faster form) when they are of one size."""
-    boxes = []
+    the single tensor (gloo's faster form) when they are of one size.
+
+    When every part is an equal share of dim 0 (FSDP's case), one `torch._chunk_cat` packs the buffer
+    (FSDP2's copy-in) instead of a copy per part and member."""
+    boxes, olds = [], []
     for p in plans:
         step = p.steps[0]
-        old = step.src.shard(p.shape, comm.rank)
+        old = step.src.shard(p.shape, rank)
+        olds.append(sizes(old))
         boxes.append([relative(step.dst.shard(p.shape, r), old) for r in group])
-    lengths = [sum(numel(b[j]) for b in boxes) for j in range(len(group))]
-    flat = locals_[0].new_empty(sum(lengths))
-    chunks = list(flat.split(lengths))
-    # a weight's gradient is often a transposed view: made contiguous at once (torch's transpose kernel,
-    # one tensor at a time), its pieces are then plain block copies, each straight into its place
-    at = [0] * len(chunks)
-    for t, b in zip(locals_, boxes):
-        whole = t if t.is_contiguous() else t.contiguous()
-        for j, chunk in enumerate(chunks):
-            piece = slice_box(whole, b[j])
-            chunk[at[j]:at[j] + piece.numel()].view(piece.shape).copy_(piece)
-            at[j] += piece.numel()
-    done = comm.reduce_scatter_start(chunks, group, op)
-    me = group.index(comm.rank)
+    m = len(group)
+    lengths = [sum(numel(b[j]) for b in boxes) for j in range(m)]
+    total = sum(lengths)
+    me = group.index(rank)
+    mine = [sizes(b[me]) for b in boxes]
+    mine_numels = [numel(b[me]) for b in boxes]
+    even = len(set(lengths)) == 1 and all(_even_rows(b, old, m) for b, old in zip(boxes, olds))
 
-    def finish() -> list[torch.Tensor]:
-        mine = done()
-        return [piece.view(sizes(b[me])) for b, piece in zip(boxes, mine.split([numel(b[me]) for b in boxes]))]
-    return finish
+    def begin(locals_, comm) -> Callable[[], list[torch.Tensor]]:
+        flat = locals_[0].new_empty(total)
+        if even:
+            torch._chunk_cat(list(locals_), 0, m, out=flat.view(m, -1))
+            chunks = list(flat.split(lengths))
+        else:
+            chunks = list(flat.split(lengths))
+            # a weight's gradient is often a transposed view: made contiguous at once (torch's transpose
+            # kernel, one tensor at a time), its pieces are then plain block copies, each straight into place
+            at = [0] * m
+            for t, b in zip(locals_, boxes):
+                whole = t if t.is_contiguous() else t.contiguous()
+                for j, chunk in enumerate(chunks):
+                    piece = slice_box(whole, b[j])
+                    chunk[at[j]:at[j] + piece.numel()].view(piece.shape).copy_(piece)
+                    at[j] += piece.numel()
+        done = comm.reduce_scatter_start(chunks, group, op)
+
+        def finish() -> list[torch.Tensor]:
+            return [piece.view(s) for s, piece in zip(mine, done().split(mine_numels))]
+        return finish
+    return begin
 
 
-_BUCKET_STARTS = {"all_gather": _all_gather_bucket_start, "reduce_scatter": _reduce_scatter_bucket_start}
-_BUCKET_RUNS = {"all_reduce": _all_reduce_bucket}  # run at once (the others start and finish apart)
+def _even_rows(boxes: list, local: tuple, m: int) -> bool:
+    """Whether member j's box is the j-th of m equal, non-empty row ranges of the whole local tensor."""
+    if not local or local[0] == 0 or local[0] % m:
+        return False
+    rows = local[0] // m
+    rest = tuple((0, n) for n in local[1:])
+    return all(b[0] == (j * rows, rows) and b[1:] == rest for j, b in enumerate(boxes))
+
+
+_BUCKETS = {"all_gather": _all_gather_bucket, "reduce_scatter": _reduce_scatter_bucket,
+            "all_reduce": _all_reduce_bucket}
+_STARTED = ("all_gather", "reduce_scatter")  # start now, finish apart; the others run at once
 
 
 def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],
