@@ -26,7 +26,7 @@ from .step_plan import ACTIVE as _STEP
 MAX_PROGRAMS = 16384
 _PROGRAMS: dict[tuple, Program] = {}
 _NO_KWARGS: dict = {}
-_KEYING: dict = {}  # op -> (its rule's scalar_key, whether floats key by value)
+_KEYING: dict = {}  # id(op) -> (its rule's scalar_key, whether floats key by value)
 _NAMED = object()  # key mark: decided inside a module whose boundary layouts the user named (ops/scope.py)
 
 
@@ -51,10 +51,10 @@ def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
 
 
 def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
-    keying = _KEYING.get(func)
+    keying = _KEYING.get(id(func))  # by id: an OpOverload's __hash__ is a Python call, and ops live forever
     if keying is None:
         rule = RULES.get(func)
-        keying = _KEYING[func] = (None, True) if rule is None else (rule.scalar_key, False)
+        keying = _KEYING[id(func)] = (None, True) if rule is None else (rule.scalar_key, False)
     key = call_key(func, args, kwargs, cls, *keying)
     if _DEPTH.value:
         key += (_NAMED,)

@@ -64,7 +64,7 @@ _END = object()    # closes a list or tuple
 def call_key(func: Any, args: tuple, kwargs: Optional[dict], cls: type,
              scalar_key: Optional[Callable[[tuple, dict], Any]], floats_by_value: bool) -> tuple:
     """The decision key of `func(*args, **kwargs)`; see the module docstring for what enters it."""
-    key: list = [func]
+    key: list = [id(func)]  # ops live as long as torch: their ids hash in C, OpOverload.__hash__ in Python
     for a in args:
         t = type(a)
         if t is cls:
@@ -89,6 +89,12 @@ def _add(key: list, a: Any, cls: type, floats_by_value: bool) -> None:
     elif t is float:
         key.append(a if floats_by_value else _FLOAT)
     elif t is list or t is tuple:
+        for e in a:
+            if type(e) is not int:
+                break
+        else:  # ints only (a view's shape, a dim list): one entry, no walk
+            key.append((t, *a))
+            return
         key.append(t)
         for e in a:
             _add(key, e, cls, floats_by_value)

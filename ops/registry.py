@@ -68,7 +68,15 @@ class Local:
     checking: bool = False
 
     def out_shape(self, i: int = 0) -> tuple[int, ...]:
-        return self.out_layouts[i].local_shape(self.ctx.out_shapes[i], self.rank)
+        """This rank's shard shape of output i (worked out once: a view's every call asks for it)."""
+        shapes = self.__dict__.get("_out_shapes")
+        if shapes is None:
+            shapes = {}
+            object.__setattr__(self, "_out_shapes", shapes)
+        shape = shapes.get(i)
+        if shape is None:
+            shape = shapes[i] = self.out_layouts[i].local_shape(self.ctx.out_shapes[i], self.rank)
+        return shape
 
     def in_box(self, i: int) -> tuple[tuple[int, int], ...]:
         return self.in_layouts[i].shard(self.ctx.shapes[i], self.rank)
