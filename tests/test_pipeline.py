@@ -151,14 +151,14 @@ def scalars_span_placements(monkeypatch):
     monkeypatch.setattr(decide, "placement_of", span.placement_of)
 
 
-def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True):
-    """2 GPT blocks, one per stage; each step clip_grad_norm_ (torch's, unchanged) between the backward and
-    AdamW. Returns (losses, state, held, norms, this rank's bytes the norms moved across stages per step,
+def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=False):
+    """2 GPT blocks, one per stage (ZeRO-3 inside each stage with `zero`); each step clip_grad_norm_ (torch's,
+    unchanged) between the backward and AdamW. Returns (losses, state, held, norms, this rank's bytes the norms moved across stages per step,
     parameters on other stages)."""
     stages = _stages(n_stages, stage_mesh)
     per, nd = math.prod(stage_mesh), len(stage_mesh)
     torch.manual_seed(0)
-    model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2))
+    model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2, zero_plan(0, 1) if zero else None))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
     pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b", loss_fn=loss_fn, input_sbp=data_sbp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
@@ -185,22 +185,25 @@ def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True):
     return losses, state, held, norms, moved, elsewhere
 
 
-@pytest.mark.parametrize("stage_mesh,foreach,pipelined_", [((1,), True, True), ((1,), False, False),
-                                                          ((2,), False, True), ((2,), True, True)])
-def test_clip_grad_norm_over_stages_equals_one_device(scalars_span_placements, stage_mesh, foreach, pipelined_):
+@pytest.mark.parametrize("stage_mesh,foreach,pipelined_,zero", [((1,), True, True, False), ((1,), False, False, False),
+                                                               ((2,), False, True, False), ((2,), True, True, False),
+                                                               ((2,), True, True, True)])
+def test_clip_grad_norm_over_stages_equals_one_device(scalars_span_placements, stage_mesh, foreach, pipelined_, zero):
     """torch.nn.utils.clip_grad_norm_, unchanged (foreach and the for-loop, error_if_nonfinite=True), on a
-    2-stage GPT (and PP=2 x DP=2; and the same model run as a plain program whose parameters span two
-    placements): each parameter's norm is a scalar on its stage, their stack runs on the union of the
+    2-stage GPT (PP=2 x DP=2, PP=2 x ZeRO-3; and the same model run as a plain program whose parameters span
+    two placements): each parameter's norm is a scalar on its stage, their stack runs on the union of the
     stages, and the coefficient, Broadcast there, scales each stage's gradients where they are.
 
-    Bytes across stages per step and rank, counted exactly: one stage's stages of one rank: the 36
-    parameters' norms, zero-filled onto the union and all-reduced together (one collective, 2(n-1)/n of
-    36 scalars: 288 bytes; the lower bound, the other stage's 18 norms, is half). Stages of two ranks: the
-    18 norms of the other stage, each from its peer (the lower bound; one send per norm, not packed)."""
+    Bytes across stages per step and rank, counted exactly: stages of one rank: the 36 parameters' norms,
+    zero-filled onto the union and all-reduced together (one collective, 2(n-1)/n of 36 scalars: 288 bytes;
+    the lower bound, the other stage's 18 norms, is half). Stages of two ranks: the 18 norms of the other
+    stage, each from its peer (the lower bound, in one send per norm: not packed). Megatron moves one
+    scalar per stage; see ops/span.py for why this is not that."""
     steps, clip = 3, 0.5
     want_losses, want_state, want_norms = reference(2, 4, steps, foreach=foreach, clip=clip)
     assert all(n > clip for n in want_norms)  # every step clips
-    results = gt.launch(_clipped, 2 * math.prod(stage_mesh), args=(2, stage_mesh, foreach, steps, clip, pipelined_))
+    results = gt.launch(_clipped, 2 * math.prod(stage_mesh), args=(2, stage_mesh, foreach, steps, clip, pipelined_,
+                                                                   zero))
     _check_values(results, want_losses, want_state)
     for *_, norms, moved, elsewhere in results:
         np.testing.assert_allclose(norms, want_norms, rtol=0, atol=1e-10)
