@@ -203,15 +203,38 @@ def test_attention_method_checks_its_argument_and_restores():
     assert current_attention_method() == "auto"
 
 
-def test_dropout_runs_replicated_not_on_the_ring():
-    """A dropout mask drawn per block cannot match one device's: dropout keeps to the replicated run."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_equals_one_device_with_the_keys_gathered(causal):
+    """Torch's CPU attention with dropout never reaches the flash kernels this module rules (they refuse
+    dropout): it decomposes into bmm, softmax, a bernoulli_ mask over [B, H, L, S] and bmm. On a sequence
+    split the queries stay split, the keys and values are gathered (n - 1 blocks of each, no ring) and
+    the mask is drawn at global size on every rank (`ops/random.py`), so, the ring forced or not, the
+    output, the gradients and the generator after the call equal one device's (`ops/attention.py` says
+    why no ring runs it)."""
+    n, inputs = 2, _inputs(1, 2, 2, 6)
+    xs = [t.clone().requires_grad_() for t in inputs]
+    torch.manual_seed(3)
+    want = F.scaled_dot_product_attention(*xs, dropout_p=0.5, is_causal=causal)
+    want.backward(torch.ones_like(want))
+    want_next = torch.rand(4)
+
     def body():
-        p = mesh_placement((2,))
-        q, k, v = (gt.to_global(t, p, SEQ) for t in _inputs(1, 2, 2, 6))
+        p = mesh_placement((n,))
+        q, k, v = (gt.to_global(t, p, SEQ).requires_grad_() for t in inputs)
+        torch.manual_seed(3)
         with gt.attention_method("ring"), gt.comm_log() as log:
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
-        return _kinds(log.events)
-    assert "send_recv" not in gt.launch(body, 2)[0]
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=causal)
+        nxt = torch.rand(4)
+        out.backward(gt.to_global(torch.ones(out.shape, dtype=D), p, out.sbp))
+        return (out.full_tensor(), [t.grad.full_tensor() for t in (q, k, v)], nxt,
+                [(e.kind, e.recv_bytes) for e in log.events])
+    for rank, (out, grads, nxt, events) in enumerate(gt.launch(body, n)):
+        torch.testing.assert_close(out, want.detach(), **TOL)
+        for g, x in zip(grads, xs):
+            torch.testing.assert_close(g, x.grad, **TOL)
+        assert torch.equal(nxt, want_next)
+        block = _block_bytes(tuple(inputs[1].shape), n, 1 - rank)
+        assert events == [("all_gather", block)] * 2, events
 
 
 @given(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (2, 1)]), st.integers(1, 9),
