@@ -16,8 +16,36 @@ cost model picks among them unless the user names one (`attention_method`):
   is charged by `kernel_cost`, since its inputs need no conversion. At the
   all-gather's bytes it wins (no rank holds the whole keys).
 
-Dropout draws inside the kernel, so only the replicated run matches one
-device: with dropout no signature is offered, and the call runs replicated.
+Dropout never reaches these kernels on CPU. The flash kernel refuses
+dropout, so torch's composite `scaled_dot_product_attention` (C++, before a
+tensor subclass sees anything) takes its math decomposition: bmm, softmax,
+`empty_like(attn).bernoulli_(1 - p)` over the whole [B, H, L, S] matrix, div,
+mul, bmm. Each runs by its own rule: on a sequence split the queries stay
+split, k and v are gathered, and the mask is drawn at global size on every
+rank and sliced (`ops/random.py`); output, gradients and the generator after
+it equal one device's (tested), forced method or not. Why no ring or Ulysses
+runs it (measured on this project's machine, torch 2.13, AMD EPYC):
+
+- The call: only `__torch_function__` (GlobalTensor's) sees the attention
+  whole; the dispatcher sees the decomposed ops.
+- The mask: torch's CPU `bernoulli_(p)` here draws element i of the
+  row-major mask from the generator's mt19937 in order (as a double uniform
+  does, two 32-bit words each; chunked draws equal one draw), and a CPU
+  generator cannot skip ahead, so a rank reaches its rows only by drawing
+  every element before them: B*H*L*S draws per rank whatever n (12 ns each:
+  13 s at 16k tokens and 4 heads, 13% of one device's time at 4k, so 1.13x
+  of one device / 2 at n = 2 and ~1.9x at n = 8 from the draws alone). With
+  MKL on Intel CPUs torch instead seeds one MCG31 stream per call and skips
+  it ahead per thread chunk: a chunked draw differs there, and only the
+  global-size draw (or MKL's generator re-implemented, untestable here)
+  reproduces it.
+- The kernel: the flash kernels take no mask, so a ring would run its own
+  blockwise math forward and backward (exp(s - lse) * mask / (1 - p) per
+  block; the merge by log-sum-exp stays exact, the mask acting after the
+  normalisation) and keep each rank's mask rows for the backward.
+Each is possible; together they move the all-gather's bytes (n - 1 blocks of
+k and v either way) and pay draws that do not shrink with n, so dropout keeps
+the decomposition.
 """
 from __future__ import annotations
 
@@ -76,7 +104,7 @@ def attention_signatures(backward: bool):
         dropout_p = ctx.arg(3 + (3 if backward else 0), "dropout_p", 0.0)
         causal = ctx.arg(4 + (3 if backward else 0), "is_causal", False)
         if dropout_p:
-            return []  # dropout draws inside the kernel: only the replicated run matches one device
+            return []  # the CPU kernel refuses dropout (the module's text): the replicated call raises as one device's
         full = tuple(q[:-1]) + (k[-2],)
         sigs = []
         for d in (0, 1):

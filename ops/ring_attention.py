@@ -29,6 +29,9 @@ from a member j < i the query rows see key chunk j only, from j > i only the
 late query chunk sees both key chunks, so every step costs half a block
 square on every rank, and the diagonal step two chunk triangles; causal work
 is balanced where a contiguous split gives the last rank (2n-1)/n of the mean.
+Blockwise, a piece is the same share of both chunks (`_range_cuts`), so each
+piece's step is balanced too: the ring moves at the pace of its slowest rank
+step by step, not on the whole.
 """
 from __future__ import annotations
 
@@ -177,15 +180,37 @@ def _cuts(rows: int, count: int) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
-def _sub_rows(rows: tuple, piece: tuple[int, int]) -> tuple:
-    """The global ranges of the local rows `piece` of a rank holding `rows` (global ranges, local order)."""
-    start, n = piece
-    out, off = [], 0
-    for a, m in rows:
-        lo, hi = max(start, off), min(start + n, off + m)
-        if lo < hi:
-            out.append((a + lo - off, hi - lo))
-        off += m
+def _range_cuts(sizes: list[int], count: int) -> list[tuple[tuple[int, int], ...]]:
+    """Local rows held as consecutive ranges of `sizes` as `count` pieces, piece j the j-th of `count`
+    balanced cuts of every range (its local (start, size) parts, empty ones left out).
+
+    Why every range and not consecutive rows: a zigzag block is an early and a late chunk, and a
+    member before this rank on the ring is seen by both query chunks on its early chunk only, one
+    after it by the late query chunk on both; a piece of consecutive rows lies in one chunk, so a step
+    cost one rank twice another's and the ring, whose every step waits for the neighbour's previous
+    one, ran at the slower rank's pace (measured at 16k on 2 processes: 18% of the time in waits).
+    The same share of both chunks makes every step's causal work equal on every rank."""
+    parts: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+    off = 0
+    for size in sizes:
+        for j, (a, n) in enumerate(_cuts(size, count)):
+            if n:
+                parts[j].append((off + a, n))
+        off += size
+    return [tuple(p) for p in parts]
+
+
+def _sub_rows(rows: tuple, piece: tuple) -> tuple:
+    """The global ranges of the local rows `piece` ((start, size) parts) of a rank holding `rows`
+    (global ranges, local order)."""
+    out = []
+    for start, n in piece:
+        off = 0
+        for a, m in rows:
+            lo, hi = max(start, off), min(start + n, off + m)
+            if lo < hi:
+                out.append((a + lo - off, hi - lo))
+            off += m
     return tuple(out)
 
 
@@ -258,6 +283,16 @@ def _rows_of(t: torch.Tensor, piece: tuple[int, int]) -> torch.Tensor:
     return t if (start, n) == (0, t.shape[SEQ]) else t.narrow(SEQ, start, n)
 
 
+def _take(t: torch.Tensor, piece: tuple) -> torch.Tensor:
+    """The local rows of a key/value piece ((start, size) parts) as one tensor: a view of one part, a
+    copy of several (the message sent is a contiguous copy either way)."""
+    if len(piece) == 1:
+        return _rows_of(t, piece[0])
+    if not piece:
+        return t.narrow(SEQ, 0, 0)
+    return torch.cat([t.narrow(SEQ, a, n) for a, n in piece], SEQ)
+
+
 def _attend(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Any) -> tuple:
     """One block of the forward kernel (the name the tests count calls and rows by)."""
     return func(q, k, v, 0.0, causal, scale=scale)
@@ -280,24 +315,24 @@ def _pass_on(comm: Any, ring: Ring, tensors: dict[str, torch.Tensor], shapes: di
     return lambda: {name: f().get(ring.prev) for name, f in finishes.items()}
 
 
-def _piece_shape(t: torch.Tensor, piece: tuple[int, int]) -> tuple:
-    return tuple(t.shape[:SEQ]) + (piece[1],) + tuple(t.shape[SEQ + 1:])
+def _piece_shape(t: torch.Tensor, piece: tuple) -> tuple:
+    return tuple(t.shape[:SEQ]) + (sum(n for _, n in piece),) + tuple(t.shape[SEQ + 1:])
 
 
 @dataclass
 class _Pieces:
     """How the key/value blocks of a ring travel: the same number of pieces for every member (all
-    members iterate alike), each member's block cut into them, and its rows."""
+    members iterate alike), each member's block cut into them (`_range_cuts`), and its rows."""
     count: int
-    cuts: dict[int, list[tuple[int, int]]]
+    cuts: dict[int, list[tuple]]
     rows: dict[int, tuple]
 
 
 def _pieces(ring: Ring, layout: Layout, shape: tuple, most: int) -> _Pieces:
-    sizes = {m: layout.local_shape(shape, m)[SEQ] for m in ring.members}
-    count = pieces_of(max(sizes.values()), most)
-    return _Pieces(count, {m: _cuts(s, count) for m, s in sizes.items()},
-                   {m: _rows(layout, shape, m) for m in ring.members})
+    rows = {m: _rows(layout, shape, m) for m in ring.members}
+    # the kernel calls are a piece's part of one range: `MIN_PIECE_ROWS` bounds those
+    count = pieces_of(max((n for r in rows.values() for _, n in r), default=0), most)
+    return _Pieces(count, {m: _range_cuts([n for _, n in r], count) for m, r in rows.items()}, rows)
 
 
 def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,7 +348,7 @@ def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[to
     out = lse = None
     for j in range(kv.count):
         mine = kv.cuts[where.rank][j]
-        held = {"k": _rows_of(k, mine), "v": _rows_of(v, mine)}
+        held = {"k": _take(k, mine), "v": _take(v, mine)}
         for step in range(n):
             holder = ring.holder(step)
             arriving = None
@@ -365,13 +400,13 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
             return func(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv = _pieces(ring, where.in_layouts[2], where.ctx.shapes[2], PIECES)
-    q_pieces = [(p, _sub_rows(q_rows, p)) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ], QUERY_PIECES))]
+    q_pieces = [(p, _sub_rows(q_rows, (p,))) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ], QUERY_PIECES))]
     grads: dict[str, Optional[torch.Tensor]] = {"q": None, "k": None, "v": None}
     sent = None  # the accumulator passed on last
     home = None  # this rank's own accumulator piece on its last hop: (piece, finish)
     for j in range(kv.count):
         mine = kv.cuts[where.rank][j]
-        held = {"k": _rows_of(k, mine), "v": _rows_of(v, mine)}
+        held = {"k": _take(k, mine), "v": _take(v, mine)}
         for step in range(n):
             owner = ring.holder(step)
             piece = kv.cuts[owner][j]
@@ -441,13 +476,16 @@ def _land(home: tuple, grads: dict, k: torch.Tensor, v: torch.Tensor) -> None:
     """This rank's own key/value gradient piece, back after its round, into the gradients it returns."""
     piece, finish = home
     got = finish()
-    if piece == (0, k.shape[SEQ]):
+    if piece == ((0, k.shape[SEQ]),):
         grads["k"], grads["v"] = got["dk"], got["dv"]
         return
     if grads["k"] is None:
         grads["k"], grads["v"] = torch.empty_like(k), torch.empty_like(v)
-    _rows_of(grads["k"], piece).copy_(got["dk"])
-    _rows_of(grads["v"], piece).copy_(got["dv"])
+    off = 0
+    for start, n in piece:
+        _rows_of(grads["k"], (start, n)).copy_(got["dk"].narrow(SEQ, off, n))
+        _rows_of(grads["v"], (start, n)).copy_(got["dv"].narrow(SEQ, off, n))
+        off += n
 
 
 def _receive(comm: Any, ring: Ring, shapes: dict[str, tuple], dtype: torch.dtype,

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, pp_plan, tp_plan, zero_plan
+from globaltensor.ops import decide, span
 from globaltensor.pipeline import schedule_actions
 
 B = gt.broadcast
@@ -39,19 +40,24 @@ def loss_fn(logits, tgt):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
 
 
-def reference(n_layer: int, batch: int, steps: int, foreach: bool = False):
+def reference(n_layer: int, batch: int, steps: int, foreach: bool = False, clip: float | None = None):
+    """The losses and the final state of the same training on one device; with `clip`, the gradient
+    norms clip_grad_norm_ returned too."""
     torch.manual_seed(0)
     model = GPT(_cfg(n_layer)).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(batch)
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         loss = loss_fn(model(x), t)
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    return (losses, state, norms) if clip is not None else (losses, state)
 
 
 def _stages(n_stages: int, stage_mesh: tuple) -> list:
@@ -136,6 +142,118 @@ def test_foreach_adamw_updates_every_stage_as_one_device():
     want_losses, want_state = reference(2, 4, 3, foreach=True)
     _check_values(gt.launch(pipelined, 2, args=(2, 2, "1f1b", 2, 4, 3, "none", (1,), 1, True)),
                   want_losses, want_state)
+
+
+@pytest.fixture
+def scalars_span_placements(monkeypatch):
+    """The meaning `ops/span.py` gives ops whose inputs span placements (0-dim scalars are moved where they
+    are used), installed as the dispatcher's until `ops/decide.py` takes its `placement_of` from there."""
+    monkeypatch.setattr(decide, "placement_of", span.placement_of)
+
+
+def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=False):
+    """2 GPT blocks, one per stage (ZeRO-3 inside each stage with `zero`); each step clip_grad_norm_ (torch's,
+    unchanged) between the backward and AdamW. Returns (losses, state, held, norms, this rank's bytes the norms moved across stages per step,
+    parameters on other stages)."""
+    stages = _stages(n_stages, stage_mesh)
+    per, nd = math.prod(stage_mesh), len(stage_mesh)
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2, zero_plan(0, 1) if zero else None))
+    data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
+    pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b", loss_fn=loss_fn, input_sbp=data_sbp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    x, t = _data(4)
+    losses, norms, moved = [], [], []
+    for _ in range(steps):
+        if pipelined_:
+            loss = pipe.step(x, t)
+        else:  # the same model as a plain global program: every rank runs it whole, no schedule
+            loss = loss_fn(model(gt.to_global(x, stages[0], data_sbp)), t)
+            loss.backward()
+        with gt.comm_log() as log:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=foreach, error_if_nonfinite=True)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
+        norms.append(norm.item())  # on the union of the stages: every rank has it, as Megatron's all-reduce gives
+        moved.append([(e.kind, e.recv_bytes) for e in log.events if len({r // per for r in e.group}) > 1])
+        if stage_mesh == (1,):  # one rank per stage: nothing but the norms moves
+            assert len(moved[-1]) == len(log.events)
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
+    elsewhere = sum(gt.rank() not in q.placement for q in model.parameters())
+    return losses, state, held, norms, moved, elsewhere
+
+
+@pytest.mark.parametrize("stage_mesh,foreach,pipelined_,zero", [((1,), True, True, False), ((1,), False, False, False),
+                                                               ((2,), False, True, False), ((2,), True, True, False),
+                                                               ((2,), True, True, True)])
+def test_clip_grad_norm_over_stages_equals_one_device(scalars_span_placements, stage_mesh, foreach, pipelined_, zero):
+    """torch.nn.utils.clip_grad_norm_, unchanged (foreach and the for-loop, error_if_nonfinite=True), on a
+    2-stage GPT (PP=2 x DP=2, PP=2 x ZeRO-3; and the same model run as a plain program whose parameters span
+    two placements): each parameter's norm is a scalar on its stage, their stack runs on the union of the
+    stages, and the coefficient, Broadcast there, scales each stage's gradients where they are.
+
+    Bytes across stages per step and rank, counted exactly: stages of one rank: the 36 parameters' norms,
+    zero-filled onto the union and all-reduced together (one collective, 2(n-1)/n of 36 scalars: 288 bytes;
+    the lower bound, the other stage's 18 norms, is half). Stages of two ranks: the 18 norms of the other
+    stage, each from its peer (the lower bound, in one send per norm: not packed). Megatron moves one
+    scalar per stage; see ops/span.py for why this is not that."""
+    steps, clip = 3, 0.5
+    want_losses, want_state, want_norms = reference(2, 4, steps, foreach=foreach, clip=clip)
+    assert all(n > clip for n in want_norms)  # every step clips
+    results = gt.launch(_clipped, 2 * math.prod(stage_mesh), args=(2, stage_mesh, foreach, steps, clip, pipelined_,
+                                                                   zero))
+    _check_values(results, want_losses, want_state)
+    for *_, norms, moved, elsewhere in results:
+        np.testing.assert_allclose(norms, want_norms, rtol=0, atol=1e-10)
+        for step in moved:
+            if stage_mesh == (1,):
+                assert step == [("all_reduce", 36 * F64)], step
+            else:
+                assert sum(b for _, b in step) == elsewhere * F64 == 18 * F64, step
+
+
+def test_clip_grad_norm_error_if_nonfinite_raises_on_every_rank(scalars_span_placements):
+    """A non-finite gradient on the last stage: every rank knows the total norm, so every rank raises torch's error."""
+    def run():
+        stages = _stages(2, (1,))
+        torch.manual_seed(0)
+        model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2))
+        gt.Pipeline(model, microbatches=2, loss_fn=loss_fn).step(*_data(4))
+        model.ln_f.weight.grad.fill_(float("inf"))
+        with pytest.raises(RuntimeError, match="non-finite"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        return True
+    assert gt.launch(run, 2) == [True, True]
+
+
+def test_only_scalars_span_placements(scalars_span_placements):
+    """Scalars alone meet on the union of their placements; a scalar Broadcast on ranks that include an op's is
+    used where the op runs (its non-scalar inputs', or an in-place op's target's), moving nothing; anything else
+    is an error naming the fix (a non-scalar, or a scalar that ranks outside the op would have to send)."""
+    def run():
+        p0, p1 = gt.placement("cpu", [0]), gt.placement("cpu", [1])
+        a = gt.to_global(torch.tensor(2.0, dtype=torch.float64), p0, B)
+        b = gt.to_global(torch.tensor(3.0, dtype=torch.float64), p1, B)
+        v = gt.to_global(torch.ones(3, dtype=torch.float64), p1, B)
+        s = torch.stack([a, b])
+        assert s.placement == gt.placement("cpu", [0, 1]) and s.full_tensor().tolist() == [2.0, 3.0]
+        with pytest.raises(ValueError, match="0-dim input laid out \\(P,\\).*to_global"):
+            v * s.sum()               # Partial on the union: its reduction needs rank 0, which is outside the op
+        u = s.sum().to_global(s.placement, B)
+        with gt.comm_log() as log:
+            w = v * u
+            a.mul_(u)
+        assert log.events == []
+        assert w.placement == p1 and a.placement == p0
+        assert (w.to_local().tolist(), a.to_local().tolist()) == (([5.0] * 3, []) if gt.rank() else ([], 10.0))
+        with pytest.raises(ValueError, match="0-dim input .* on placement\\('cpu', \\[0\\]\\).*to_global"):
+            v * a
+        with pytest.raises(ValueError, match="different placements.*to_global.*scalars"):
+            v + gt.to_global(torch.ones(3, dtype=torch.float64), p0, B)
+        return True
+    assert gt.launch(run, 2) == [True, True]
 
 
 def _peak_saved_bytes(n_stages, kind, micro, batch):

@@ -203,15 +203,38 @@ def test_attention_method_checks_its_argument_and_restores():
     assert current_attention_method() == "auto"
 
 
-def test_dropout_runs_replicated_not_on_the_ring():
-    """A dropout mask drawn per block cannot match one device's: dropout keeps to the replicated run."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_equals_one_device_with_the_keys_gathered(causal):
+    """Torch's CPU attention with dropout never reaches the flash kernels this module rules (they refuse
+    dropout): it decomposes into bmm, softmax, a bernoulli_ mask over [B, H, L, S] and bmm. On a sequence
+    split the queries stay split, the keys and values are gathered (n - 1 blocks of each, no ring) and
+    the mask is drawn at global size on every rank (`ops/random.py`), so, the ring forced or not, the
+    output, the gradients and the generator after the call equal one device's (`ops/attention.py` says
+    why no ring runs it)."""
+    n, inputs = 2, _inputs(1, 2, 2, 6)
+    xs = [t.clone().requires_grad_() for t in inputs]
+    torch.manual_seed(3)
+    want = F.scaled_dot_product_attention(*xs, dropout_p=0.5, is_causal=causal)
+    want.backward(torch.ones_like(want))
+    want_next = torch.rand(4)
+
     def body():
-        p = mesh_placement((2,))
-        q, k, v = (gt.to_global(t, p, SEQ) for t in _inputs(1, 2, 2, 6))
+        p = mesh_placement((n,))
+        q, k, v = (gt.to_global(t, p, SEQ).requires_grad_() for t in inputs)
+        torch.manual_seed(3)
         with gt.attention_method("ring"), gt.comm_log() as log:
-            F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
-        return _kinds(log.events)
-    assert "send_recv" not in gt.launch(body, 2)[0]
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, is_causal=causal)
+        nxt = torch.rand(4)
+        out.backward(gt.to_global(torch.ones(out.shape, dtype=D), p, out.sbp))
+        return (out.full_tensor(), [t.grad.full_tensor() for t in (q, k, v)], nxt,
+                [(e.kind, e.recv_bytes) for e in log.events])
+    for rank, (out, grads, nxt, events) in enumerate(gt.launch(body, n)):
+        torch.testing.assert_close(out, want.detach(), **TOL)
+        for g, x in zip(grads, xs):
+            torch.testing.assert_close(g, x.grad, **TOL)
+        assert torch.equal(nxt, want_next)
+        block = _block_bytes(tuple(inputs[1].shape), n, 1 - rank)
+        assert events == [("all_gather", block)] * 2, events
 
 
 @given(st.sampled_from([(2,), (3,), (4,), (2, 2), (1, 3), (2, 1)]), st.integers(1, 9),
@@ -327,26 +350,48 @@ def test_zigzag_ring_equals_one_device(case, causal, pieces):
 
 
 def _count_work(monkeypatch) -> dict:
-    """Per rank, the (query, key) pairs the ring's forward kernel calls attend (a causal call on a block
-    with itself: the triangle)."""
+    """Per rank, the (query, key) pairs the ring's kernel calls attend (a causal call on a block with
+    itself: the triangle), forward and backward, as a list cut wherever a message is posted or waited
+    for: every rank posts and waits alike, so the i-th entries of two ranks are the same ring step."""
     from globaltensor.ops import ring_attention
     work: dict = {}
-    real = ring_attention._attend
+    real_attend, real_backward, real_pass_on = (ring_attention._attend, ring_attention._attend_backward,
+                                                ring_attention._pass_on)
 
-    def counting(func, q, k, v, causal, scale):
+    def count(q, k, causal):
         nq, nk = q.shape[2], k.shape[2]
-        work[gt.rank()] = work.get(gt.rank(), 0) + (nq * (nq + 1) // 2 if causal else nq * nk)
-        return real(func, q, k, v, causal, scale)
-    monkeypatch.setattr(ring_attention, "_attend", counting)
+        work.setdefault(gt.rank(), [0])[-1] += nq * (nq + 1) // 2 if causal else nq * nk
+
+    def attend(func, q, k, v, causal, scale):
+        count(q, k, causal)
+        return real_attend(func, q, k, v, causal, scale)
+
+    def attend_backward(func, grad_out, q, k, v, out, lse, causal, scale):
+        count(q, k, causal)
+        return real_backward(func, grad_out, q, k, v, out, lse, causal, scale)
+
+    def pass_on(*args):
+        work.setdefault(gt.rank(), [0]).append(0)
+        finish = real_pass_on(*args)
+
+        def waited():
+            work[gt.rank()].append(0)
+            return finish()
+        return waited
+    monkeypatch.setattr(ring_attention, "_attend", attend)
+    monkeypatch.setattr(ring_attention, "_attend_backward", attend_backward)
+    monkeypatch.setattr(ring_attention, "_pass_on", pass_on)
     return work
 
 
-@pytest.mark.parametrize("n, pieces", [(2, 1), (4, 1), (2, 3)])
+@pytest.mark.parametrize("n, pieces", [(2, 1), (4, 1), (2, 3), (3, 2)])
 def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, pieces, monkeypatch):
-    """Causal, 4n rows: with zigzag every rank attends the same number of (query, key) pairs; on a
-    contiguous split the last rank attends (2n-1)/n of the mean (minus the diagonal's half). Bytes are
-    the ring's: n - 1 key and value blocks forward, those again and every gradient block backward."""
-    s = 4 * n
+    """Causal, 4n rows a piece: with zigzag every rank attends the same number of (query, key) pairs in
+    every ring step, forward and backward (a rank that works more in a step makes its neighbours wait:
+    the ring's pace is its slowest rank's, step by step), also blockwise; on a contiguous split the last
+    rank attends (2n-1)/n of the mean (minus the diagonal's half). Bytes are the ring's: n - 1 key and
+    value blocks forward, those again and every gradient block backward."""
+    s = 4 * n * pieces
     inputs = _inputs(1, 2, 1, s)
     shape = tuple(inputs[1].shape)
     work = _count_work(monkeypatch)
@@ -354,13 +399,15 @@ def test_zigzag_balances_causal_work_and_moves_the_ring_bytes(n, pieces, monkeyp
         monkeypatch.setattr(f"globaltensor.ops.ring_attention.{name}", pieces)
     monkeypatch.setattr("globaltensor.ops.ring_attention.MIN_PIECE_ROWS", 1)
     results = _check(inputs, True, (n,), (ZIG,), "ring")
-    zigzag = [work[r] for r in range(n)]
+    steps = [work[r] for r in range(n)]
+    zigzag = [sum(w) for w in steps]
     work.clear()
     _check(inputs, True, (n,), (SEQ,), "ring")
-    contiguous = [work[r] for r in range(n)]
-    b = s // n  # n diagonal triangles and n(n-1)/2 whole blocks of b x b, on either split
-    assert sum(zigzag) == sum(contiguous) == n * b * (b + 1) // 2 + n * (n - 1) // 2 * b * b
+    contiguous = [sum(work[r]) for r in range(n)]
+    b = s // n  # n diagonal triangles and n(n-1)/2 whole blocks of b x b, on either split, forward and backward
+    assert sum(zigzag) == sum(contiguous) == 2 * (n * b * (b + 1) // 2 + n * (n - 1) // 2 * b * b)
     assert len(set(zigzag)) == 1, zigzag
+    assert all(w == steps[0] for w in steps), steps
     assert max(contiguous) / (sum(contiguous) / n) > 1.3, contiguous
     for rank, (_, _, fwd, bwd, _) in enumerate(results):
         others = sum(_block_bytes(shape, n, j) for j in range(n) if j != rank)
