@@ -30,6 +30,7 @@ from ..sbp import Broadcast, Split
 from .errors import data_dependent, kernel_error
 from .registry import RULES, Ctx, Local, Rule, is_inplace
 from .scope import in_named
+from .span import placement_of
 
 MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
 
@@ -81,15 +82,6 @@ def flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:
         kind = type(out)
         return list(out), lambda xs: kind(xs)
     return [], lambda xs: out
-
-
-def placement_of(func: Any, tensors: list, cls: type) -> Any:
-    places = {t._layout.placement for t in tensors if isinstance(t, cls)}
-    if len(places) > 1:
-        raise ValueError(
-            f"{func}: inputs live on different placements {sorted(map(repr, places))}; move them to one with "
-            "x.to_global(placement, sbp) first (operators never pick a placement for you)")
-    return places.pop()
 
 
 def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
