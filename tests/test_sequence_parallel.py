@@ -271,11 +271,21 @@ def test_leaves_keep_their_layout():
 GLOO_STEPS = 2
 
 
-@pytest.mark.parametrize("kind", ["sp", "ulysses"])
-def test_under_gloo_processes(kind):
-    want = train(kind, None, 1, GLOO_STEPS)
-    for got in gt.launch(train, 2, backend="gloo", args=(kind, (1, 2), 1, GLOO_STEPS)):
-        _assert_same(got, want)
+GLOO_KINDS = ("sp", "ulysses", "ring")
+
+
+def _train_each(kinds: tuple, mesh: tuple, batch: int, steps: int) -> list:
+    return [train(kind, mesh, batch, steps) for kind in kinds]
+
+
+@pytest.mark.gloo
+def test_under_gloo_processes():
+    """Megatron-SP, Ulysses and ring attention, each a GPT trained on 2 gloo processes, in one launch
+    (a launch costs more than the steps)."""
+    wants = [train(kind, None, 1, GLOO_STEPS) for kind in GLOO_KINDS]
+    for per_rank in gt.launch(_train_each, 2, backend="gloo", args=(GLOO_KINDS, (1, 2), 1, GLOO_STEPS)):
+        for got, want in zip(per_rank, wants):
+            _assert_same(got, want)
 
 
 # -- the linears' flattening of [batch, seq] ---------------------------------------------------
