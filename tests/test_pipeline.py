@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, pp_plan, tp_plan, zero_plan
-from globaltensor.ops import decide, span
 from globaltensor.pipeline import schedule_actions
 
 B = gt.broadcast
@@ -144,13 +143,6 @@ def test_foreach_adamw_updates_every_stage_as_one_device():
                   want_losses, want_state)
 
 
-@pytest.fixture
-def scalars_span_placements(monkeypatch):
-    """The meaning `ops/span.py` gives ops whose inputs span placements (0-dim scalars are moved where they
-    are used), installed as the dispatcher's until `ops/decide.py` takes its `placement_of` from there."""
-    monkeypatch.setattr(decide, "placement_of", span.placement_of)
-
-
 def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=False):
     """2 GPT blocks, one per stage (ZeRO-3 inside each stage with `zero`); each step clip_grad_norm_ (torch's,
     unchanged) between the backward and AdamW. Returns (losses, state, held, norms, this rank's bytes the norms moved across stages per step,
@@ -188,7 +180,7 @@ def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=F
 @pytest.mark.parametrize("stage_mesh,foreach,pipelined_,zero", [((1,), True, True, False), ((1,), False, False, False),
                                                                ((2,), False, True, False), ((2,), True, True, False),
                                                                ((2,), True, True, True)])
-def test_clip_grad_norm_over_stages_equals_one_device(scalars_span_placements, stage_mesh, foreach, pipelined_, zero):
+def test_clip_grad_norm_over_stages_equals_one_device(stage_mesh, foreach, pipelined_, zero):
     """torch.nn.utils.clip_grad_norm_, unchanged (foreach and the for-loop, error_if_nonfinite=True), on a
     2-stage GPT (PP=2 x DP=2, PP=2 x ZeRO-3; and the same model run as a plain program whose parameters span
     two placements): each parameter's norm is a scalar on its stage, their stack runs on the union of the
@@ -214,7 +206,7 @@ def test_clip_grad_norm_over_stages_equals_one_device(scalars_span_placements, s
                 assert sum(b for _, b in step) == elsewhere * F64 == 18 * F64, step
 
 
-def test_clip_grad_norm_error_if_nonfinite_raises_on_every_rank(scalars_span_placements):
+def test_clip_grad_norm_error_if_nonfinite_raises_on_every_rank():
     """A non-finite gradient on the last stage: every rank knows the total norm, so every rank raises torch's error."""
     def run():
         stages = _stages(2, (1,))
@@ -228,7 +220,7 @@ def test_clip_grad_norm_error_if_nonfinite_raises_on_every_rank(scalars_span_pla
     assert gt.launch(run, 2) == [True, True]
 
 
-def test_only_scalars_span_placements(scalars_span_placements):
+def test_only_scalars_span_placements():
     """Scalars alone meet on the union of their placements; a scalar Broadcast on ranks that include an op's is
     used where the op runs (its non-scalar inputs', or an in-place op's target's), moving nothing; anything else
     is an error naming the fix (a non-scalar, or a scalar that ranks outside the op would have to send)."""
