@@ -143,23 +143,27 @@ def test_foreach_adamw_updates_every_stage_as_one_device():
                   want_losses, want_state)
 
 
-def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=False):
-    """2 GPT blocks, one per stage (ZeRO-3 inside each stage with `zero`); each step clip_grad_norm_ (torch's,
-    unchanged) between the backward and AdamW. Returns (losses, state, held, norms, this rank's bytes the norms moved across stages per step,
-    parameters on other stages)."""
-    stages = _stages(n_stages, stage_mesh)
+def _clipped(stage_mesh, foreach, steps, clip, kind, inner):
+    """A 2-stage GPT (2 blocks, one per stage; interleaved: 4, two chunks per stage; ZeRO-3 inside each stage
+    with inner="zero"); each step torch's clip_grad_norm_, unchanged, between the backward and AdamW. kind
+    "plain": no schedule, the model run whole as one global program. Returns (losses, state, held, norms,
+    this rank's bytes the norms moved across stages per step, parameters on other stages, parameters)."""
+    stages = _stages(2, stage_mesh)
     per, nd = math.prod(stage_mesh), len(stage_mesh)
+    virtual = 2 if kind == "interleaved" else 1
     torch.manual_seed(0)
-    model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2, zero_plan(0, 1) if zero else None))
+    model = gt.to_global(GPT(_cfg(2 * virtual)).double(), stages[0],
+                         pp_plan(stages, 2 * virtual, zero_plan(0, 1) if inner == "zero" else None, virtual=virtual))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
-    pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b", loss_fn=loss_fn, input_sbp=data_sbp)
+    pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b" if kind == "plain" else kind, loss_fn=loss_fn,
+                       input_sbp=data_sbp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(4)
     losses, norms, moved = [], [], []
     for _ in range(steps):
-        if pipelined_:
+        if kind != "plain":
             loss = pipe.step(x, t)
-        else:  # the same model as a plain global program: every rank runs it whole, no schedule
+        else:
             loss = loss_fn(model(gt.to_global(x, stages[0], data_sbp)), t)
             loss.backward()
         with gt.comm_log() as log:
@@ -173,35 +177,37 @@ def _clipped(n_stages, stage_mesh, foreach, steps, clip, pipelined_=True, zero=F
             assert len(moved[-1]) == len(log.events)
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
-    elsewhere = sum(gt.rank() not in q.placement for q in model.parameters())
-    return losses, state, held, norms, moved, elsewhere
+    params = list(model.parameters())
+    return losses, state, held, norms, moved, sum(gt.rank() not in q.placement for q in params), len(params)
 
 
-@pytest.mark.parametrize("stage_mesh,foreach,pipelined_,zero", [((1,), True, True, False), ((1,), False, False, False),
-                                                               ((2,), False, True, False), ((2,), True, True, False),
-                                                               ((2,), True, True, True)])
-def test_clip_grad_norm_over_stages_equals_one_device(stage_mesh, foreach, pipelined_, zero):
+@pytest.mark.parametrize("stage_mesh,foreach,kind,inner", [
+    ((1,), True, "1f1b", "none"), ((1,), False, "plain", "none"), ((1,), True, "interleaved", "none"),
+    ((2,), False, "1f1b", "none"), ((2,), True, "1f1b", "none"), ((2,), True, "1f1b", "zero")])
+def test_clip_grad_norm_over_stages_equals_one_device(stage_mesh, foreach, kind, inner):
     """torch.nn.utils.clip_grad_norm_, unchanged (foreach and the for-loop, error_if_nonfinite=True), on a
-    2-stage GPT (PP=2 x DP=2, PP=2 x ZeRO-3; and the same model run as a plain program whose parameters span
-    two placements): each parameter's norm is a scalar on its stage, their stack runs on the union of the
-    stages, and the coefficient, Broadcast there, scales each stage's gradients where they are.
+    2-stage GPT (1F1B, interleaved, PP=2 x DP=2, PP=2 x ZeRO-3; and the same model run as a plain program
+    whose parameters span two placements): each parameter's norm is a scalar on its stage, their stack runs
+    on the union of the stages, and the coefficient, Broadcast there, scales each stage's gradients where
+    they are.
 
-    Bytes across stages per step and rank, counted exactly: stages of one rank: the 36 parameters' norms,
+    Bytes across stages per step and rank, counted exactly: stages of one rank: every parameter's norm,
     zero-filled onto the union and all-reduced together (one collective, 2(n-1)/n of 36 scalars: 288 bytes;
-    the lower bound, the other stage's 18 norms, is half). Stages of two ranks: the 18 norms of the other
-    stage, each from its peer (the lower bound, in one send per norm: not packed). Megatron moves one
-    scalar per stage; see ops/span.py for why this is not that."""
+    68 interleaved; the lower bound, the other stage's norms, is half). Stages of two ranks: the 18 norms
+    of the other stage, each from its peer (the lower bound, in one send per norm: not packed). Megatron
+    moves one scalar per stage; see ops/span.py for why this is not that."""
     steps, clip = 3, 0.5
-    want_losses, want_state, want_norms = reference(2, 4, steps, foreach=foreach, clip=clip)
+    n_layer = 4 if kind == "interleaved" else 2
+    want_losses, want_state, want_norms = reference(n_layer, 4, steps, foreach=foreach, clip=clip)
     assert all(n > clip for n in want_norms)  # every step clips
-    results = gt.launch(_clipped, 2 * math.prod(stage_mesh), args=(2, stage_mesh, foreach, steps, clip, pipelined_,
-                                                                   zero))
+    results = gt.launch(_clipped, 2 * math.prod(stage_mesh), args=(stage_mesh, foreach, steps, clip, kind, inner))
     _check_values(results, want_losses, want_state)
-    for *_, norms, moved, elsewhere in results:
+    for *_, norms, moved, elsewhere, total in results:
         np.testing.assert_allclose(norms, want_norms, rtol=0, atol=1e-10)
+        assert total == {2: 36, 4: 68}[n_layer]
         for step in moved:
             if stage_mesh == (1,):
-                assert step == [("all_reduce", 36 * F64)], step
+                assert step == [("all_reduce", total * F64)], step
             else:
                 assert sum(b for _, b in step) == elsewhere * F64 == 18 * F64, step
 
