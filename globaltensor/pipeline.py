@@ -224,7 +224,7 @@ class Pipeline:
         held = peak = 0  # chunks whose activations this rank holds (forward run, backward not), and their most
         if self.activations is not None:
             self.activations.watch_parameters()
-        old = comm.p2p_tag, comm.p2p_async
+        old = comm.p2p_tag, comm.p2p_async, comm.p2p_label
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
@@ -238,6 +238,7 @@ class Pipeline:
                 for act, i, c in mine:
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                     comm.p2p_tag = 2 * i + (act == "B")
+                    comm.p2p_label = f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
                     run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else losses[i].backward
                     done, result = self._chunk(fibers, act, i, c, run)
                     held += 1 if act == "F" else -1
@@ -246,6 +247,7 @@ class Pipeline:
                         losses[i] = result if act == "F" else losses[i].detach()
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
+                comm.p2p_label = "the step's deferred reductions"
             for f in stage_forwards:
                 f.close_step()
             flushed = True
@@ -258,7 +260,7 @@ class Pipeline:
                 for f in stage_forwards:
                     f.close_step(flush=False)
             comm.flush_sends()
-            comm.p2p_tag, comm.p2p_async = old
+            comm.p2p_tag, comm.p2p_async, comm.p2p_label = old
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         total = time.perf_counter() - start
         # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'

@@ -73,6 +73,9 @@ class Communicator:
         self.p2p_tag = 0
         self.p2p_async = False
         self.p2p_wait_s = 0.0  # seconds spent in point-to-point calls while p2p_async (a pipeline's idle time)
+        # what the point-to-point messages now exchanged are for (a pipeline names the action and micro-batch),
+        # so that a stalled one is named by it: two stages whose schedules disagree say which message each awaits
+        self.p2p_label = ""
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:

@@ -296,7 +296,7 @@ class TorchDistCommunicator(Communicator):
     def _exchange(self, sends, bufs, tag=0):
         watch = self._watch
         if watch is not None:
-            watch.enter("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), "point-to-point")
+            watch.enter("send_recv", tuple(sorted(set(sends) | set(bufs) | {self.rank})), self._p2p_what())
         try:
             if self.backend == "nccl":  # nccl pairs sends and receives only when they are coalesced
                 ops = [dist.P2POp(dist.isend, t, dst) for dst, t in sorted(sends.items())]
@@ -321,6 +321,7 @@ class TorchDistCommunicator(Communicator):
     def _exchange_start(self, sends, bufs, tag=0):
         """isend/irecv now, waited for in the result (nccl: one coalesced batch, as `_exchange`)."""
         peers = tuple(sorted(set(sends) | set(bufs) | {self.rank}))
+        what = self._p2p_what()
         sent = list(sends.values())
         try:
             if self.backend == "nccl":
@@ -336,7 +337,7 @@ class TorchDistCommunicator(Communicator):
         def finish():
             watch = self._watch
             if watch is not None:
-                watch.enter("send_recv", peers, "point-to-point")
+                watch.enter("send_recv", peers, what)
             try:
                 for w in works:
                     w.wait()
@@ -350,9 +351,17 @@ class TorchDistCommunicator(Communicator):
         return finish
 
     def flush_sends(self) -> None:
+        """Wait for the asynchronous sends. A peer that failed closed its connection: that is a consequence
+        (a CollectiveError), so the peer's own error, not this one, is the one `launch` re-raises."""
         flying, self._in_flight = self._in_flight, []
         for w, _ in flying:
-            w.wait()
+            try:
+                w.wait()
+            except RuntimeError as e:
+                raise CollectiveError(f"a send of rank {self.rank} failed: {e}") from e
+
+    def _p2p_what(self) -> str:
+        return f"point-to-point, {self.p2p_label}" if self.p2p_label else "point-to-point"
 
     def _broadcast(self, t, group, src, shape, dtype):
         buf = t.clone() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)

@@ -89,6 +89,7 @@ class SimWorld:
         self.turn = 0
         self.status = ["runnable"] * world_size  # runnable | blocked | done
         self.waiting: list[str | None] = [None] * world_size
+        self.awaits: list[int | None] = [None] * world_size  # the rank a blocked receive waits on
         self.pending: dict[tuple, _Rendezvous] = {}
         self.seq: dict[tuple, int] = {}
         self.mail: dict[tuple[int, int], deque] = {}
@@ -176,16 +177,21 @@ class SimWorld:
         with self.cond:
             self._check_abort()
             self.mail.setdefault((src, dst, tag), deque()).append(t.clone())
-            if self.status[dst] == "blocked" and self.waiting[dst] == f"send_recv from rank {src}":
+            if self.status[dst] == "blocked" and self.awaits[dst] == src:
                 self.status[dst] = "runnable"
 
-    def recv(self, dst: int, src: int, shape: tuple, dtype: torch.dtype, tag: int = 0) -> torch.Tensor:
+    def recv(self, dst: int, src: int, shape: tuple, dtype: torch.dtype, tag: int = 0, label: str = "") -> torch.Tensor:
+        """`label`: what the message is for (`Communicator.p2p_label`), named if it never comes."""
         with self.cond:
             self._check_abort()
             box = self.mail.setdefault((src, dst, tag), deque())
             while not box:
                 self._check_abort()
-                self._block(dst, f"send_recv from rank {src}")
+                self.awaits[dst] = src
+                try:
+                    self._block(dst, f"send_recv from rank {src}" + (f" ({label})" if label else ""))
+                finally:
+                    self.awaits[dst] = None
             t = box.popleft()
             if tuple(t.shape) != shape or t.dtype != dtype:
                 self._abort(f"send_recv mismatch: rank {dst} expected {shape} {dtype} from rank {src}, "
@@ -269,16 +275,17 @@ class SimCommunicator(Communicator):
         for dst, t in sends.items():
             self.world.send(self.rank, dst, t, tag)
         for src, buf in bufs.items():
-            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag))
+            buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag, self.p2p_label))
 
     def _exchange_start(self, sends, bufs, tag=0):
         """Sends are buffered at once; the receives wait in the result (the scheduler runs the peers)."""
         for dst, t in sends.items():
             self.world.send(self.rank, dst, t, tag)
+        label = self.p2p_label
 
         def finish():
             for src, buf in bufs.items():
-                buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag))
+                buf.copy_(self.world.recv(self.rank, src, tuple(buf.shape), buf.dtype, tag, label))
             return bufs
         return finish
 
