@@ -302,24 +302,31 @@ def test_torch_test_transformer_experts_steered_is_dtensor_expert_parallel(n):
 # -- the model, trained --------------------------------------------------------------------------------
 
 STEPS = 3
+SMALL = MoEConfig(**{**CFG.__dict__, "n_layer": 1, "n_embd": 8, "expert_hidden": 16, "vocab_size": 16})
 
 
-def _batch():
+def small(k: int, dropless: bool = False) -> MoEConfig:
+    """The 20-step runs' model: one block, d = 8 (the property is per step and per layer, not size)."""
+    return MoEConfig(**{**SMALL.__dict__, "top_k": k, "dropless": dropless})
+
+
+def _batch(cfg: MoEConfig = CFG):
     g = torch.Generator().manual_seed(1)
-    return (torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
-            torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g))
+    return (torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g),
+            torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g))
 
 
-def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None, zero=False):
+def train(mesh=None, expert_axis=0, steps=STEPS, tensor_axis=None, zero=False, cfg=CFG):
+    """AdamW steps of a MoEGPT of `cfg` (capacity or dropless), on one device or placed by moe_gpt_plan."""
     torch.manual_seed(0)
-    model = MoEGPT(CFG).double()
-    idx, tgt = _batch()
+    model = MoEGPT(cfg).double()
+    idx, tgt = _batch(cfg)
     if mesh is not None:
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero))
+        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero, dropless=cfg.dropless))
         batch = ep_batch(len(mesh), tensor_axis)
         idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
-    return adamw_steps(model, idx, tgt, steps, "last_kept", mesh is not None)
+    return adamw_steps(model, idx, tgt, steps, "last_choice" if cfg.dropless else "last_kept", mesh is not None)
 
 
 def adamw_steps(model: MoEGPT, idx, tgt, steps: int, decisions: str, placed: bool) -> tuple:
@@ -369,39 +376,61 @@ def reference():
     return train()
 
 
-@pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
-def test_model_adamw_equals_one_device(reference, mesh, expert_axis):
-    want_losses, want_kept, want_params, *_ = reference
+@pytest.fixture(scope="module")
+def capacity_reference():
+    """One device, 20 AdamW steps of the small capacity model, top-1 and top-2: shared by every mesh."""
+    return {k: train(steps=20, cfg=small(k)) for k in (1, 2)}
+
+
+@pytest.mark.parametrize("mesh, expert_axis", [((4,), 0), ((2, 2), 1)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_model_adamw_20_steps_equals_one_device(capacity_reference, mesh, expert_axis, k):
+    """20 AdamW steps of the capacity MoEGPT on EP=4 and EP=2 x DP=2, top-1 and top-2: losses, every
+    step's routing decisions (which choices were dropped: the reference drops some) and the parameters
+    equal one device, nothing falls back; every step moves exactly the two ideal all-to-alls per layer
+    each way (check_model_bytes)."""
+    want_losses, want_kept, want_params, *_ = capacity_reference[k]
+    assert any((kept == 0).any() for step in want_kept for kept in step), "no token dropped: routing untested"
     before = dict(gt.stats()["fallback"])
-    results = _launch(train, int(np.prod(mesh)), mesh, expert_axis)
+    n = int(np.prod(mesh))
+    results = _launch(train, n, mesh, expert_axis, 20, None, False, small(k))
     assert dict(gt.stats()["fallback"]) == before
     for rank, (losses, kept, params, logs, embedding) in enumerate(results):
         assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
-        check_model_bytes(mesh, expert_axis, rank, logs, embedding)
+        check_model_bytes(mesh, expert_axis, rank, logs, embedding, small(k))
 
 
-def check_model_bytes(mesh: tuple, expert_axis: int, rank: int, logs: list, embedding: list) -> None:
+def check_model_bytes(mesh: tuple, expert_axis: int, rank: int, logs: list, embedding: list, cfg: MoEConfig) -> None:
     """Forward and backward of the whole model: only the MoE all-to-alls move data (the loss and the
     gradients stay Partial until read: the optimizer's reductions are data parallelism's), besides
-    cross_entropy's scalar all-reduce over a split batch and what the token embedding's backward moves
-    alone (measured on its own)."""
+    cross_entropy's scalar over a split batch (reduced axis by axis on a 2-D mesh: collectives of at
+    most one fp64 per peer) and what the token embedding's backward moves alone (measured on its own)."""
     n, m = int(np.prod(mesh)), mesh[expert_axis]
-    want = ideal_all_to_all(CFG, BATCH // (n // m), CFG.block_size, m)[rank % m]
+    want = ideal_all_to_all(cfg, BATCH // (n // m), cfg.block_size, m)[rank % m]
     per_layer = [("all_to_all", b) for b in want]
     for fwd, bwd in logs:
-        assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * CFG.n_layer, (rank, fwd)
-        assert all(k == "all_reduce" and b <= 8 * n for k, b in fwd if k != "all_to_all"), (rank, fwd)
-        assert bwd == per_layer * CFG.n_layer + embedding, (rank, bwd, embedding)
+        assert [e for e in fwd if e[0] == "all_to_all"] == per_layer * cfg.n_layer, (rank, fwd)
+        assert all(b <= 8 * n for k, b in fwd if k != "all_to_all"), (rank, fwd)
+        assert bwd == per_layer * cfg.n_layer + embedding, (rank, bwd, embedding)
 
 
-def test_model_ep_x_tp_2x2(reference):
-    """EP=2 x TP=2: experts split on E (axis 0) and Megatron-style on their hidden dim (axis 1),
-    attention and the tied embedding tensor-parallel: equal to one device, nothing falls back."""
-    want_losses, want_kept, want_params, *_ = reference
+@pytest.mark.parametrize("k", [1, 2])
+def test_model_ep_x_tp_adamw_20_steps_equals_one_device(capacity_reference, k):
+    """20 AdamW steps on EP=2 x TP=2: experts split on E (axis 0) and Megatron-style on their hidden dim
+    (axis 1), attention and the tied embedding tensor-parallel: losses, every step's routing decisions
+    and the parameters equal one device, nothing falls back; each step's all-to-alls are the layer's
+    (test_layer_ep_x_tp_2x2): the dispatch whole, the combine of half the tensor forward."""
+    want_losses, want_kept, want_params, *_ = capacity_reference[k]
+    cfg = small(k)
     before = dict(gt.stats()["fallback"])
-    for losses, kept, params, *_ in _launch(train, 4, (2, 2), 0, STEPS, 1):
-        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
+    results = _launch(train, 4, (2, 2), 0, 20, 1, False, cfg)
     assert dict(gt.stats()["fallback"]) == before
+    dispatch, combine = ideal_all_to_all(cfg, BATCH, cfg.block_size, 2)[0]
+    for rank, (losses, kept, params, logs, _) in enumerate(results):
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
+        for fwd, bwd in logs:
+            assert [e for e in fwd if e[0] == "all_to_all"] == [("all_to_all", dispatch),
+                                                               ("all_to_all", combine // 2)], (rank, fwd)
 
 
 @pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
@@ -422,14 +451,6 @@ def test_model_ep_with_zero3(reference, mesh, expert_axis):
         for fwd, bwd in logs:
             assert [e for e in fwd if e[0] == "all_to_all"] == [("all_to_all", b) for b in want[rank % m]] * 2
             assert all(b < experts_bytes for k, b in fwd + bwd if k == "all_gather"), (fwd, bwd)
-
-
-@pytest.mark.gloo
-def test_model_ep4_under_gloo_processes():
-    want_losses, want_kept, want_params, *_ = train(steps=2)
-    for rank, (losses, kept, params, logs, embedding) in enumerate(_launch(train, 4, (4,), 0, 2, backend="gloo")):
-        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
-        check_model_bytes((4,), 0, rank, logs, embedding)
 
 
 # -- dropless: ragged rows per expert ------------------------------------------------------------------
@@ -549,19 +570,9 @@ def test_dropless_layer_hypothesis(k, experts, n, batch, group, skew, seed):
 
 
 def train_dropless(mesh=None, expert_axis=0, steps=20, k=2, zero=False, tensor_axis=None):
-    """`train`'s loop for a dropless MoEGPT (smaller, for 20 steps): losses, routing, parameters, and
-    each step's collectives forward and backward."""
-    cfg = _dropless(CFG, top_k=k, n_layer=1, n_embd=8, expert_hidden=16, vocab_size=16)
-    torch.manual_seed(0)
-    model = MoEGPT(cfg).double()
-    g = torch.Generator().manual_seed(1)
-    idx, tgt = (torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size), generator=g) for _ in range(2))
-    if mesh is not None:
-        p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, moe_gpt_plan(expert_axis, len(mesh), tensor_axis, zero=zero, dropless=True))
-        batch = ep_batch(len(mesh), tensor_axis)
-        idx, tgt = gt.to_global(idx, p, batch), gt.to_global(tgt, p, batch)
-    return adamw_steps(model, idx, tgt, steps, "last_choice", mesh is not None) + (cfg,)
+    """`train` for the small dropless MoEGPT: losses, routing, parameters, each step's collectives, and its config."""
+    cfg = small(k, dropless=True)
+    return train(mesh, expert_axis, steps, tensor_axis, zero, cfg) + (cfg,)
 
 
 @pytest.fixture(scope="module")
@@ -665,16 +676,29 @@ def test_dropless_model_ep_x_tp_adamw_20_steps_equals_one_device(dropless_refere
             assert all(r in fwd and r in bwd for r in rows), (rank, fwd, bwd, rows)
 
 
+def _under_gloo(steps: int, k: int, layer_cfg: MoEConfig) -> tuple:
+    """Both gloo checks in one launch of 4 processes (each launch costs 5-18 s of process start): the
+    capacity model's AdamW steps, then one dropless layer step."""
+    return (train((4,), 0, steps, None, False, small(k)),
+            _dropless_layer_step(layer_cfg, BATCH, 0, False, (4,), 0))
+
+
 @pytest.mark.gloo
-def test_dropless_layer_ep4_under_gloo_processes():
-    """The count all-gather and the uneven all-to-alls through torch.distributed (gloo), not the simulator."""
+def test_ep4_under_gloo_processes(capacity_reference):
+    """EP=4 through torch.distributed (gloo), not the simulator: 20 AdamW steps of the capacity model
+    equal one device (losses, routing, parameters) at the ideal all-to-alls; and a dropless layer's
+    count all-gather and uneven all-to-alls equal one device at exactly the routed rows."""
     cfg = _dropless(CFG, top_k=2)
     layer, x, w = _layer_inputs(cfg, BATCH, 0, False)
     x.requires_grad_(True)
     y_ref, aux_ref = layer(x)
     ((y_ref * w).sum() + aux_ref).backward()
-    results = _launch(_dropless_layer_step, 4, cfg, BATCH, 0, False, (4,), 0, backend="gloo")
-    for rank, (fwd, bwd, y, aux, choice, xg, grads) in enumerate(results):
+    want_losses, want_kept, want_params, *_ = capacity_reference[2]
+    results = _launch(_under_gloo, 4, 20, 2, cfg, backend="gloo")
+    for rank, (model, (fwd, bwd, y, aux, choice, xg, grads)) in enumerate(results):
+        losses, kept, params, logs, embedding = model
+        assert_same_training(losses, kept, params, want_losses, want_kept, want_params)
+        check_model_bytes((4,), 0, rank, logs, embedding, small(2))
         torch.testing.assert_close(y, y_ref.detach(), **TOL)
         torch.testing.assert_close(xg, x.grad, **TOL)
         for k, v in layer.named_parameters():
