@@ -19,7 +19,9 @@ whole sequence. Per method: forward + backward of `F.scaled_dot_product_attentio
 `[1, heads, seq, 64]` fp32 split on the sequence (each rank draws its own shard, `gt.from_local`),
 the method forced with `gt.attention_method`. Time: the median over repetitions of the slowest
 rank's time, methods interleaved between barriers (`bench/common.py`); CPU time: the slowest
-rank's median CPU seconds per call (what a loaded machine's wall clock hides). Peak memory: the high-water
+rank's median CPU seconds per call (what a loaded machine's wall clock hides); ring waits: the slowest
+rank's median seconds per call blocked on the ring's messages (where wall time exceeds CPU time,
+whether the ring's steps wait for each other). Peak memory: the high-water
 mark of the process's resident memory over one call minus its resident memory before it (Linux
 `/proc/self/clear_refs` resets the mark), glibc's mmap threshold fixed so that a freed tensor
 leaves resident memory at once. Targets (issue 15) at 16k tokens: ring peak <= 1.2 x (one
@@ -43,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import globaltensor as gt  # noqa: E402
 from common import interleaved_times, write_results  # noqa: E402
 from globaltensor.models.gpt import GPT, GPTConfig, seq_batch, ulysses_plan  # noqa: E402
+from globaltensor.ops import ring_attention  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -66,8 +69,8 @@ def peak_bytes(fn) -> int:
 
 def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int, pieces=None) -> dict:
     torch.set_num_threads(1)
+    _count_ring_waits()
     if pieces is not None:  # the ring's most pieces per block (ops/ring_attention.py), to compare
-        from globaltensor.ops import ring_attention
         ring_attention.PIECES = pieces
         ring_attention.QUERY_PIECES = min(pieces, ring_attention.QUERY_PIECES)
         ring_attention.FORWARD_PIECES = min(pieces, ring_attention.FORWARD_PIECES)
@@ -91,7 +94,8 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int, pieces=
                 t.grad = None
         return run
     cpu: dict = {m: [] for m in methods}
-    impls = {m: _cpu_timed(step(m), cpu[m]) for m in methods}
+    waits: dict = {m: [] for m in methods}
+    impls = {m: _waits_counted(_cpu_timed(step(m), cpu[m]), waits[m]) for m in methods}
     peaks = {}
     for m, fn in impls.items():
         fn()  # decisions made, buffers of gloo set up
@@ -100,7 +104,38 @@ def _ranks(seq: int, heads: int, methods: list, causal: bool, reps: int, pieces=
         peaks[m] = (peaks[m], log.recv_bytes)
     times = interleaved_times(impls, reps, warmup=0)
     return {m: {"s": statistics.median(times[m]), "cpu": statistics.median(cpu[m][-reps:]), "peak": peaks[m][0],
-                "recv": peaks[m][1]} for m in methods}
+                "recv": peaks[m][1], "wait": statistics.median(waits[m][-reps:])} for m in methods}
+
+
+_ring_wait = [0.0]  # seconds this process has spent blocked on the ring's messages
+
+
+def _count_ring_waits() -> None:
+    """Time each finish of a ring message (`ring_attention._pass_on`'s result): the part of a rank's
+    wall time that waits for its neighbours (a slower neighbour's step, a message still in flight),
+    which is where the wall time of a ring with balanced CPU time goes."""
+    real = ring_attention._pass_on
+
+    def pass_on(*args):
+        finish = real(*args)
+
+        def waited():
+            t0 = time.perf_counter()
+            try:
+                return finish()
+            finally:
+                _ring_wait[0] += time.perf_counter() - t0
+        return waited
+    ring_attention._pass_on = pass_on
+
+
+def _waits_counted(fn, into: list):
+    """fn, noting the seconds each call spent waiting on ring messages (0 for the other methods)."""
+    def run():
+        w0 = _ring_wait[0]
+        fn()
+        into.append(_ring_wait[0] - w0)
+    return run
 
 
 def _cpu_timed(fn, into: list):
@@ -148,6 +183,7 @@ def _gpt_step(model, idx, tgt, method: str):
 def _gpt_ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> dict:
     """One AdamW step per method on a GPT over `seq` tokens split on the ranks (see the module's text)."""
     torch.set_num_threads(1)
+    _count_ring_waits()
     p = gt.placement("cpu", list(range(gt.world_size())))
     cfg = _gpt_config(seq, heads)
     torch.manual_seed(0)
@@ -165,7 +201,8 @@ def _gpt_ranks(seq: int, heads: int, methods: list, causal: bool, reps: int) -> 
 
 def _measure(steps: dict, reps: int) -> dict:
     cpu: dict = {m: [] for m in steps}
-    impls = {m: _cpu_timed(fn, cpu[m]) for m, fn in steps.items()}
+    waits: dict = {m: [] for m in steps}
+    impls = {m: _waits_counted(_cpu_timed(fn, cpu[m]), waits[m]) for m, fn in steps.items()}
     peaks = {}
     for m, fn in impls.items():
         fn()  # decisions made, buffers of gloo set up, optimizer state allocated
@@ -173,7 +210,7 @@ def _measure(steps: dict, reps: int) -> dict:
             peaks[m] = (peak_bytes(fn), log.recv_bytes)
     times = interleaved_times(impls, reps, warmup=0)
     return {m: {"s": statistics.median(times[m]), "cpu": statistics.median(cpu[m][-reps:]), "peak": peaks[m][0],
-                "recv": peaks[m][1]} for m in steps}
+                "recv": peaks[m][1], "wait": statistics.median(waits[m][-reps:])} for m in steps}
 
 
 def _gpt_alone(seq: int, heads: int, causal: bool, reps: int) -> dict:
@@ -222,22 +259,23 @@ def main() -> None:
                 cpu = max(r[m]["cpu"] for r in res)
                 peak = max(r[m]["peak"] for r in res)
                 recv = max(r[m]["recv"] for r in res)
+                wait = max(r[m]["wait"] for r in res)
                 rows.append(f"| {seq} | {n} | {m} | {s * 1e3:.0f} | {s / (one['s'] / n):.2f} | "
-                            f"{cpu / (one['cpu'] / n):.2f} | {peak / 2**20:.1f} | "
+                            f"{cpu / (one['cpu'] / n):.2f} | {wait * 1e3:.0f} | {peak / 2**20:.1f} | "
                             f"{peak / (one['peak'] / n):.2f} | {recv / 2**20:.1f} |")
                 data.append({"seq": seq, "ranks": n, "method": m, "s": s, "cpu": cpu, "peak": peak, "recv": recv,
-                             "one_s": one["s"], "one_cpu": one["cpu"], "one_peak": one["peak"]})
+                             "wait": wait, "one_s": one["s"], "one_cpu": one["cpu"], "one_peak": one["peak"]})
             print(rows[-len(methods):], f"one process: {one['s'] * 1e3:.0f} ms, {one['peak'] / 2**20:.1f} MiB",
                   flush=True)
-        rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | n | n | {one['peak'] / 2**20:.1f} | "
+        rows.append(f"| {seq} | 1 | one process | {one['s'] * 1e3:.0f} | n | n | 0 | {one['peak'] / 2**20:.1f} | "
                     f"n | 0 |")
     what = ("GPT training step (2 layers, vocab 512, AdamW)" if args.gpt else "attention forward + backward")
     table = "\n".join([f"heads {args.heads}, head_dim {HEAD_DIM}, fp32, {'causal' if causal else 'not causal'}, "
                        f"{what}, one thread per process",
                        "",
                        "| seq | procs | method | ms | time / (one process / n) | CPU time / (one process / n) | "
-                       "peak MiB | peak / (one process / n) | MiB received |",
-                       "|---|---|---|---|---|---|---|---|---|"] + rows)
+                       "ring waits ms | peak MiB | peak / (one process / n) | MiB received |",
+                       "|---|---|---|---|---|---|---|---|---|---|"] + rows)
     print(table)
     write_results(args.out, "long_seq_gpt" if args.gpt else f"long_seq{'' if causal else '_nocausal'}", table, data)
 
