@@ -9,8 +9,12 @@ cost model picks among them unless the user names one (`attention_method`):
   all-to-all each) and runs the heads split; needs the heads to divide the
   axis (else ranks sit idle), which "auto" requires and forcing checks.
 - "allgather": q stays split, k and v are gathered whole, their gradients
-  reduce-scattered back (Megatron's context parallelism; without causal: the
-  kernel's mask does not know the query offset).
+  reduce-scattered back (Megatron's context parallelism). Causal too, for
+  self-attention: the kernel's own causal mask does not know where a rank's
+  queries start, so the kernel runs unmasked with the mask of its rows
+  (query at global row i sees keys 0..i), bit for bit one device's rows.
+  "auto" leaves causal to the ring: with the keys gathered rank r does
+  (2r+1)/n^2 of the work and holds every key.
 - "ring": q, k, v all stay split and k/v blocks travel around the ring
   (`ops/ring_attention.py`), forward and backward, causal or not; its traffic
   is charged by `kernel_cost`, since its inputs need no conversion. At the
@@ -110,7 +114,8 @@ def attention_signatures(backward: bool):
         for d in (0, 1):
             mask = (pointwise_dims(ctx.shapes[-1], full, d),) if has_mask else ()
             sigs.append(((S(d),) * n_main + mask, (S(d),) * n_out))
-        if not causal:  # all-gather of k, v; their gradients are partial sums over the query blocks
+        if not causal or (not has_mask and q[2] == k[2]):  # all-gather of k, v; their gradients are partial
+            # sums over the query blocks (causal: the rows' mask, `_local`)
             mask = (pointwise_dims(ctx.shapes[-1], full, 2),) if has_mask else ()
             sigs.append((((S(2),) if backward else ()) + (S(2), B, B) + ((S(2), S(2)) if backward else ()) + mask,
                          (S(2), P, P) if backward else (S(2), S(2))))
@@ -144,8 +149,26 @@ def _local(backward: bool):
     def local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
         if ring_axes(where.in_layouts[k_slot]):
             return ring(func, args, kwargs, where)
+        if where.ctx.arg(causal_at, "is_causal", False):
+            start, rows = where.in_box(k_slot - 1)[2]
+            if (start, rows) != (0, where.ctx.shapes[k_slot][2]):  # this rank's queries, all the keys
+                args, kwargs = _rows_causal(args, kwargs, causal_at, start, rows, args[k_slot])
         return skip_empty(func, args, kwargs, where)
+    causal_at = 7 if backward else 4
     return local
+
+
+def _rows_causal(args: tuple, kwargs: dict, causal_at: int, start: int, rows: int, keys: torch.Tensor) -> tuple:
+    """The call on queries start..start+rows of a causal self-attention with all the keys: unmasked by
+    the kernel, masked by the rows' own causal mask (an additive -inf above the shifted diagonal)."""
+    n = keys.shape[2]
+    above = torch.arange(n, device=keys.device)[None, :] > torch.arange(start, start + rows, device=keys.device)[:, None]
+    mask = torch.zeros(rows, n, dtype=keys.dtype, device=keys.device).masked_fill_(above, float("-inf"))
+    if len(args) > causal_at:
+        args = args[:causal_at] + (False,) + args[causal_at + 1:]
+    else:
+        kwargs = {**kwargs, "is_causal": False}
+    return args, {**kwargs, "attn_mask": mask}
 
 
 def _sequence_cost(backward: bool):
@@ -182,6 +205,8 @@ def _sequence_cost(backward: bool):
             kinds.append(kind)
         if "ring" in kinds and "allgather" in kinds:
             return None  # the ring runs on whole key blocks of its members
+        if method == "auto" and "allgather" in kinds and ctx.arg(4 + 3 * off, "is_causal", False):
+            return None  # causal: the ring, unless forced (gathered keys: rank r does (2r+1)/n^2 of the work)
         if not _heads_aligned(q, k, ctx.shapes[off], ctx.shapes[off + 1]):
             return None
         if method == "auto" and ("ulysses" in kinds or "other" in kinds) and any(
@@ -205,7 +230,7 @@ def _offered(ctx: Ctx, backward: bool, sources: tuple) -> set:
     causal = ctx.arg(4 + (3 if backward else 0), "is_causal", False)
     has_mask = len(ctx.shapes) > n_main
     offered = set()
-    if not causal:
+    if not causal or (not has_mask and ctx.shapes[off][2] == ctx.shapes[off + 1][2]):
         offered.add("allgather")
     if not has_mask and (not causal or ctx.shapes[off][2] == ctx.shapes[off + 1][2]):
         offered.add("ring")

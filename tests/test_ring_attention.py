@@ -99,6 +99,7 @@ CASES = [  # (mesh, sbp of q/k/v, batch, heads, kv heads, seq)
     ((2,), (SEQ,), 2, 4, 4, 8),
     ((3,), (SEQ,), 1, 3, 3, 7),                            # uneven sequence split
     ((4,), (SEQ,), 1, 4, 2, 10),                           # GQA, uneven
+    ((2,), (SEQ,), 1, 4, 2, 6),                            # GQA whose key/value heads Ulysses can split
     ((2, 2), (gt.split(0), SEQ), 2, 2, 2, 5),              # batch on axis 0, sequence on axis 1
     ((2, 2), (SEQ, gt.split(1)), 1, 4, 2, 7),              # sequence on axis 0, heads (TP) on axis 1
     ((2, 2), (SEQ, SEQ), 1, 4, 4, 9),                      # the sequence over both axes: a ring of 4
@@ -114,15 +115,13 @@ def test_forced_method_equals_one_device(case, causal, method):
         pytest.skip("Ulysses needs heads divisible by the axis (test_forced_ulysses_names_the_heads)")
     results = _check(_inputs(b, h, kvh, s), causal, mesh, sbp, method)
     fwd = _kinds(results[0][2])
-    if method == "allgather" and causal:  # the gathered keys have no causal offset: the replicated run
-        assert "send_recv" not in fwd
-    elif method == "ulysses":  # the sequence's axes now split the heads (the planner may move them p2p)
+    if method == "ulysses":  # the sequence's axes now split the heads (the planner may move them p2p)
         assert all(o == gt.split(1) for o, i in zip(results[0][4], sbp) if i == SEQ), results[0][4]
     else:
         assert MARK[method] in fwd, (method, fwd)
         assert not ({"send_recv", "all_to_all", "all_gather"} - {MARK[method]}) & fwd, (method, fwd)
-    if method == "ring":
-        assert results[0][4] == sbp  # the output keeps the sequence split
+    if method in ("ring", "allgather"):
+        assert results[0][4] == sbp  # the output keeps the sequence split (causal too: each rank its rows)
 
 
 def _block_bytes(shape: tuple, ranks: int, index: int) -> int:
