@@ -13,6 +13,7 @@ bytes than the textbook's count, chosen by cost; the paper's count is then an up
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections import Counter
@@ -44,13 +45,15 @@ assert BATCH * CFG.block_size // 4 >= CFG.vocab_size  # tokens per rank on 4 ran
 
 
 def _optimizer(kind: str, params):
+    """On CPU torch's optimizers take the for-loop path for tensor subclasses unless `foreach=True`
+    is passed: the "-foreach" kinds pass it (on one device too: the same program)."""
+    foreach = True if kind.endswith("-foreach") else False if kind.endswith("-loop") else None
+    kind = kind.split("-")[0]
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2)
-    if kind == "adamw-loop":
-        return torch.optim.AdamW(params, lr=1e-2, foreach=False)
+        return torch.optim.AdamW(params, lr=1e-2, foreach=foreach)
     if kind == "adam":
-        return torch.optim.Adam(params, lr=1e-2)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.Adam(params, lr=1e-2, foreach=foreach)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
 
 
 def _train(model, idx, tgt, steps: int, opt_kind: str, clip: str | None, log_steps: bool = False):
@@ -73,9 +76,11 @@ def _train(model, idx, tgt, steps: int, opt_kind: str, clip: str | None, log_ste
     return losses, logs
 
 
-def _reference(steps: int, opt_kind: str, clip: str | None):
+@functools.lru_cache(maxsize=None)
+def _reference(steps: int, opt_kind: str, clip: str | None, dtype: torch.dtype = torch.float64):
+    """The one-device run, shared by every case that trains the same program (read only)."""
     torch.manual_seed(0)
-    model = GPT(CFG).double()
+    model = GPT(CFG).to(dtype)
     losses, _ = _train(model, _tokens(1), _tokens(2), steps, opt_kind, clip)
     return [float(x.detach()) for x in losses], {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -84,29 +89,37 @@ def _mesh(shape: tuple) -> gt.Placement:
     return gt.placement("cpu", np.arange(math.prod(shape)).reshape(shape).tolist())
 
 
-def _global_run(shape: tuple, stage: int, steps: int, opt_kind: str, clip: str | None):
+def _global_run(shape: tuple, stage: int, steps: int, opt_kind: str, clip: str | None,
+                dtype: torch.dtype = torch.float64):
     p = _mesh(shape)
     tensor_axis = 1 if len(shape) == 2 else None
     torch.manual_seed(0)
-    model = gt.to_global(GPT(CFG).double(), p, zero_plan(0, len(shape), tensor_axis,
-                                                        reshard_after_forward=stage == 3))
+    model = gt.to_global(GPT(CFG).to(dtype), p, zero_plan(0, len(shape), tensor_axis,
+                                                         reshard_after_forward=stage == 3))
     batch = dp_batch(0, len(shape))
     idx, tgt = (gt.to_global(t, p, batch) for t in (_tokens(1), _tokens(2)))
     losses, logs = _train(model, idx, tgt, steps, opt_kind, clip, log_steps=True)
     axis_of = {tuple(g): a for a in range(p.ndim) for g in p.axis_groups(a)}
-    counted = []
+    counted, calls = [], []  # per step: bytes, and collectives, per (phase, kind, mesh axis)
     for log in logs:
-        c = Counter()
+        c, n = Counter(), Counter()
         for phase, events in log.items():
             for e in events:
                 c[(phase, e.kind, axis_of.get(e.group, e.group))] += e.recv_bytes
+                n[(phase, e.kind, axis_of.get(e.group, e.group))] += 1
         counted.append(c)
+        calls.append(n)
     layouts = [(tuple(q.shape), q.global_layout) for q in model.parameters()]
     return ([float(x.full_tensor().detach()) for x in losses], {k: v.full_tensor() for k, v in model.state_dict().items()},
-            counted, layouts, dict(gt.stats()["fallback"]))
+            counted, layouts, dict(gt.stats()["fallback"]), calls)
 
 
-def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0) -> Counter:
+def _global_runs(shape: tuple, stage: int, steps: int, programs: list) -> list:
+    """Several trainings (optimizer, clipping, dtype) one after another in one launch."""
+    return [_global_run(shape, stage, steps, *program) for program in programs]
+
+
+def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0, itemsize: int = 8) -> Counter:
     """What ZeRO moves on the data axis, per phase and kind, for this rank: from the parameters' layouts.
 
     A parameter split on the data axis is all-gathered (its compute shard less the stored one) forward
@@ -124,72 +137,112 @@ def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0) -> Coun
         compute = gt.Layout(p, tuple(B if a == data_axis else s for a, s in enumerate(lay.sbp)))
         full = math.prod(compute.local_shape(shape, rank))
         if isinstance(lay.sbp[data_axis], gt.sbp.Split):
-            ag = (full - math.prod(stored)) * F64
+            ag = (full - math.prod(stored)) * itemsize
             out[("forward", "all_gather", data_axis)] += ag
             if stage == 3:
                 out[("backward", "all_gather", data_axis)] += ag
-            out[("backward", "reduce_scatter", data_axis)] += (d - 1) * math.prod(stored) * F64
+            out[("backward", "reduce_scatter", data_axis)] += (d - 1) * math.prod(stored) * itemsize
         else:
             me = p.group(rank, data_axis).index(rank)
-            out[("backward", "all_reduce", data_axis)] += all_reduce_recv_bytes(full, F64, d, me)
+            out[("backward", "all_reduce", data_axis)] += all_reduce_recv_bytes(full, itemsize, d, me)
     p = layouts[0][1].placement
     if p.shape[data_axis] > 1:
         group = p.group(rank, data_axis)
-        out[("forward", "all_reduce", data_axis)] += all_reduce_recv_bytes(1, F64, len(group), group.index(rank))
+        out[("forward", "all_reduce", data_axis)] += all_reduce_recv_bytes(1, itemsize, len(group), group.index(rank))
     return out
+
+
+# per mesh case: the 20 AdamW steps of the issue, fp64, and the same with SGD+momentum and clip_grad_norm_
+# (foreach: one small all-reduce of the gradients' norms); fp32 AdamW on two of the cases
+PROGRAMS = [("adamw", None, torch.float64), ("sgd", "foreach", torch.float64)]
+FP32 = ("adamw", None, torch.float32)
+
+
+def _assert_state_close(state: dict, want: dict, atol: float) -> None:
+    for k, v in want.items():
+        if atol > 1e-10 and k.endswith("attn.k.bias"):
+            # fp32 only: softmax is shift-invariant per query, so this bias's true gradient is exactly 0;
+            # what it gets is rounding noise (it differs between one device and any split of the sums),
+            # and AdamW divides that noise by its own size, so the noise decides the update (measured
+            # 3.8e-4 here; tests/test_sequence_parallel.py excludes it alike). fp64 checks it to 1e-10.
+            continue
+        torch.testing.assert_close(state[k], v, rtol=0, atol=atol, msg=k)
 
 
 @pytest.mark.parametrize("shape", [(2,), (4,), (2, 2)])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gpt_zero_trains_as_one_device_at_the_paper_bytes(shape, stage):
+    """20 steps of AdamW, and of SGD+momentum with clip_grad_norm_ (foreach), fp64, and of AdamW in fp32
+    where the case has it: losses and parameters equal one device's (fp64 to 1e-10, fp32 to 1e-5);
+    the data axis moves exactly ZeRO's bytes every step; clipping adds one all-reduce of the gradients'
+    norms (one element per gradient) to the optimizer step, nothing else."""
     steps = 20
-    want_losses, want_state = _reference(steps, "adamw", None)
+    programs = PROGRAMS + ([FP32] if (shape, stage) in [((4,), 2), ((2, 2), 3)] else [])
     gt.reset_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
-        results = gt.launch(_global_run, math.prod(shape), args=(shape, stage, steps, "adamw", None))
+        results = gt.launch(_global_runs, math.prod(shape), args=(shape, stage, steps, programs))
     psi = sum(q.numel() for q in GPT(CFG).parameters())  # the tied embedding/head counted once
-    for rank, (losses, state, counted, layouts, fallback) in enumerate(results):
-        assert fallback == {}
-        np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-10)
-        for k, v in want_state.items():
-            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
-        want = zero_bytes(layouts, stage, rank)
-        data_got = [Counter({k: v for k, v in c.items() if k[2] == 0}) for c in counted]
-        for c in data_got:  # every step the same: nothing else moves on the data axis
-            assert c == want
-        if len(shape) == 1:  # the textbook count, 3 (or 2) Psi (n-1)/n, for even shards
-            n = shape[0]
-            zero_moved = sum(v for k, v in want.items() if k[1] != "all_reduce")
-            assert zero_moved == stage * psi * (n - 1) // n * F64
-            assert all(k[1] != "all_reduce" or k[0] == "forward" for k in want)
-        else:  # the tensor axis moves exactly what Megatron TP moves (tests/test_gpt_comm.py)
-            from test_gpt_comm import megatron
-            tp = Counter({(k[0], k[1], k[2]): v * F64 // 4 for k, v in megatron(shape, []).items()  # it counts fp32
-                          if k[3] == "b" and k[2] == 1})
-            got_tp = Counter({k: v for k, v in counted[-1].items() if k[2] == 1})
-            assert got_tp == tp
+    for (opt_kind, clip, dtype), *per_rank in zip(programs, *results):
+        want_losses, want_state = _reference(steps, opt_kind, clip, dtype)
+        atol, itemsize = (1e-10, 8) if dtype == torch.float64 else (1e-5, 4)
+        for rank, (losses, state, counted, layouts, fallback, calls) in enumerate(per_rank):
+            assert fallback == {}
+            np.testing.assert_allclose(losses, want_losses, rtol=0, atol=atol)
+            _assert_state_close(state, want_state, atol)
+            want = zero_bytes(layouts, stage, rank, itemsize=itemsize)
+            if clip is not None:
+                want += clip_bytes(layouts, rank, 0, itemsize)
+                assert all(c[("step", "all_reduce", 0)] == 1 for c in calls)  # one all-reduce on the data axis
+            data_got = [Counter({k: v for k, v in c.items() if k[2] == 0}) for c in counted]
+            for c in data_got:  # every step the same: nothing else moves on the data axis
+                assert c == want
+            if len(shape) == 1:  # the textbook count, 3 (or 2) Psi (n-1)/n, for even shards
+                n = shape[0]
+                zero_moved = sum(v for k, v in want.items() if k[1] != "all_reduce")
+                assert zero_moved == stage * psi * (n - 1) // n * itemsize
+                assert all(k[1] != "all_reduce" or k[0] != "backward" for k in want)
+            else:  # the tensor axis moves exactly what Megatron TP moves (tests/test_gpt_comm.py)
+                from test_gpt_comm import megatron
+                tp = Counter({(k[0], k[1], k[2]): v * itemsize // 4 for k, v in megatron(shape, []).items()  # it counts fp32
+                              if k[3] == "b" and k[2] == 1})
+                if clip is not None:  # bytes of one all-reduce (in two collectives today: see clip_bytes)
+                    tp += clip_bytes(layouts, rank, 1, itemsize)
+                for c in counted:
+                    assert Counter({k: v for k, v in c.items() if k[2] == 1}) == tp
 
 
-@pytest.mark.parametrize("opt_kind,clip", [("sgd", None), ("sgd", "foreach"), ("adamw-loop", "loop"),
-                                           ("adam", None)])
+def clip_bytes(layouts: list, rank: int, axis: int, itemsize: int) -> Counter:
+    """clip_grad_norm_(foreach=True) on this mesh axis: its total norm is a reduction, so it moves one
+    element per gradient whose layout splits it on the axis (the partial norms), as one all-reduce, and
+    never a gradient. (On 2x2 the tensor axis reduces those elements in two all-reduces, 8 and 13, the
+    bytes of one: the stack of norms meets layouts (B, P) and (P, P) and reduces each piece; only a
+    latency term.)"""
+    p = layouts[0][1].placement
+    k = sum(isinstance(lay.sbp[axis], gt.sbp.Split) for _, lay in layouts)
+    group = p.group(rank, axis)
+    return Counter({("step", "all_reduce", axis): all_reduce_recv_bytes(k, itemsize, len(group), group.index(rank))})
+
+
+@pytest.mark.parametrize("opt_kind,clip", [("adamw-foreach", None), ("adam-foreach", None), ("sgd-foreach", None),
+                                           ("adamw-loop", "loop"), ("adam", None)])
 def test_zero3_optimizers_and_clipping_as_one_device(opt_kind, clip):
-    """SGD with momentum, Adam, AdamW's for-loop path, clip_grad_norm_ (foreach: the norms of all
-    sharded gradients in one small all-reduce; the default path: one scalar all-reduce per gradient)."""
+    """Adam, AdamW and SGD with momentum on both of torch's paths (foreach, passed explicitly: on CPU
+    torch picks the for-loop for tensor subclasses otherwise; and the for-loop), and clip_grad_norm_'s
+    for-loop path (one scalar all-reduce per gradient): the optimizer step moves nothing else. SGD's
+    for-loop path and foreach clipping run in the test above."""
     steps = 6
     want_losses, want_state = _reference(steps, opt_kind, clip)
     gt.reset_stats()
     results = gt.launch(_global_run, 2, args=((2,), 3, steps, opt_kind, clip))
     n_params = len(list(GPT(CFG).parameters()))  # the tied embedding/head once
-    for losses, state, counted, layouts, fallback in results:
+    for losses, state, counted, layouts, fallback, _ in results:
         assert fallback == {}
         np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-10)
         for k, v in want_state.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
         step = Counter({k: v for k, v in counted[-1].items() if k[0] == "step"})
-        if clip == "foreach":
-            assert step == Counter({("step", "all_reduce", 0): all_reduce_recv_bytes(n_params, F64, 2, 0)})
-        elif clip == "loop":
+        if clip == "loop":
             assert step == Counter({("step", "all_reduce", 0): n_params * all_reduce_recv_bytes(1, F64, 2, 0)})
         else:
             assert step == Counter()
@@ -267,6 +320,51 @@ def test_zero3_backward_starts_each_regather_one_module_ahead(monkeypatch):
     for rank in (0, 1):
         mine = [(where, ahead) for r, where, ahead in seen if r == rank]
         assert mine == 2 * ([("'the root module'", False)] + [(b, True) for b in blocks]), mine
+
+
+def test_zero_forward_starts_each_gather_one_module_ahead(monkeypatch):
+    """FSDP2's forward prefetch: a module's forward pre-hook starts the gather of the module that
+    followed it in the previous forward, before the module itself computes; so from the second forward
+    on every gather but the root's finds its collective already started (the first forward has no
+    order to follow yet). ZeRO-2 and ZeRO-3 alike; the bytes are the same either way."""
+    seen = []
+    start, gather = zero._Call.start, zero._Call.gather
+
+    def spy_start(call):
+        seen.append((gt.rank(), "start", call.group.where.split("on ")[-1]))
+        start(call)
+
+    def spy_gather(call):
+        seen.append((gt.rank(), "gather" if call.pending is None else "finish", call.group.where.split("on ")[-1]))
+        return gather(call)
+    monkeypatch.setattr(zero._Call, "start", spy_start)
+    monkeypatch.setattr(zero._Call, "gather", spy_gather)
+
+    def run(stage):
+        p = _mesh((2,))
+        torch.manual_seed(0)
+        model = gt.to_global(GPT(CFG).double(), p, zero_plan(0, 1, reshard_after_forward=stage == 3))
+        model.wte.register_forward_pre_hook(lambda *a: seen.append((gt.rank(), "compute", "'the root module'")))
+        for i, b in enumerate(model.blocks):
+            b.ln_1.register_forward_pre_hook(lambda *a, i=i: seen.append((gt.rank(), "compute", f"'blocks.{i}'")))
+        idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
+        gathered = []
+        for _ in range(2):
+            with gt.comm_log() as log:
+                model(idx, tgt)[1].backward()
+            gathered.append(sum(e.recv_bytes for e in log.events if e.kind == "all_gather"))
+        assert gathered[0] == gathered[1] > 0
+    root, b0, b1 = "'the root module'", "'blocks.0'", "'blocks.1'"
+    for stage in (2, 3):
+        seen.clear()
+        gt.launch(run, 2, args=(stage,))
+        for rank in (0, 1):
+            mine = [s_[1:] for s_ in seen if s_[0] == rank]
+            first = [("gather", root), ("compute", root), ("gather", b0), ("compute", b0),
+                     ("gather", b1), ("compute", b1)]
+            second = [("gather", root), ("start", b0), ("compute", root), ("finish", b0), ("start", b1),
+                      ("compute", b0), ("finish", b1), ("compute", b1)]
+            assert mine == first + second, (stage, mine)
 
 
 @pytest.mark.parametrize("in_flight", [0, 1])  # CPU's default, GPU's
@@ -401,8 +499,11 @@ def _owner(name: str, gathered: list):
     return None
 
 
-def _tiny_run(dims, gathered, stage, mesh_shape, steps, world):
-    """Parameters of gathering modules stored split on the data axis; the others Broadcast (data parallel)."""
+def _tiny_run(dims, gathered, stage, mesh_shape, steps, world, kept=frozenset()):
+    """Parameters of gathering modules stored split on the data axis, except those numbered in `kept`,
+    stored Broadcast (their module uses them as they are and all-reduces their gradients in its bucket,
+    as zero_plan does with a column-parallel bias); the others Broadcast (data parallel). Ranks from
+    the mesh's size to `world` are outside it."""
     torch.manual_seed(0)
     model = _Tiny(dims).double()
     x = torch.randn(6, dims[0], generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -417,7 +518,8 @@ def _tiny_run(dims, gathered, stage, mesh_shape, steps, world):
     data = tuple(gt.split(0) if a == 0 else B for a in range(len(mesh_shape)))
     hint = gt.ModuleLayout(params=tuple(B if a == 0 else None for a in range(len(mesh_shape))),
                            reshard_after_forward=stage == 3)
-    plan = {name: data for name, _ in model.named_parameters() if _owner(name, gathered) is not None}
+    plan = {name: (B,) * len(mesh_shape) if i in kept else data for i, (name, _) in enumerate(model.named_parameters())
+            if _owner(name, gathered) is not None}
     plan.update({name: hint for name in gathered})
     gt.to_global(model, p, plan)
     gx = gt.to_global(x, p, data)
@@ -428,43 +530,76 @@ def _tiny_run(dims, gathered, stage, mesh_shape, steps, world):
         opt.step()
         opt.zero_grad()
     layouts = {n: (tuple(q.shape), q.global_layout) for n, q in model.named_parameters()}
-    return {k: v.full_tensor() for k, v in model.state_dict().items()}, (log.events, layouts)
+    held = sum(q._local.numel() for q in model.parameters())
+    return {k: v.full_tensor() for k, v in model.state_dict().items()}, (log.events, layouts, held)
 
 
 @settings(deadline=None)
 @given(dims=st.lists(st.integers(1, 7), min_size=2, max_size=4),
        gathered=st.sets(st.sampled_from(["layers.0", "layers.1", "layers.2", "norm"])),
        stage=st.sampled_from([2, 3]),
-       mesh_shape=st.sampled_from([(2,), (3,), (2, 2), (3, 1)]))
-def test_zero_hypothesis_uneven_parameters_and_groups(dims, gathered, stage, mesh_shape):
+       mesh_shape=st.sampled_from([(2,), (3,), (2, 2), (3, 1)]),
+       kept=st.sets(st.integers(0, 7), max_size=3),
+       outside=st.integers(0, 1))
+def test_zero_hypothesis_uneven_parameters_and_groups(dims, gathered, stage, mesh_shape, kept, outside):
     """Meshes, uneven parameter sizes (dims smaller than the mesh), any set of gathering submodules
-    (the root gathers the rest: a parameter left Broadcast has its gradient reduced where the
-    per-op choice finds it cheapest, which is data parallelism's business, not ZeRO's):
-    values equal one device; the data axis moves exactly the gathers and reduce-scatters of the
-    gathered parameters (their compute shards less their stored ones, and (d-1) x their stored
-    shards); nothing else moves in the forward and backward (the other parameters' gradients are
-    reduced when the optimizer reads them)."""
+    (the root gathers the rest), some parameters of gathering modules stored Broadcast, and ranks
+    outside the mesh (a world larger than it): values equal one device; the data axis moves exactly
+    the gathers and reduce-scatters of the split parameters (their compute shards less their stored
+    ones, and (d-1) x their stored shards) and the all-reduces of the Broadcast ones' gradients (in
+    their module's bucket); nothing else moves in the forward and backward. A rank outside the mesh
+    holds nothing and takes part in no collective."""
     gathered = [""] + sorted(g for g in gathered if g == "norm" or int(g[-1]) < len(dims) - 1)
+    kept = frozenset(kept)
     want, _ = _tiny_run(dims, gathered, stage, None, 2, 1)
     n = math.prod(mesh_shape)
-    results = gt.launch(_tiny_run, n, args=(dims, gathered, stage, mesh_shape, 2, n))
-    for rank, (state, (events, layouts)) in enumerate(results):
+    results = gt.launch(_tiny_run, n + outside, args=(dims, gathered, stage, mesh_shape, 2, n + outside, kept))
+    for rank, (state, (events, layouts, held)) in enumerate(results):
+        if rank >= n:
+            assert events == [] and held == 0
+            assert all(v.numel() == 0 for v in state.values())
+            continue
         for k, v in want.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
-        assert {e.kind for e in events} <= {"all_gather", "reduce_scatter"}
-        got_gather = sum(e.recv_bytes for e in events if e.kind == "all_gather")
-        got_rs = sum(e.recv_bytes for e in events if e.kind == "reduce_scatter")
+        assert {e.kind for e in events} <= {"all_gather", "reduce_scatter", "all_reduce"}
+        got = Counter()
+        for e in events:
+            got[e.kind] += e.recv_bytes
 
-        want_gather = want_rs = 0
+        want_bytes, bucket = Counter(), Counter()  # bucket: Broadcast gradients' elements per gathering module
         for name, (shape, lay) in layouts.items():
-            if _owner(name, gathered) is None or lay.placement.shape[0] == 1:
+            d = lay.placement.shape[0]
+            if d == 1:
                 continue
-            compute = gt.Layout(lay.placement, (B,) + lay.sbp[1:])
-            ag = (math.prod(compute.local_shape(shape, rank)) - math.prod(lay.local_shape(shape, rank))) * F64
-            want_gather += ag * (2 if stage == 3 else 1)
-            want_rs += (lay.placement.shape[0] - 1) * math.prod(lay.local_shape(shape, rank)) * F64
-        assert got_gather == want_gather
-        assert got_rs == want_rs
+            assert _owner(name, gathered) is not None  # the root gathers every parameter
+            local = math.prod(lay.local_shape(shape, rank))
+            if isinstance(lay.sbp[0], gt.sbp.Split):
+                compute = gt.Layout(lay.placement, (B,) + lay.sbp[1:])
+                ag = (math.prod(compute.local_shape(shape, rank)) - local) * F64
+                want_bytes["all_gather"] += ag * (2 if stage == 3 else 1)
+                want_bytes["reduce_scatter"] += (d - 1) * local * F64
+            else:  # its module's innermost gathering module reduces it, with the others it holds, in one bucket
+                bucket[max((g for g in gathered if g == "" or name.startswith(g + ".")), key=len)] += local
+        group = _mesh(mesh_shape).group(rank, 0)
+        if 1 in mesh_shape:  # today one all-reduce per parameter there: see the xfail test below
+            bucket = Counter({name: math.prod(lay.local_shape(shape, rank)) for name, (shape, lay) in layouts.items()
+                              if lay.placement.shape[0] > 1 and not isinstance(lay.sbp[0], gt.sbp.Split)})
+        for elements in bucket.values():
+            want_bytes["all_reduce"] += all_reduce_recv_bytes(elements, F64, len(group), group.index(rank))
+        assert got == want_bytes
+
+
+@pytest.mark.xfail(strict=True, reason="on a mesh with a size-1 axis the backward leaves gradients Partial on "
+                   "that axis too, and the plan to the stored layout carries a step on it (moving nothing), "
+                   "so boxing.bucket_key rejects it: one collective per parameter, not per module")
+def test_zero_buckets_a_modules_gradients_on_a_mesh_with_a_size_one_axis():
+    """A module's gradients are reduced in one collective per kind (its bucket) on (3, 1) as on (3,):
+    one reduce-scatter for the split parameters, one all-reduce for the Broadcast ones."""
+    def kinds(mesh_shape):
+        results = gt.launch(_tiny_run, 3, args=([3, 5], [""], 2, mesh_shape, 1, 3, frozenset({0, 1})))
+        return Counter(e.kind for e in results[0][1][0])
+    assert kinds((3,)) == Counter({"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1})
+    assert kinds((3, 1)) == kinds((3,))
 
 
 def test_a_model_nobody_here_wrote_converts_to_zero3_with_a_plan_alone():
@@ -530,6 +665,48 @@ def test_mixed_precision_gathers_bf16_and_keeps_fp32_master_weights():
         np.testing.assert_allclose(losses, ref_losses, rtol=3e-2)
 
 
+def test_mixed_precision_reduces_gradients_in_bf16_and_stores_them_fp32():
+    """reduce_dtype=bf16 (FSDP2's MixedPrecisionPolicy.reduce_dtype), parameters fp32 throughout: the
+    reduce-scatter moves bf16, exactly half the bytes of fp32's, and the gathers stay fp32; the gradients
+    land fp32. Their values: each rank's partial gradient a, b (one device's gradient of its half of the
+    batch) is rounded to bf16 and the sum rounded again, so |got - (a + b)| <= u|a| + u|b| + u|a + b|(1+u)
+    <= 2.01 u (|a| + |b|), u = 2^-8 (bf16's unit roundoff), plus 1e-6 for fp32 rounding; and the
+    reduction is visibly bf16: somewhere the error is far above fp32's."""
+    def run():
+        p = _mesh((2,))
+        torch.manual_seed(0)
+        model = gt.to_global(GPT(CFG), p, zero_plan(0, 1, reduce_dtype=torch.bfloat16))
+        idx, tgt = (gt.to_global(t, p, gt.split(0)) for t in (_tokens(1), _tokens(2)))
+        with gt.comm_log() as log:
+            model(idx, tgt)[1].backward()
+        moved = Counter()
+        for e in log.events:
+            moved[e.kind] += e.recv_bytes
+        stored = sum(q._local.numel() for q in model.parameters())
+        grads = {n: q.grad.full_tensor() for n, q in model.named_parameters()}
+        dtypes = {q.grad.dtype for q in model.parameters()} | {q.grad._local.dtype for q in model.parameters()}
+        return moved, stored, grads, dtypes
+    halves = []
+    for h in range(2):  # one device: the gradient each rank's half of the batch contributes to the mean
+        torch.manual_seed(0)
+        ref = GPT(CFG)
+        (ref(_tokens(1)[4 * h:4 * h + 4], _tokens(2)[4 * h:4 * h + 4])[1] * 0.5).backward()
+        halves.append({n: q.grad for n, q in ref.named_parameters()})
+    u = 2.0 ** -8
+    psi = sum(q.numel() for q in GPT(CFG).parameters())
+    for moved, stored, grads, dtypes in gt.launch(run, 2):
+        assert moved["reduce_scatter"] == stored * 2  # (2-1) x the stored shard, 2 bytes an element
+        assert moved["all_gather"] == 2 * (psi - stored) * 4  # forward and backward, fp32
+        assert dtypes == {torch.float32}
+        worst = 0.0
+        for n, g in grads.items():
+            a, b = halves[0][n], halves[1][n]
+            err = (g - (a + b)).abs()
+            assert (err <= 2.01 * u * (a.abs() + b.abs()) + 1e-6).all(), n
+            worst = max(worst, float(err.max()))
+        assert worst > 1e-4
+
+
 def test_zero_bad_input_names_the_argument():
     with pytest.raises(ValueError, match=r"plan\['layers'\].*never called.*layers\.\*"):
         gt.to_global(_Tiny([2, 2, 2]), gt.placement("cpu", [0]), {"layers": gt.ModuleLayout(params=B)})
@@ -559,7 +736,7 @@ def test_gpt_zero_under_gloo_processes(shape, stage):
     want_losses, want_state = _reference(steps, "adamw", None)
     results = gt.launch(_global_run, math.prod(shape), args=(shape, stage, steps, "adamw", None),
                         backend="gloo", timeout=120)
-    for rank, (losses, state, counted, layouts, fallback) in enumerate(results):
+    for rank, (losses, state, counted, layouts, fallback, _) in enumerate(results):
         np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-10)
         for k, v in want_state.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
