@@ -49,7 +49,7 @@ def _recut_step(full, mesh, axis, other, sizes, target, target_sizes):
             type(x.grad).__name__, getattr(x.grad, "sizes", None))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=max(25, settings.default.max_examples * 25 // 18), deadline=None)   # 25 in CI, more in dev
 @given(mesh=st.sampled_from([(2,), (3,), (4,), (2, 2)]), rows=st.integers(0, 11), cols=st.integers(1, 3),
        data=st.data())
 def test_recut_equals_one_device_at_exact_bytes(mesh, rows, cols, data):
@@ -200,7 +200,7 @@ def _indexed_step(tokens, index, counts, back, w, gy, mesh, indexed):
     return y.full_tensor(), x.grad.full_tensor(), [(e.kind, e.recv_bytes) for e in log.events if e.kind == "all_to_all"]
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=max(10, settings.default.max_examples * 5 // 9), deadline=None)   # 10 in CI, more in dev
 @given(k=st.integers(1, 3), seed=st.integers(0, 99))
 def test_by_expert_and_by_group_fold_an_index(k, seed):
     """`by_expert(xs, counts, w, index)` is `by_expert(xs.gather(1, index), ...)` and `by_group(y, routing, back)`
