@@ -37,6 +37,17 @@ F64 = 8
 B = gt.broadcast
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Every tensor here is below torch's grain for parallel kernels (32768 elements), so one thread
+    computes the same values; but torch's thread pool costs a 2-core machine under load 2-4 s of CPU
+    per 20-step one-device GPT (its threads wait on each other for every tiny op), 0.1 s without it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=torch.Generator().manual_seed(seed))
 
