@@ -164,7 +164,8 @@ def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0, itemsiz
 
 
 # per mesh case: the 20 AdamW steps of the issue, fp64, and the same with SGD+momentum and clip_grad_norm_
-# (foreach: one small all-reduce of the gradients' norms); fp32 AdamW on two of the cases
+# (foreach: one small all-reduce of the gradients' norms); fp32 AdamW on each mesh, one stage each (the
+# other stage's values are the same: measured)
 PROGRAMS = [("adamw", None, torch.float64), ("sgd", "foreach", torch.float64)]
 FP32 = ("adamw", None, torch.float32)
 
@@ -175,7 +176,8 @@ def _assert_state_close(state: dict, want: dict, atol: float) -> None:
             # fp32 only: softmax is shift-invariant per query, so this bias's true gradient is exactly 0;
             # what it gets is rounding noise (it differs between one device and any split of the sums),
             # and AdamW divides that noise by its own size, so the noise decides the update (measured
-            # 3.8e-4 here; tests/test_sequence_parallel.py excludes it alike). fp64 checks it to 1e-10.
+            # 2.2e-4 to 5.2e-4 here, every other parameter within 2.6e-6; tests/test_sequence_parallel.py
+            # excludes it alike). fp64 checks it to 1e-10.
             continue
         torch.testing.assert_close(state[k], v, rtol=0, atol=atol, msg=k)
 
@@ -188,7 +190,7 @@ def test_gpt_zero_trains_as_one_device_at_the_paper_bytes(shape, stage):
     the data axis moves exactly ZeRO's bytes every step; clipping adds one all-reduce of the gradients'
     norms (one element per gradient) to the optimizer step, nothing else."""
     steps = 20
-    programs = PROGRAMS + ([FP32] if (shape, stage) in [((4,), 2), ((2, 2), 3)] else [])
+    programs = PROGRAMS + ([FP32] if (shape, stage) in [((2,), 3), ((4,), 2), ((2, 2), 3)] else [])
     gt.reset_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
