@@ -232,20 +232,29 @@ SKEWS = [False, "equal", "hot"]
 
 @settings(max_examples=max(12, settings.default.max_examples * 2 // 3), deadline=None)   # 12 in CI
 @given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0, None]), experts=st.integers(1, 6),
-       mesh=st.sampled_from(MESHES), per_rank=st.integers(1, 2), group=st.sampled_from([None, 4]),
-       skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
-def test_layer_hypothesis(k, factor, experts, mesh, per_rank, group, skew, seed):
+       mesh=st.sampled_from(MESHES), per_rank=st.integers(1, 2), short=st.sampled_from([0, 0, 1, 2, 3]),
+       group=st.sampled_from([None, 4]), skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
+def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew, seed):
     """Top-1/2, capacity factors that drop and that pad (None: dropless by padding), E below / not a
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
     expert axis last, DeepSpeed-MoE's, or first), every token's choices to the same experts ("equal") or
-    every token to one expert with another empty under top-1 and top-2 ("hot"): values and routing equal
-    one device, bytes exactly the ideal (check_layer). Groups are a multiple of the ranks, as GShard sizes
-    them (test_groups_that_do_not_divide has the other case)."""
+    every token to one expert with another empty under top-1 and top-2 ("hot"), group counts a multiple
+    of the ranks (as GShard sizes them) or, on 1-D meshes, `short` of one (uneven, ranks with one group or
+    none): values and routing equal one device, bytes exactly the ideal (check_layer; with uneven groups
+    the dispatch and combine exactly, among the router's reboxing, see test_groups_that_do_not_divide).
+    Not drawn, as no test can pass them yet: uneven groups on 2x2, where the dispatch and combine are no
+    longer one collective each (EP x DP, 7 groups, E = 6: send/recvs, reduce-scatters and all-gathers
+    of several times the ideal), and groups smaller than a sequence where the batch does not divide (as
+    in test_dropless_layer_hypothesis)."""
     mesh, expert_axis = mesh
+    n = int(np.prod(mesh))
+    short = short if len(mesh) == 1 else 0   # uneven groups on 2x2: not one collective each way (see docstring)
+    batch = max(2, n * per_rank - min(short, n - 1))   # (one group: a size-1 dim, kept whole)
+    assume(group is None or batch % n == 0)
     k = min(k, experts)
     cfg = MoEConfig(**{**CFG.__dict__, "top_k": k, "capacity_factor": factor, "n_expert": experts,
                        "group_size": group})
-    check_layer(cfg, int(np.prod(mesh)) * per_rank, mesh, expert_axis, seed=seed, skew=skew)
+    check_layer(cfg, batch, mesh, expert_axis, seed=seed, skew=skew)
 
 
 @pytest.mark.parametrize("n, batch", [(2, 3), (4, 6)])
