@@ -58,7 +58,7 @@ def _spanning(func: Any, tensors: list, cls: type) -> Placement:
         raise ValueError(
             f"{func}: inputs live on different placements {sorted(map(repr, anchors))}; move them to one with "
             "x.to_global(placement, sbp) first (operators never pick a placement for you; only 0-dim "
-            "scalars are moved where they are used)")
+            "scalars may come from another placement)")
     if anchors:
         where = anchors[0]
         for t in ours:
