@@ -7,3 +7,11 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("ci", max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# One intra-op thread in the test process: every tensor here is small (below torch's parallel grain),
+# so a second thread only adds the pool's wake-ups; with the simulated ranks' threads on 2 cores that
+# cost 10-15% of the suite's CPU (tests/test_gpt.py + test_ops_matrix.py: 43 s user against 48-56 s,
+# back to back). Values are unchanged: each test's one-device reference runs in this process too.
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
