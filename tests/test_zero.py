@@ -1,9 +1,10 @@
 """ZeRO-2/3 from placement: parameters stored split on the data axis, used Broadcast per module.
 
-Every case trains against the same program on one device (fp64, to 1e-10) and counts what moves
-with `gt.comm_log()` against the ZeRO paper's bytes: per step and rank, ZeRO-3 receives
-3 Psi (n-1)/n elements (all-gather forward, all-gather backward, reduce-scatter backward), ZeRO-2
-2 Psi (n-1)/n; the optimizer step moves nothing. Exactly, per collective kind and phase.
+Every case trains against the same program on one device (fp64 to 1e-10, fp32 to 1e-5; bf16
+reductions within bf16's rounding bound) and counts what moves with `gt.comm_log()` against the ZeRO
+paper's bytes: per step and rank, ZeRO-3 receives 3 Psi (n-1)/n elements (all-gather forward,
+all-gather backward, reduce-scatter backward), ZeRO-2 2 Psi (n-1)/n; the optimizer step moves nothing
+but clip_grad_norm_'s norms. Exactly, per collective kind and phase.
 
 The GPT here has more tokens per rank than vocabulary entries. With fewer (a small batch on many
 ranks), the dispatcher computes the embedding's weight gradient from token gradients moved by an
@@ -164,8 +165,8 @@ def zero_bytes(layouts: list, stage: int, rank: int, data_axis: int = 0, itemsiz
 
 
 # per mesh case: the 20 AdamW steps of the issue, fp64, and the same with SGD+momentum and clip_grad_norm_
-# (foreach: one small all-reduce of the gradients' norms); fp32 AdamW on each mesh, one stage each (the
-# other stage's values are the same: measured)
+# (foreach: one small all-reduce of the gradients' norms); fp32 AdamW on a 1-D and the 2-D mesh, one stage
+# each (measured on all six: the other stage's values are the same, and (2,)'s errors (1.4e-6) are (4,)'s kind)
 PROGRAMS = [("adamw", None, torch.float64), ("sgd", "foreach", torch.float64)]
 FP32 = ("adamw", None, torch.float32)
 
@@ -190,7 +191,7 @@ def test_gpt_zero_trains_as_one_device_at_the_paper_bytes(shape, stage):
     the data axis moves exactly ZeRO's bytes every step; clipping adds one all-reduce of the gradients'
     norms (one element per gradient) to the optimizer step, nothing else."""
     steps = 20
-    programs = PROGRAMS + ([FP32] if (shape, stage) in [((2,), 3), ((4,), 2), ((2, 2), 3)] else [])
+    programs = PROGRAMS + ([FP32] if (shape, stage) in [((4,), 2), ((2, 2), 3)] else [])
     gt.reset_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
