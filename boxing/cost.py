@@ -20,6 +20,8 @@ ZERO: Cost = (0, 0, 0, 0)
 
 
 def step_cost(step) -> Cost:
+    if step.axis is not None and step.src.placement.shape[step.axis] == 1:
+        return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the plan drops it)
     return (step.bytes, step.latency, int(step.axis is None and step.latency > 0), 1)
 
 

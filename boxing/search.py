@@ -54,7 +54,9 @@ def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) 
     if src.zigzag_axes or dst.zigzag_axes:  # an ordinary plan on the zigzag reading, or a recut
         return zigzag.plan(src, dst, shape, dtype, _plan)
     world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1
-    steps = search(src, dst, shape, dtype)
+    # a step on a mesh axis of one rank only renames its SBP (that rank holds the whole value either way):
+    # it moves nothing, and left in, it would cost a copy and keep a ZeRO bucket from being one collective
+    steps = [s for s in search(src, dst, shape, dtype) if s.axis is None or s.src.placement.shape[s.axis] > 1]
     return Plan(src, dst, shape, dtype, tuple(steps), C.lower_bound(src, dst, shape, dtype), world)
 
 

@@ -105,11 +105,13 @@ def test_planner_matches_brute_force_on_small_meshes(case, data):
     for step in plan.steps:
         planned = bcost.add(planned, bcost.step_cost(step))
     brute = _brute_force(src, dst, shape, torch.float32, 3)
+    # the search's own path: the plan drops its steps on mesh axes of one rank (free renamings)
+    found = len(boxing.search.search(src, dst, shape, torch.float32))
     if brute is None:  # nothing of <= 3 steps converts: the planner's path must be longer
-        assert len(plan.steps) > 3, plan.explain()
+        assert found > 3, plan.explain()
         return
     assert planned <= brute, plan.explain()
-    if len(plan.steps) <= 3:
+    if found <= 3:
         assert planned == brute, plan.explain()
 
 

@@ -595,20 +595,15 @@ def test_zero_hypothesis_uneven_parameters_and_groups(dims, gathered, stage, mes
             else:  # its module's innermost gathering module reduces it, with the others it holds, in one bucket
                 bucket[max((g for g in gathered if g == "" or name.startswith(g + ".")), key=len)] += local
         group = _mesh(mesh_shape).group(rank, 0)
-        if 1 in mesh_shape:  # today one all-reduce per parameter there: see the xfail test below
-            bucket = Counter({name: math.prod(lay.local_shape(shape, rank)) for name, (shape, lay) in layouts.items()
-                              if lay.placement.shape[0] > 1 and not isinstance(lay.sbp[0], gt.sbp.Split)})
         for elements in bucket.values():
             want_bytes["all_reduce"] += all_reduce_recv_bytes(elements, F64, len(group), group.index(rank))
         assert got == want_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="on a mesh with a size-1 axis the backward leaves gradients Partial on "
-                   "that axis too, and the plan to the stored layout carries a step on it (moving nothing), "
-                   "so boxing.bucket_key rejects it: one collective per parameter, not per module")
 def test_zero_buckets_a_modules_gradients_on_a_mesh_with_a_size_one_axis():
     """A module's gradients are reduced in one collective per kind (its bucket) on (3, 1) as on (3,):
-    one reduce-scatter for the split parameters, one all-reduce for the Broadcast ones."""
+    one reduce-scatter for the split parameters, one all-reduce for the Broadcast ones. (Plans once
+    carried a step on the size-1 axis, moving nothing, which kept them from sharing a bucket.)"""
     def kinds(mesh_shape):
         results = gt.launch(_tiny_run, 3, args=([3, 5], [""], 2, mesh_shape, 1, 3, frozenset({0, 1})))
         return Counter(e.kind for e in results[0][1][0])
