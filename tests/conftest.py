@@ -8,10 +8,14 @@ settings.register_profile("ci", max_examples=18, deadline=None, suppress_health_
 settings.register_profile("dev", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-# One intra-op thread in the test process: every tensor here is small (below torch's parallel grain),
-# so a second thread only adds the pool's wake-ups; with the simulated ranks' threads on 2 cores that
-# cost 10-15% of the suite's CPU (tests/test_gpt.py + test_ops_matrix.py: 43 s user against 48-56 s,
-# back to back). Values are unchanged: each test's one-device reference runs in this process too.
+# One intra-op thread in the test process and every process it starts (gt.launch's ranks, the checkpoint
+# worker: they inherit OMP_NUM_THREADS): every tensor here is small (below torch's parallel grain), so a
+# second thread only adds the pool's wake-ups; with the simulated ranks' threads on 2 cores that cost
+# 10-15% of the suite's CPU (tests/test_gpt.py + test_ops_matrix.py: 43 s user against 48-56 s, back to
+# back). The same count everywhere keeps results bitwise equal between this process and the ones it
+# starts (fp32 sums split over two threads round differently: test_resume_after_sigkill_is_bitwise).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
