@@ -26,29 +26,31 @@ _NOT_ELEMENTWISE = {"norm", "max"}  # reductions: their own rules or the per-ten
 
 
 def _same_layouts(args: tuple, kwargs: dict) -> Optional[type]:
-    """The GlobalTensor class if every index's tensors share one Partial-free layout and shape (tensor
-    scalars: 0-dim Broadcast), else None."""
+    """The GlobalTensor class if every index's tensors share one Partial-free layout, shape and dtype (tensor
+    scalars: 0-dim Broadcast on that placement), else None. Compared by their interned dispatch keys
+    (`ops/keys.py`: one object per layout, shape and dtype): an identity test per tensor, not a Layout and a
+    shape comparison (AdamW's step over a 2-stage small GPT: 6.3-6.9 -> 4.6-4.9 ms CPU per rank)."""
     lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple)) and a
              and isinstance(a[0], torch.Tensor)]
     singles = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     if not lists:
         return None
-    cls = None
-    for t in singles:
-        lay = getattr(t, "_layout", None)
-        if t.dim() != 0 or (lay is not None and lay.sbp != (Broadcast(),) * lay.placement.ndim):
+    rest = lists[1:]
+    places = set()
+    for i, first in enumerate(lists[0]):
+        key = getattr(first, "_key", None)
+        if key is None or key.layout.has_partial:
             return None
-    for i in range(len(lists[0])):
-        first = lists[0][i]
-        lay = getattr(first, "_layout", None)
-        if lay is None or lay.has_partial:
-            return None
-        cls = type(first)
-        for a in lists[1:]:
-            t = a[i]
-            if getattr(t, "_layout", None) != lay or t.shape != first.shape:
+        places.add(key.layout.placement)
+        for a in rest:
+            if getattr(a[i], "_key", None) is not key:
                 return None
-    return cls
+    for t in singles:  # a scalar from another placement: the per-tensor path places it (ops/span.py)
+        lay = getattr(t, "_layout", None)
+        if t.dim() != 0 or (lay is not None and (lay.sbp != (Broadcast(),) * lay.placement.ndim
+                                                 or places != {lay.placement})):
+            return None
+    return type(lists[0][0])
 
 
 def _local(a: Any) -> Any:
