@@ -163,7 +163,9 @@ Block = tuple[tuple[int, int], tuple[int, int], bool]  # (query rows, key rows) 
 PIECES = 16          # at most this many key/value pieces a block in the backward (its extra memory: ~14 pieces)
 QUERY_PIECES = 4     # at most this many query pieces in the backward (the kernel's query-sized temporaries)
 FORWARD_PIECES = 4   # at most this many pieces a block in the forward, whose peak is below the backward's
-MIN_PIECE_ROWS = 256  # and no piece under this many rows: a short sequence keeps a few large kernel calls
+MIN_PIECE_ROWS = 512  # and no kernel call under this many rows: a short sequence keeps a few large calls
+# (a zigzag block's pieces are two ranges each: at 256 rows per call its 16k causal ring took 1.38x one
+# process / 2 on 2 processes, at 512 (8 pieces) 1.14x; the contiguous ring keeps 16 pieces of 512 rows there)
 
 
 def pieces_of(rows: int, most: int) -> int:
