@@ -192,7 +192,7 @@ def _all_gather_bucket(plans, group, op, rank) -> Callable:
         def finish() -> list[torch.Tensor]:
             got = done()
             if even:  # the pieces lie back to back in the backend's buffer (gloo), or are put so (simulator)
-                rows = got[0].as_strided((m, row), (row, 1)) if _back_to_back(got) else torch.stack(got)
+                rows = _cat(got, 0).view(m, row)  # a view where they lie back to back (gloo's buffer)
                 outs = [got[0].new_empty(f) for f in full]
                 torch.split_with_sizes_copy(rows, widths, dim=1, out=[o.view(m, -1) for o in outs])
                 return outs
@@ -201,19 +201,6 @@ def _all_gather_bucket(plans, group, op, rank) -> Callable:
                     for i in range(len(plans))]
         return finish
     return begin
-
-
-def _back_to_back(pieces: list[torch.Tensor]) -> bool:
-    """Whether the pieces are equal, contiguous and lie one after another in one storage (a backend's
-    gathered buffer, as gloo's all-gather gives it)."""
-    first = pieces[0]
-    step = first.numel() * first.element_size()
-    storage, at = first.untyped_storage().data_ptr(), first.data_ptr()
-    for k, p in enumerate(pieces):
-        if (p.numel() != first.numel() or not p.is_contiguous() or p.untyped_storage().data_ptr() != storage
-                or p.data_ptr() != at + k * step):
-            return False
-    return True
 
 
 def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
