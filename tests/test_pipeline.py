@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 import time
 
 import numpy as np
@@ -66,7 +67,9 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
 
 
 def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1,
-              foreach=False):
+              foreach=False, log_optimizer=False):
+    """Returns (losses, state, held, events, peak micro-batches in flight, stage): events per step, the
+    pipeline step's collectives (and, with `log_optimizer`, the optimizer step's after them)."""
     stages = _stages(n_stages, stage_mesh)
     nd = len(stage_mesh)
     inner_plan = {"none": None, "tp": lambda: tp_plan(1, 2), "zero": lambda: zero_plan(0, 1),
@@ -82,10 +85,11 @@ def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_
     for _ in range(steps):
         with gt.comm_log() as log:
             loss = pipe.step(x, t)
-        opt.step()
+        with gt.comm_log() as opt_log:
+            opt.step()
         opt.zero_grad()
         losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
-        events.append(log.events)
+        events.append(log.events + (opt_log.events if log_optimizer else []))
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
     return losses, state, held, events, pipe.peak_in_flight, pipe.stage
@@ -358,14 +362,112 @@ def test_schedules_reach_their_textbook_bubble(kind, virtual, stages, micro):
     assert idle == pytest.approx((stages - 1) / (virtual * micro + stages - 1), abs=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+def _all_reduce(numel: int, n: int = 2) -> int:
+    """Bytes one rank receives in an all-reduce of `numel` fp64 values over n ranks (even pieces)."""
+    return 2 * (n - 1) * numel * F64 // n
+
+
+def pp_dp_tp_collectives(stage: int, n_layer: int, virtual: int, micro: int, batch: int) -> Counter:
+    """What one rank of PP=2 x DP=2 x TP=2 (`tp_plan` in each stage, `dp_batch` data) must move in one
+    training step (`Pipeline.step` and AdamW's), as {(kind, where, bytes): count}, where is "tensor" or
+    "data" (this rank's groups in its stage's mesh) or "stages" (a point-to-point to the other stage).
+
+    Derived, not recorded: the stage's own blocks under DP x TP alone (test_gpt_comm.py's Megatron
+    count, per micro-batch: forward all-reduces of the embedding and each row-parallel output, backward
+    of each column-parallel region's input gradient and the head's; the vocab-split log_softmax's row
+    max and sum forward and row sum backward; the data axis's target count; one flat bucket of the
+    stage's gradient shards per step), plus, at the lower bound, each stage boundary's activation
+    (forward) and gradient (backward) per micro-batch, received by each rank of the receiving stage
+    (its own rows, whole on the tensor axis: TP needs the residual stream on both tensor ranks), each
+    send a zero-byte event of the sender's; and the tied embedding/head weight: its tensor shard sent
+    once per step to the last stage, and the head's gradient, summed over the micro-batches, sent back
+    once (each first-stage rank receives its tensor shard of it, a Partial across the placements that
+    joins the embedding's gradient in the first stage's bucket)."""
+    d = t = 2
+    tokens = batch // micro // d * T                       # per data rank and micro-batch
+    act = tokens * D * F64                                 # a boundary activation (or its gradient), one rank's
+    wshard = VOCAB * D // t                                # the tied weight's tensor shard (elements)
+    blocks = n_layer // 2                                  # blocks on each stage (interleaved: two chunks)
+    last = 2 * virtual - 1
+    out: Counter = Counter()
+    # the stage's blocks under DP x TP: Megatron's collectives (test_gpt_comm.megatron), per micro-batch
+    out[("all_reduce", "tensor", _all_reduce(tokens * D))] += micro * 4 * blocks  # 2 forward + 2 backward
+    params = blocks * ((12 * D * D + 7 * D) // t + 6 * D)  # column/row-parallel shards, norms and row biases whole
+    if stage == 0:
+        out[("all_reduce", "tensor", _all_reduce(tokens * D))] += micro          # vocab-parallel embedding
+        params += wshard + T * D                                                  # wte (its shard), wpe
+    else:
+        out[("all_reduce", "tensor", _all_reduce(tokens * D))] += micro          # the head's input gradient
+        out[("all_reduce", "tensor", _all_reduce(tokens))] += micro * 3          # log_softmax: max, sum; backward
+        out[("all_reduce", "data", _all_reduce(1))] += micro                     # the mean's target count
+        params += 2 * D                                                           # ln_f
+    out[("all_reduce", "data", _all_reduce(params))] += 1                         # the step's gradient bucket
+    # the stage boundaries, per micro-batch: each chunk receives its input unless it is the first virtual
+    # stage, and its output's gradient unless it is the last; it sends the same messages the other way
+    chunks = [c * 2 + stage for c in range(virtual)]
+    crossings = sum(vs > 0 for vs in chunks) + sum(vs < last for vs in chunks)
+    out[("send_recv", "stages", act)] += micro * crossings
+    out[("send_recv", "stages", 0)] += micro * crossings
+    # the tied weight, once per step: its shard to the last stage, the head's summed gradient back
+    out[("send_recv", "stages", wshard * F64 if stage == 1 else 0)] += 1
+    out[("send_recv", "stages", wshard * F64 if stage == 0 else 0)] += 1
+    return out
+
+
+def _where(e, rank: int, stage_mesh_of: dict) -> str:
+    """A collective's group named from this rank: its tensor or data peers, or a message across stages."""
+    mine = stage_mesh_of[rank]
+    if any(r not in mine.flat_ranks for r in e.group):
+        assert e.kind == "send_recv", e
+        return "stages"
+    axis = [a for a in range(2) if tuple(e.group) in mine.axis_groups(a)]
+    assert len(axis) == 1, e
+    return ("data", "tensor")[axis[0]]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
 def test_pipeline_x_data_x_tensor_on_eight_ranks(kind):
-    """PP=2 x DP=2 x TP=2: each stage a 2x2 data x tensor mesh with Megatron TP inside."""
+    """PP=2 x DP=2 x TP=2: each stage a 2x2 data x tensor mesh with Megatron TP inside; AdamW steps equal
+    one device, and the last step's collectives (the pipeline's and the optimizer's) on every rank are
+    exactly `pp_dp_tp_collectives` plus the two excesses named below (above the lower bound: findings,
+    pinned so that a fix shows here). 4 steps: 20 cost about 2.5x the time (36 s against 16 s for the
+    three schedules on a loaded 2-core machine); the 20-step claim is test_gpt_pipeline_trains_as_one_device's.
+    Batch 16 (4 rows per data rank and micro-batch): with 2 (batch 8) the dispatcher computes the
+    embedding's gradient split on the hidden dim ((S(2), S(2)) of the output gradient, the indices
+    all-gathered over the data axis), which leaves wte's gradient (S(1), S(1)); AdamW then converts it
+    back to the parameter's (B, S(0)) at each of its three reads (lerp_, addcmul_ twice: an all-to-all
+    and an all-gather each), far above the lower bound: a finding this test does not pin."""
     virtual = 2 if kind == "interleaved" else 1
-    n_layer, steps = 2 * virtual, 4
-    want_losses, want_state = reference(n_layer, 8, steps)
-    results = gt.launch(pipelined, 8, args=(2, n_layer, kind, 2, 8, steps, "tp", (2, 2), virtual))
+    n_layer, micro, batch, steps = 2 * virtual, 2, 16, 4
+    want_losses, want_state = reference(n_layer, batch, steps)
+    results = gt.launch(pipelined, 8, args=(2, n_layer, kind, micro, batch, steps, "tp", (2, 2), virtual,
+                                                 False, True))
     _check_values(results, want_losses, want_state)
+    stages = _stages(2, (2, 2))
+    stage_mesh_of = {r: p for p in stages for r in p.flat_ranks}
+    for rank, (*_, events, _peak, stage) in enumerate(results):
+        got = Counter((e.kind, _where(e, rank, stage_mesh_of), e.recv_bytes) for e in events[-1])
+        want = pp_dp_tp_collectives(stage, n_layer, virtual, micro, batch)
+        wgrad, wshard = VOCAB * D // 2, VOCAB * D // 2 * F64
+        # Above the lower bound:
+        # 1. the last stage reduces the head's gradient over its data axis (a reduce-scatter) before
+        #    sending it, where sending its Partial would let it join the first stage's bucket for free;
+        # 2. the first stage accumulates the embedding's gradient as (P, B) (whole on the tensor axis:
+        #    the embedding's backward output) and then adds the head's (B, S(0)) into it in place
+        #    (zero.py `_land`: p.grad.add_), so the head's gradient is all-gathered over the tensor axis
+        #    and the sum all-reduced alone (a separate collective, its bytes those of its bucket share).
+        excess = Counter()
+        if stage == 1:
+            excess[("reduce_scatter", "data", wshard // 2)] += 1
+        else:
+            bucket = next(k for k in want if k[:2] == ("all_reduce", "data"))
+            excess[bucket] -= 1
+            excess[(*bucket[:2], bucket[2] - _all_reduce(wgrad))] += 1
+            excess[("all_reduce", "data", _all_reduce(wgrad))] += 1
+            excess[("all_gather", "tensor", wshard // 2)] += 1
+        want.update(excess)
+        want = +want
+        assert got == want, (rank, stage, sorted((got - want).items()), sorted((want - got).items()))
 
 
 @pytest.mark.parametrize("inner,kind", [("zero", "1f1b"), ("zero2", "1f1b"), ("zero2", "interleaved"),
