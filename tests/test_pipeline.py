@@ -596,3 +596,65 @@ def test_pipeline_x_data_under_gloo(kind):
     results = gt.launch(pipelined, 4, args=(2, 2 * virtual, kind, 2, 8, 3, "none", (2,), virtual), backend="gloo",
                         timeout=120)
     _check_values(results, want_losses, want_state)
+
+
+def _torch_transformer(steps, stages=None):
+    """torch's test Transformer (tests/thirdparty), unchanged: AdamW steps on its logits' cross-entropy (in
+    fp64: its forward casts the logits to fp32, the loss need not). `stages`: two placements, the plan puts
+    the embeddings and layer 0 on the first, layer 1 and the final norm on the second, and the output
+    projection, whose weight is the token embedding's (tied), used on the second (as pp_plan's head); the
+    model runs as a 1F1B pipeline of 2 micro-batches. Returns (losses, state, held, last step's events)."""
+    from thirdparty.torch_test_transformer import ModelArgs, Transformer
+    vocab = 16
+
+    def loss(out, tgt):
+        return F.cross_entropy(out.double().reshape(-1, vocab), tgt.reshape(-1))
+    g = torch.Generator().manual_seed(4)
+    x, t = torch.randint(0, vocab, (8, T), generator=g), torch.randint(0, vocab, (8, T), generator=g)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=vocab, max_seq_len=T, dim=D, n_heads=4,
+                                  dropout_p=0.0)).double()
+    if stages is not None:
+        first, last = (gt.Layout(p, (B,)) for p in stages)
+        model = gt.to_global(model, stages[0], {
+            "tok_embeddings.*": first, "pos_embeddings.*": first, "layers.0.*": first,
+            "layers.1.*": last, "norm.*": last, "output": gt.ModuleLayout(params=last, reshard_after_forward=False)})
+        pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b", loss_fn=loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, events = [], []
+    for _ in range(steps):
+        with gt.comm_log() as log:
+            if stages is None:
+                out = loss(model(x), t)
+                out.backward()
+            else:
+                out = pipe.step(x, t)
+        opt.step()
+        opt.zero_grad()
+        if stages is None:
+            losses.append(out.item())
+        elif gt.rank() in out.placement:
+            losses.append(out.full_tensor().item())
+        events = log.events
+    if stages is None:
+        return losses, {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
+    return losses, state, held, events
+
+
+def test_torch_test_transformer_becomes_a_pipeline_by_its_plan_alone():
+    """A model nobody here wrote, unchanged, split over 2 stages by its plan (placements per parameter
+    pattern, the tied output projection used on the last stage): 3 AdamW steps equal one device (fp64,
+    1e-10), and the step's messages are the lower bound: per micro-batch the activation [4, 8, 16] and its
+    gradient, once per step the tied weight [16, 16] to the last stage and its summed gradient back."""
+    steps = 3
+    want_losses, want_state = _torch_transformer(steps)
+    results = gt.launch(_torch_transformer, 2, args=(steps, [gt.placement("cpu", [0]), gt.placement("cpu", [1])]))
+    _check_values(results, want_losses, want_state)
+    act, weight = 4 * T * D * F64, 16 * D * F64
+    for stage, (*_, events) in enumerate(results):
+        assert {e.kind for e in events} == {"send_recv"}
+        got = sorted(e.recv_bytes for e in events)
+        want = sorted([act] * 2 + [weight] + [0] * 3)   # received: 2 gradients (first) or activations (last);
+        assert got == want, (stage, got, want)          # the tied weight's gradient or the weight; 3 sends
