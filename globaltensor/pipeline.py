@@ -87,10 +87,13 @@ def _label(act: str, i: int, chunk: int) -> str:
 
 def timeline_svg(timelines: list[list[tuple]], width: int = 900) -> str:
     """An SVG of which rank ran what when (one row per rank, from `Pipeline.timeline`s of one step):
-    forward actions light, backward dark, the waiting inside an action hatched grey."""
+    forward actions light, backward dark, the waiting inside an action hatched grey (drawn from the
+    action's start, where a stage waits for its input; the timeline has its length, not its place)."""
     end = max((e for tl in timelines for *_, e, _ in tl), default=1.0) or 1.0
     row, scale = 28, width / end
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 60}" height="{row * len(timelines) + 10}">']
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 60}" height="{row * len(timelines) + 10}">',
+             '<defs><pattern id="wait" width="4" height="4" patternUnits="userSpaceOnUse" '
+             'patternTransform="rotate(45)"><rect width="2" height="4" fill="#999"/></pattern></defs>']
     for r, tl in enumerate(timelines):
         y = 5 + r * row
         parts.append(f'<text x="0" y="{y + 17}" font-size="12">rank {r}</text>')
@@ -100,6 +103,9 @@ def timeline_svg(timelines: list[list[tuple]], width: int = 900) -> str:
             parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{row - 6}" fill="{color}" '
                          f'stroke="white"><title>{_label(act, i, c)}: {1e3 * (e - s):.1f} ms, waiting {1e3 * wait:.1f}'
                          f'</title></rect>')
+            if wait > 0:
+                parts.append(f'<rect class="wait" x="{x:.1f}" y="{y}" width="{min(wait, e - s) * scale:.1f}" '
+                             f'height="{row - 6}" fill="url(#wait)"/>')
             parts.append(f'<text x="{x + 2:.1f}" y="{y + 15}" font-size="10">{_label(act, i, c)}</text>')
     parts.append("</svg>")
     return "\n".join(parts)

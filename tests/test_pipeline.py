@@ -658,3 +658,66 @@ def test_torch_test_transformer_becomes_a_pipeline_by_its_plan_alone():
         got = sorted(e.recv_bytes for e in events)
         want = sorted([act] * 2 + [weight] + [0] * 3)   # received: 2 gradients (first) or activations (last);
         assert got == want, (stage, got, want)          # the tied weight's gradient or the weight; 3 sends
+
+
+def test_timeline_svg_draws_one_bar_per_action_in_its_ranks_row():
+    """A synthetic timeline of two ranks: one bar per action in the rank's row, placed and sized by its
+    times on one scale, forward light and backward dark, named (chunk after a dot), and the waiting inside
+    an action a hatched bar of the wait's length over the action's start."""
+    import xml.etree.ElementTree as ET
+    from globaltensor.pipeline import timeline_svg
+    timelines = [[("F", 0, 0, 0.0, 1.0, 0.0), ("B", 0, 0, 2.0, 4.0, 0.5)],
+                 [("F", 0, 1, 1.0, 2.0, 0.25), ("B", 1, 0, 2.0, 3.0, 0.0)]]
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    root = ET.fromstring(timeline_svg(timelines, width=400))
+    scale = 400 / 4.0                                               # the latest end spans the width
+    assert [t.text for t in root.findall("s:text", ns) if t.text.startswith("rank")] == ["rank 0", "rank 1"]
+    bars = [r for r in root.findall("s:rect", ns) if r.find("s:title", ns) is not None]
+    waits = root.findall("s:rect[@class='wait']", ns)
+    assert len(bars) == 4 and len(waits) == 2
+    want_bars = [(5 + 28 * r, 55 + s * scale, (e - s) * scale, "#9ecae1" if act == "F" else "#3182bd",
+                  f"{act}{i}" + (f".{c}" if c else "")) for r, tl in enumerate(timelines) for act, i, c, s, e, _ in tl]
+    got_bars = [(float(b.get("y")), float(b.get("x")), float(b.get("width")), b.get("fill"),
+                 b.find("s:title", ns).text.split(":")[0]) for b in bars]
+    assert got_bars == want_bars
+    want_waits = [(5 + 28 * r, 55 + s * scale, w * scale) for r, tl in enumerate(timelines)
+                  for *_, s, e, w in tl if w > 0]
+    assert [(float(w.get("y")), float(w.get("x")), float(w.get("width"))) for w in waits] == want_waits
+
+
+def test_bubble_is_the_idle_share_of_the_step(monkeypatch):
+    """`Pipeline.bubble` = (waiting inside the actions + the step's time outside them) / the step's time.
+    On a fake clock (the pipeline's reads of it: the step's start, each action's start and end, the
+    step's end), one stage (nothing to wait for), GPipe of 2 micro-batches: actions at [1, 3], [3, 4],
+    [6, 8], [8, 9] of a step from 0 to 10: busy 6 of 10, bubble 0.4. Then a real 2-stage run: each rank's
+    timeline is its schedule's actions in order, times increasing, waits within them, bubble in [0, 1]."""
+    import types
+    import globaltensor.pipeline as pipeline
+    ticks = iter([100.0, 101.0, 103.0, 103.0, 104.0, 106.0, 108.0, 108.0, 109.0, 110.0])
+
+    def one_stage():
+        model = gt.to_global(GPT(_cfg(1)).double(), gt.placement("cpu", [0]))
+        pipe = gt.Pipeline(model, microbatches=2, schedule="gpipe", loss_fn=loss_fn)
+        monkeypatch.setattr(pipeline, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+        try:
+            pipe.step(*_data(4))
+        finally:
+            monkeypatch.undo()
+        return pipe.timeline, pipe.bubble
+    [(timeline, bubble)] = gt.launch(one_stage, 1)
+    assert [(a, i, s, e, w) for a, i, _, s, e, w in timeline] == [
+        ("F", 0, 1.0, 3.0, 0.0), ("F", 1, 3.0, 4.0, 0.0), ("B", 0, 6.0, 8.0, 0.0), ("B", 1, 8.0, 9.0, 0.0)]
+    assert bubble == pytest.approx(0.4, abs=1e-12)
+
+    def two_stages():
+        stages = _stages(2, (1,))
+        model = gt.to_global(GPT(_cfg(2)).double(), stages[0], pp_plan(stages, 2))
+        pipe = gt.Pipeline(model, microbatches=4, schedule="1f1b", loss_fn=loss_fn)
+        pipe.step(*_data(8))
+        return pipe.stage, pipe.actions, pipe.timeline, pipe.bubble
+    for stage, actions, timeline, bubble in gt.launch(two_stages, 2):
+        assert [t[:3] for t in timeline] == actions[stage]
+        ends = [0.0] + [x for *_, s, e, _ in timeline for x in (s, e)]
+        assert ends == sorted(ends)
+        assert all(0 <= w <= e - s for *_, s, e, w in timeline)
+        assert 0 <= bubble <= 1
