@@ -430,8 +430,8 @@ def test_pipeline_x_data_x_tensor_on_eight_ranks(kind):
     """PP=2 x DP=2 x TP=2: each stage a 2x2 data x tensor mesh with Megatron TP inside; AdamW steps equal
     one device, and the last step's collectives (the pipeline's and the optimizer's) on every rank are
     exactly `pp_dp_tp_collectives` plus the two excesses named below (above the lower bound: findings,
-    pinned so that a fix shows here). 4 steps: 20 cost about 2.5x the time (36 s against 16 s for the
-    three schedules on a loaded 2-core machine); the 20-step claim is test_gpt_pipeline_trains_as_one_device's.
+    pinned so that a fix shows here). 4 steps: 20 took 24 s of CPU against 10 s for the three schedules
+    (measured on the 2-core CI machine); the 20-step claim is test_gpt_pipeline_trains_as_one_device's.
     Batch 16 (4 rows per data rank and micro-batch): with 2 (batch 8) the dispatcher computes the
     embedding's gradient split on the hidden dim ((S(2), S(2)) of the output gradient, the indices
     all-gathered over the data axis), which leaves wte's gradient (S(1), S(1)); AdamW then converts it
