@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
