@@ -16,7 +16,7 @@ keeps every conversion a re-cut of contiguous ranges over one axis group (`boxin
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .boxing import convert_local
 from .boxing import ragged as _recut
 from .layout import Layout, normalize_sbp
+from .ops import view as _view
 from .ops.pointwise import cast_meta, elementwise_meta
 from .ops.registry import RULES, is_inplace
 from .placement import Placement
@@ -40,7 +41,14 @@ class RaggedTensor(GlobalTensor):
     """A GlobalTensor with `_sizes`: for each mesh axis that is `Ragged(d)`, the rows of d per rank."""
 
     _sizes: Sizes
-    __slots__ = ["_sizes"]
+    # rows per element of a balanced split's dim where a reshape made the ragged split (ops/view.py's
+    # uneven_merge): the sizes are that split's pieces times it (nested where several axes cut); None otherwise
+    _unit: Optional[int]
+    __slots__ = ["_sizes", "_unit"]
+
+    @property
+    def _auto(self) -> bool:
+        return self._unit is not None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -82,13 +90,18 @@ class RaggedTensor(GlobalTensor):
 
 # -- building ---------------------------------------------------------------------------------------
 def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes,
-         requires_grad: bool = False) -> GlobalTensor:
-    """The tensor for a layout and sizes: ragged where the layout is, a plain GlobalTensor otherwise."""
+         requires_grad: bool = False, unit: Optional[int] = None) -> GlobalTensor:
+    """The tensor for a layout and sizes: ragged where the layout is, a plain GlobalTensor otherwise.
+
+    `unit`: the ragged split came from a reshape of a balanced one (its sizes are that split's pieces
+    times `unit`), not from the user or a grouped op; an op that does not take ragged inputs then converts
+    it to the balanced split instead of refusing."""
     shape = tuple(shape)
     if not layout.ragged_axes:
         return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
     r = _wrap(RaggedTensor, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
     r._sizes = sizes
+    r._unit = unit
     return r
 
 
@@ -250,6 +263,8 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
     a balanced split the planner takes on from. Then the non-ragged rest is boxed (one plan), with
     the axes that dst wants ragged taken as balanced splits (or Broadcast), and re-cut (or sliced).
     """
+    if isinstance(x, RaggedTensor) and x._auto and len(x._layout.ragged_axes) > 1:  # a reshape's nested runs
+        x = _balance(x)
     comm = context.current()
     shape = tuple(x.shape)
     p = x.placement
@@ -330,10 +345,14 @@ class _Convert(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:  # type: ignore[override]
         ctx.src, ctx.sizes = grad_layout(x._layout), getattr(x, "_sizes", None)
+        ctx.unit = getattr(x, "_unit", None)
         return _convert_now(x, dst, sizes)
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        if ctx.unit is not None and ctx.src.ragged_axes:  # back to a reshape's runs: by way of the balanced split
+            balanced = _convert_now(grad, Layout(ctx.src.placement, _balanced_sbp(ctx.src)), None)
+            return _unbalance(balanced, ctx.src, ctx.unit), None, None
         return _convert_now(grad, ctx.src, ctx.sizes), None, None
 
 
@@ -383,12 +402,236 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
         return _pointwise(func, args, kwargs, flat, first)
     if func in (aten.unsqueeze.default, aten.expand.default) and args[0] is first and len(ragged) == 1:
         return _new_dims(func, args, kwargs)
+    if all(t._auto for t in ragged):  # a reshape's ragged rows: a Linear's ops keep them, others balance them
+        out = _NOT_TAKEN
+        if func in _RESHAPES and args[0] is first and len(ragged) == 1:
+            out = _reshape(func, args, kwargs)
+        elif func in _PERMUTES and len(ragged) == 1:
+            out = _permute(func, args, kwargs)
+        elif func in _MATMULS:
+            out = _mm(func, args, kwargs)
+        if out is not _NOT_TAKEN:
+            return out
+        balanced = tree_map(lambda t: _balance(t) if isinstance(t, RaggedTensor) else t, (args, kwargs))
+        return func(*balanced[0], **balanced[1])
     at = next(i for i, t in enumerate(t for t in flat if isinstance(t, torch.Tensor)) if t is first)
     # NotImplementedError, not TypeError: torch turns a TypeError inside `x @ w` into "unsupported operand"
     raise NotImplementedError(f"{func}: tensor input {at} is ragged ({first._layout.sbp}, sizes {_shown(first._sizes)}); "
                     "ragged tensors are taken only by pointwise ops, sums, conversions and the grouped ops "
                     "(gt.grouped_linear); convert it to a balanced split first: "
                     f"x.to_global(x.placement, {_balanced_sbp(first._layout)})")
+
+
+# -- reshapes, permutations and matrix products of ragged rows (what a Linear over [G, S, d] runs) -----
+_NOT_TAKEN = object()
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,
+             aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default}
+_PERMUTES = {aten.t.default, aten.transpose.int, aten.permute.default}
+_MATMULS = {aten.mm.default, aten.addmm.default}
+
+
+def _meta_shape(func: Any, args: tuple, kwargs: dict) -> tuple:
+    meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+                    else t, (args, kwargs))
+    return tuple(func(*meta[0], **meta[1]).shape)
+
+
+def _inside(layout: Layout) -> bool:
+    return layout.placement.coord(context.current().rank) is not None
+
+
+def _nested(length: int, p: Placement, axes: Sequence[int], coord: Sequence[int]) -> list:
+    """Per mesh axis the sizes of the group of `coord` on that axis when `axes` split `length` in turn (each
+    cutting the piece the ones before it left, balanced); None on the other axes."""
+    out: list = [None] * p.ndim
+    for a in axes:
+        out[a] = tuple(split_sizes(length, p.shape[a]))
+        length = out[a][coord[a]]
+    return out
+
+
+def _unit_sizes(length: int, unit: int, p: Placement, axes: Sequence[int]) -> Sizes:
+    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
+    return tuple(None if n is None else tuple(k * unit for k in n) for n in _nested(length, p, axes, coord))
+
+
+def _is_balanced(length: int, unit: int, p: Placement, axes: Sequence[int]) -> bool:
+    """Whether `length` cut by `axes` in units of `unit` rows is the balanced cut of its rows, on every rank."""
+    return all([None if n is None else tuple(k * unit for k in n) for n in _nested(length, p, axes, c)] ==
+               _nested(length * unit, p, axes, c) for c in map(p.coord, p.flat_ranks))
+
+
+def _members(p: Placement, axes: Sequence[int], coord: Sequence[int]) -> list:
+    """The coordinates that differ from `coord` on `axes` only, in mesh order (their runs of a dim those
+    axes cut lie in this order)."""
+    out = [tuple(coord)]
+    for a in axes:
+        out = [c[:a] + (i,) + c[a + 1:] for c in out for i in range(p.shape[a])]
+    return out
+
+
+def _rows(length: int, p: Placement, axes: Sequence[int], coord: Sequence[int]) -> int:
+    n = _nested(length, p, axes, coord)
+    return n[axes[-1]][coord[axes[-1]]]
+
+
+def _recut_units(local: torch.Tensor, p: Placement, axes: Sequence[int], d: int, length: int, unit: int,
+                 to_units: bool) -> torch.Tensor:
+    """Balanced rows of dim d <-> the same axes' cut in units (one uneven all-to-all over the ranks the axes
+    span: every rank's run is one contiguous range in their mesh order, nested cuts included)."""
+    comm = context.current()
+    members = _members(p, axes, p.coord(comm.rank))
+    units = [_rows(length, p, axes, c) * unit for c in members]
+    rows = [_rows(length * unit, p, axes, c) for c in members]
+    src, dst = (rows, units) if to_units else (units, rows)
+    return _recut.recut(local, d, src, dst, [p.rank_at(c) for c in members], comm)
+
+
+def _balance(x: "RaggedTensor") -> GlobalTensor:
+    """A reshape's ragged tensor on the balanced split of its dim (one uneven all-to-all, nothing where the
+    runs already are the balanced ones)."""
+    axes = x._layout.ragged_axes
+    d, p = x._layout.sbp[axes[0]].dim, x.placement
+    layout = Layout(p, tuple(Split(d) if a in axes else s for a, s in enumerate(x._layout.sbp)))
+    local = x._local
+    if _inside(layout):
+        local = _recut_units(local, p, axes, d, x.shape[d] // x._unit, x._unit, to_units=False)
+    return make(local, layout, tuple(x.shape), None)
+
+
+def _unbalance(y: GlobalTensor, layout: Layout, unit: int) -> GlobalTensor:
+    """The reverse of `_balance`: y (Split(d) where `layout` is ragged) back to the runs in units."""
+    axes = layout.ragged_axes
+    d, p = layout.sbp[axes[0]].dim, layout.placement
+    local = y._local
+    if _inside(layout):
+        local = _recut_units(local, p, axes, d, y.shape[d] // unit, unit, to_units=True)
+    return make(local, layout, tuple(y.shape), _unit_sizes(y.shape[d] // unit, unit, p, axes), unit=unit)
+
+
+def _reshaped(x: GlobalTensor, layout: Layout, shape: tuple, length: int, unit: int) -> GlobalTensor:
+    """x's shard read in `shape` under `layout`, its ragged dim `length` units of `unit` rows (no data moves)."""
+    p = layout.placement
+    sizes = _unit_sizes(length, unit, p, layout.ragged_axes) if layout.ragged_axes else None
+    local = x._local
+    if _inside(layout):
+        local = local.reshape(local_shape(layout, shape, sizes, context.current().rank) if sizes else
+                              layout.local_shape(shape, context.current().rank))
+    return make(local, layout, shape, sizes, unit=unit if sizes else None)
+
+
+def merged_view(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
+    """A reshape that merges an unevenly split dim with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not
+    a multiple of the ranks): the output is ragged on the merged dim, its sizes the pieces times the inner
+    size (`ops/view.py`'s uneven_merge); no data moves. Run by the reshape rule's decomposition."""
+    x = args[0]
+    ins, outs = tuple(x.shape), _meta_shape(func, args, kwargs)
+    axes, d, o, unit = _view.uneven_merge(ins, outs, x._layout)
+    carried = _view.reshape_map(ins, outs, x.placement.shape)
+    cut = Split(o) if _is_balanced(ins[d], unit, x.placement, axes) else Ragged(o)
+    sbp = tuple(cut if a in axes else Split(carried[s.dim]) if isinstance(s, Split) else s
+                for a, s in enumerate(x._layout.sbp))
+    return _reshaped(x, Layout(x.placement, sbp), outs, ins[d], unit)
+
+
+def _reshape(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A reshape of a reshape's ragged rows: the ragged dim, the outer one of its reshape group, carries to
+    the outer output dim of the group in units scaled by the inner sizes' ratio ([G*S, d] ragged ->
+    [G, S, d] ragged on G, or balanced S(0) where the runs are the balanced ones); other axes broadcast or
+    split dims the reshape carries balanced. Anything else is not taken."""
+    x = args[0]
+    ins, outs = tuple(x.shape), _meta_shape(func, args, kwargs)
+    axes = x._layout.ragged_axes
+    d = x._layout.sbp[axes[0]].dim
+    carried = _view.reshape_map(ins, outs, x.placement.shape)
+    if any(not isinstance(s, (Split, Broadcast, Ragged)) or isinstance(s, Split) and s.dim not in carried
+           or isinstance(s, Ragged) and s.dim != d for s in x._layout.sbp):
+        return _NOT_TAKEN
+    for gi, gj in _view.reshape_groups(ins, outs):
+        if d not in gi:
+            continue
+        at = gi.index(d)
+        big = [k for k in gj if outs[k] != 1]
+        if any(ins[k] != 1 for k in gi[:at]) or not big or any(
+                isinstance(s, Split) and s.dim in gi for s in x._layout.sbp):
+            return _NOT_TAKEN
+        o = big[0]
+        inner_in = int(np.prod([ins[k] for k in gi[at + 1:]]))
+        inner_out = int(np.prod([outs[k] for k in gj[gj.index(o) + 1:]]))
+        if (x._unit * inner_in) % inner_out:
+            return _NOT_TAKEN
+        unit, length = x._unit * inner_in // inner_out, ins[d] // x._unit
+        cut = Split(o) if _is_balanced(length, unit, x.placement, axes) else Ragged(o)
+        sbp = tuple(cut if a in axes else Split(carried[s.dim]) if isinstance(s, Split) else s
+                    for a, s in enumerate(x._layout.sbp))
+        return _reshaped(x, Layout(x.placement, sbp), outs, length, unit)
+    return _NOT_TAKEN
+
+
+def _permute(func: Any, args: tuple, kwargs: dict) -> Any:
+    """t, transpose, permute: the cut dims move with their dims, sizes unchanged."""
+    x = args[0]
+    n = x.dim()
+    if not isinstance(x, RaggedTensor):
+        return _NOT_TAKEN
+    perm = list(range(n))
+    if func is aten.t.default:
+        perm = perm[::-1]
+    elif func is aten.permute.default:
+        perm = [p % n for p in (args[1] if len(args) > 1 else kwargs["dims"])]
+    else:
+        a, b = (args[1] if len(args) > 1 else kwargs["dim0"]) % n, (args[2] if len(args) > 2 else kwargs["dim1"]) % n
+        perm[a], perm[b] = perm[b], perm[a]
+    where = {src: dst for dst, src in enumerate(perm)}
+    sbp = tuple(type(s)(where[s.dim]) if isinstance(s, (Split, Ragged)) else s for s in x._layout.sbp)
+    local = func(x._local, *args[1:], **kwargs) if _inside(x._layout) else x._local
+    return make(local, Layout(x.placement, sbp), tuple(x.shape[p] for p in perm), x._sizes, unit=x._unit)
+
+
+def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Matrix products with ragged rows, every other mesh axis Broadcast: rows @ whole -> rows (mm, addmm
+    with a whole bias), whole @ ragged columns -> ragged columns, and a product over the ragged dim of two
+    operands cut alike (x.t() @ grad: a Linear's weight gradient) -> Partial on the ragged axes."""
+    if func is aten.addmm.default:
+        bias, a, b = args[:3]
+        if isinstance(bias, RaggedTensor):
+            return _NOT_TAKEN
+    else:
+        bias, (a, b) = None, args[:2]
+    ra, rb = isinstance(a, RaggedTensor), isinstance(b, RaggedTensor)
+    first = a if ra else b
+    layout, p = first._layout, first.placement
+    axes = layout.ragged_axes
+    if any(not isinstance(s, (Broadcast, Ragged)) for s in layout.sbp):
+        return _NOT_TAKEN
+    for t in (bias, a, b):
+        if isinstance(t, GlobalTensor) and not isinstance(t, RaggedTensor) and (
+                t.placement != p or not all(isinstance(s, Broadcast) for s in t.sbp)):
+            return _NOT_TAKEN
+    dim_a = a._layout.sbp[axes[0]].dim if ra else None
+    dim_b = b._layout.sbp[axes[0]].dim if rb else None
+    shape = (a.shape[0], b.shape[1])
+    if ra and rb:
+        if dim_a != 1 or dim_b != 0 or a._sizes != b._sizes or a._unit != b._unit or bias is not None or \
+                a._layout.ragged_axes != b._layout.ragged_axes:
+            return _NOT_TAKEN
+        out_sbp, sizes, unit = Partial(), None, None
+    elif ra and dim_a == 0:
+        out_sbp, sizes, unit = Ragged(0), a._sizes, a._unit
+    elif rb and dim_b == 1 and bias is None:
+        out_sbp, sizes, unit = Ragged(1), b._sizes, b._unit
+    else:
+        return _NOT_TAKEN
+    out = Layout(p, tuple(out_sbp if k in axes else s for k, s in enumerate(layout.sbp)))
+    local_of = lambda t: t._local if isinstance(t, GlobalTensor) else t  # noqa: E731
+    if _inside(layout):
+        largs = tuple(local_of(t) for t in args)
+        if bias is not None and bias.dim() > 0 and isinstance(out_sbp, Ragged) and bias.shape[0] == shape[0] != 1:
+            return _NOT_TAKEN   # a bias with a row per ragged row: not a Linear's
+        local = func(*largs, **kwargs)
+    else:
+        local = first._local.new_empty((0,))
+    return make(local, out, shape, sizes, unit=unit)
 
 
 def _shown(sizes: Sizes) -> Any:
@@ -432,8 +675,9 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, flat: list, first: RaggedTe
     result = func(*largs, **lkwargs)
     if is_inplace(func):
         return args[0]
-    return tree_map(lambda o: make(o, layout, shape if o.dim() == len(shape) else tuple(first.shape), sizes)
-                    if isinstance(o, torch.Tensor) else o, result)
+    unit = first._unit if all(t._auto for t in flat if isinstance(t, RaggedTensor)) else None
+    return tree_map(lambda o: make(o, layout, shape if o.dim() == len(shape) else tuple(first.shape), sizes,
+                                   unit=unit) if isinstance(o, torch.Tensor) else o, result)
 
 
 def _cut_operand(func: Any, t: torch.Tensor, t_shape: tuple, out_shape: tuple, layout: Layout,
@@ -475,7 +719,7 @@ def _new_dims(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
     sbp = tuple(type(s)(moved[s.dim]) if isinstance(s, (Split, Ragged)) else s for s in x._layout.sbp)
     inside = x.placement.coord(context.current().rank) is not None
     local = func(*local_args) if inside else x._local
-    return make(local, Layout(x.placement, sbp), shape, x._sizes)
+    return make(local, Layout(x.placement, sbp), shape, x._sizes, unit=x._unit)
 
 
 def _sum(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
@@ -509,7 +753,10 @@ def _sum(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
     inside = x.placement.coord(context.current().rank) is not None
     largs = (x._local,) + tuple(args[1:])
     local = func(*largs, **kwargs) if inside else x._local.new_empty((0,))
-    return make(local, layout, shape, tuple(sizes) if layout.ragged_axes else None)
+    return make(local, layout, shape, tuple(sizes) if layout.ragged_axes else None, unit=x._unit)
 
 
 __all__ = ["RaggedTensor", "convert", "from_local", "distribute", "make", "check_sizes", "local_shape"]
+
+
+_view.RAGGED_VIEW["run"] = merged_view

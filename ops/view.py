@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 from ..layout import Layout, split_sizes
+from ..sbp import Broadcast, Split
 from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
 
 
@@ -130,7 +131,57 @@ def reshape_local(func, args, kwargs, where: Local):
     return args[0].reshape(where.out_shape(0))
 
 
-RESHAPE = Rule(reshape_signatures, local=reshape_local)
+def uneven_merge(ins: Sequence[int], outs: Sequence[int], layout: Layout) -> tuple[tuple, int, int, int] | None:
+    """(mesh axes, input dim, output dim, unit) where a split the reshape cannot carry balanced is carried
+    as a ragged one (`gt.ragged`): no data moves.
+
+    A balanced split of an outer dim merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a
+    multiple of the ranks: pieces 2+1 of G are 16+8 rows, not the balanced 12+12) still gives every rank
+    one contiguous run of the merged dim: its pieces times the inner size, `unit` rows per element of the
+    input dim. That is a ragged split of the output dim with those sizes (on every mesh axis that split the
+    input dim, nested as the balanced split was: [G, S, d] (S(0), S(0)) on 2x2 gives each rank one run of
+    rows in mesh order). Taken when only the mesh `axes` split the dim and nothing else in its reshape
+    group, the dim is the outer one of its group (the dims before it of size 1), the inner sizes divide
+    (`unit` whole), and every other axis broadcasts or splits a dim the reshape carries balanced. The
+    reverse ([G*S, d] ragged -> [G, S, d]) is `globaltensor/ragged.py`'s, balanced again where the sizes
+    are the balanced ones. None: the rule's signatures decide as usual.
+    """
+    if 0 in ins or math.prod(ins) != math.prod(outs):
+        return None
+    carried = reshape_map(ins, outs, layout.placement.shape)
+    cut = {s.dim for s in layout.sbp if isinstance(s, Split) and s.dim not in carried}
+    if len(cut) != 1 or any(not isinstance(s, (Split, Broadcast)) for s in layout.sbp):
+        return None
+    (d,) = cut
+    axes = tuple(a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim == d)
+    for gi, gj in reshape_groups(ins, outs):
+        if d not in gi:
+            continue
+        at = gi.index(d)
+        big = [k for k in gj if outs[k] != 1]
+        if any(ins[k] != 1 for k in gi[:at]) or not big:
+            return None
+        if any(isinstance(s, Split) and s.dim in gi and s.dim != d for s in layout.sbp):
+            return None
+        o = big[0]
+        inner_in, inner_out = math.prod(ins[k] for k in gi[at + 1:]), math.prod(outs[k] for k in gj[gj.index(o) + 1:])
+        if inner_in % inner_out:
+            return None
+        return axes, d, o, inner_in // inner_out
+    return None
+
+
+def _uneven_merge_when(ctx: Ctx, srcs: tuple) -> bool:
+    return RAGGED_VIEW["run"] is not None and uneven_merge(ctx.shapes[0], ctx.out_shapes[0], srcs[0]) is not None
+
+
+def _ragged_view(func, args, kwargs):
+    return RAGGED_VIEW["run"](func, args, kwargs)
+
+
+# globaltensor/ragged.py puts its builder here when imported (the ops do not import the front door)
+RAGGED_VIEW: dict = {"run": None}
+RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
           aten.flatten.using_ints, aten.view_as.default], RESHAPE)
