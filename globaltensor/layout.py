@@ -50,6 +50,7 @@ class Layout:
         object.__setattr__(self, "_hash", hash((placement, self.sbp)))
         # read on every wrap and in-place layout change: worked out once
         object.__setattr__(self, "_zigzag_axes", tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag)))
+        object.__setattr__(self, "_has_partial", any(isinstance(s, Partial) for s in self.sbp))
 
     # layouts key every cache (plans, dispatch decisions): hash once, compare identical objects at once
     def __hash__(self) -> int:
@@ -73,7 +74,7 @@ class Layout:
 
     @property
     def has_partial(self) -> bool:
-        return any(isinstance(s, Partial) for s in self.sbp)
+        return self._has_partial
 
     @property
     def ragged_axes(self) -> tuple[int, ...]:

@@ -312,6 +312,7 @@ class _StageForward:
         self.plain: Optional[bool] = None  # whether it runs on plain tensors (see `_runs_plain`)
         self.leaves: Optional[dict] = None  # in a step, inside: parameter -> its plain leaf for the step
         self.owed: Optional[dict] = None    # in a step, outside: parameter -> the layout its gradient takes
+        self._tables: Optional[list] = None  # (its modules' _parameters, _buffers) dicts: walked once, read each call
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -329,6 +330,25 @@ class _StageForward:
             for p, (lay, shape, dtype) in owed.items():
                 empty = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay, shape)
                 _accumulate(p, empty if p.grad is None else None)
+
+    def tables(self) -> list:
+        """Each of the module's modules' parameter and buffer dicts (the same dict objects for the module's
+        life; their entries are read at each call: a ZeRO gather swaps them)."""
+        if self._tables is None:
+            self._tables = [(mod._parameters, mod._buffers) for mod in self.module.modules()]
+        return self._tables
+
+    def parameters(self) -> list:
+        """`module.parameters()` (each once) from the cached dicts: a stage called per micro-batch on the
+        ranks outside it asks twice per call."""
+        seen: set = set()
+        out = []
+        for params, _ in self.tables():
+            for t in params.values():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(t)
+        return out
 
     def _runs_plain(self) -> bool:
         """On a one-rank placement a GlobalTensor is its local tensor, whatever its SBP: a module whose
@@ -372,10 +392,11 @@ class _StageForward:
         forward = type(self.module).forward
         if inside:
             if self._runs_plain():
-                return _plain_forward(self.module, forward, self.placement, args, kwargs, self.leaves)
+                return _plain_forward(self.module, forward, self.placement, args, kwargs, self.leaves, self.tables())
             return forward(self.module, *args, **kwargs)
         ins = _tensors((args, kwargs))
-        targets = [t for t in ins + list(self.module.parameters()) if isinstance(t, GlobalTensor) and t.requires_grad]
+        params = self.parameters()
+        targets = [t for t in ins + params if isinstance(t, GlobalTensor) and t.requires_grad]
         key = tuple((t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
                     for t in ins) + (torch.is_grad_enabled(), len(targets))
         meta = self.seen.get(key)
@@ -389,7 +410,7 @@ class _StageForward:
             return out
         if meta[3] and targets and torch.is_grad_enabled():
             if self.owed is not None:  # the parameters' (empty) gradients come once, at the step's end
-                n_in = len(targets) - sum(1 for q in self.module.parameters() if q.requires_grad)
+                n_in = len(targets) - sum(1 for q in params if q.requires_grad)
                 wired = [i for i, t in enumerate(targets) if i < n_in or not t.is_leaf or meta[4][i] is None]
                 for i, t in enumerate(targets):
                     if i not in wired:
@@ -411,20 +432,20 @@ class _StageForward:
 
 
 def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, args: tuple, kwargs: dict,
-                   leaves: Optional[dict] = None) -> Any:
+                   leaves: Optional[dict] = None, tables: Optional[list] = None) -> Any:
     """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their
     local tensors while it runs (connected to them by autograd, or, given `leaves`, the step's plain
     leaf per parameter, whose gradient the step hands on once), outputs wrapped back (Broadcast)."""
     swapped = []
     grad = torch.is_grad_enabled()
-    for mod in module.modules():
-        for table in (mod._parameters, mod._buffers):
+    for params, buffers in tables if tables is not None else [(m._parameters, m._buffers) for m in module.modules()]:
+        for table in (params, buffers):
             for name, t in table.items():
                 if isinstance(t, GlobalTensor):
                     swapped.append((table, name, t))
                     if not (grad and t.requires_grad):
                         table[name] = t._local
-                    elif leaves is None or table is not mod._parameters or not t.is_leaf:
+                    elif leaves is None or table is not params or not t.is_leaf:
                         table[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
                     else:
                         leaf = leaves.get(t)

@@ -17,7 +17,7 @@ from ..runtime.trace import FLAGS as _TRACING, pop_op, push_op
 from .decide import Decision, decide, map_tensors, options
 from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
-from .program import Program, compile_program
+from .program import Program, compile_decomposition, compile_program
 from .registry import RULES
 from .scope import _DEPTH, enter_named, leave_named
 from .stats import _WARNED, reset_stats, stats
@@ -26,7 +26,8 @@ from .step_plan import ACTIVE as _STEP
 MAX_PROGRAMS = 16384
 _PROGRAMS: dict[tuple, Program] = {}
 _NO_KWARGS: dict = {}
-_KEYING: dict = {}  # id(op) -> (its rule's scalar_key, whether floats key by value)
+_KEYING: dict = {}  # id(op) -> `_keying`'s tuple
+_DECOMPOSITIONS: dict = {}  # (id(op), class) -> the program of an op whose rule always decomposes
 _NAMED = object()  # key mark: decided inside a module whose boundary layouts the user named (ops/scope.py)
 
 
@@ -50,19 +51,35 @@ def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
         pop_op()
 
 
-def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
+def _keying(func: Any) -> tuple:
+    """(its rule's scalar_key, whether floats key by value, whether it always decomposes)."""
     keying = _KEYING.get(id(func))  # by id: an OpOverload's __hash__ is a Python call, and ops live forever
     if keying is None:
         rule = RULES.get(func)
-        keying = _KEYING[id(func)] = (None, True) if rule is None else (rule.scalar_key, False)
-    key = call_key(func, args, kwargs, cls, *keying)
+        keying = _KEYING[id(func)] = (None, True, False) if rule is None else (
+            rule.scalar_key, False,
+            rule.decompose is not None and rule.decompose_when is None and not rule.overwrites)
+    return keying
+
+
+def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
+    scalar_key, floats_by_value, _ = _keying(func)
+    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value)
     if _DEPTH.value:
         key += (_NAMED,)
     return key
 
 
 def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
-    key = _key_of(func, args, kwargs, cls)
+    scalar_key, floats_by_value, always_decomposes = _keying(func)
+    if always_decomposes:  # nothing to decide: no key to build (a foreach op's walks every list element)
+        program = _DECOMPOSITIONS.get((id(func), cls))
+        if program is None:
+            program = _DECOMPOSITIONS[(id(func), cls)] = compile_decomposition(func, RULES[func], cls)
+        return program
+    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value)
+    if _DEPTH.value:
+        key += (_NAMED,)
     program = _PROGRAMS.get(key)
     if program is None:
         program = _compile(key, func, args, kwargs, cls)
@@ -145,6 +162,7 @@ def check_replicated(enabled: bool = True) -> None:
 def clear_cache() -> None:
     _PROGRAMS.clear()
     _KEYING.clear()
+    _DECOMPOSITIONS.clear()
     _OPTIONS.clear()
 
 

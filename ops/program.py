@@ -42,16 +42,13 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
 
     rule = dec.rule
     if dec.kind == "decompose":
-        adopt = rule.overwrites
-        written = _written(func)
-
-        def decomposed(args: tuple, kwargs: dict) -> Any:
-            if adopt and _adopt(tensors_of(args, kwargs), cls):
-                return args[0]
-            out = rule.decompose(func, args, kwargs)
-            if written:
-                _bump_written(written, args, kwargs, cls)
-            return out
+        if not rule.overwrites:
+            decomposed = compile_decomposition(func, rule, cls)
+        else:
+            def decomposed(args: tuple, kwargs: dict) -> Any:
+                if _adopt(tensors_of(args, kwargs), cls):
+                    return args[0]
+                return rule.decompose(func, args, kwargs)
         decomposed.decision = dec  # type: ignore[attr-defined]
         return decomposed
 
@@ -146,6 +143,19 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
 
     program.decision = dec  # type: ignore[attr-defined]
     return program
+
+
+def compile_decomposition(func: Any, rule: Any, cls: type) -> Callable[[tuple, dict], Any]:
+    """A decomposition's program: its own calls are dispatched, so nothing in it depends on the call's key
+    (the dispatcher keeps one per op for rules that always decompose, `dispatch._keying`)."""
+    written = _written(func)
+
+    def decomposed(args: tuple, kwargs: dict) -> Any:
+        out = rule.decompose(func, args, kwargs)
+        if written:
+            _bump_written(written, args, kwargs, cls)
+        return out
+    return decomposed
 
 
 def _written(func: Any) -> tuple:
