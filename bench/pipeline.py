@@ -25,7 +25,9 @@ Reported: ms per step, the ratio (median of per-step ratios, ~95% interval), the
 summed over the ranks' processes (every thread: fibers and gloo's too; robust where other load on the
 machine makes wall times noisy) and its ratio likewise, the theoretical bubble
 fraction (p-1)/(m+p-1), gt's measured one per rank (`Pipeline.bubble`: the time waiting on other stages inside
-the actions plus all the time outside them, over the step; median over steps), micro-batches in flight per stage (gt's measured
+the actions plus all the time outside them, over the step; median over steps), torch.pipelining's measured the
+same way (the share of its schedule's step outside its stages' `forward_one_chunk`, `backward_one_chunk` and
+`_maybe_compute_loss`: what the machine gives a schedule, beside the theory), micro-batches in flight per stage (gt's measured
 maximum: GPipe holds m, 1F1B at most p - stage), the peak bytes autograd saved per stage in one
 more step (`Pipeline(measure_activations=True)`), and an SVG timeline of the last step per schedule
 (`results/pipeline_<schedule>_m<m>.svg`: which rank ran which action when, from real timestamps).
@@ -118,14 +120,32 @@ class TorchPipe:
                                                                                    loss_fn=loss_fn)
         self.opt = torch.optim.AdamW(self.stage_modules.parameters(), lr=1e-3, foreach=True)
         self.first, self.last = r == 0, r == n - 1
+        # its bubble as gt's is measured: the share of the schedule's step not spent computing a chunk's
+        # forward, backward or loss (torch's sends, receives and waits happen between those calls)
+        self.busy, self.bubbles = 0.0, []
+        for obj, names in [(st, ("forward_one_chunk", "backward_one_chunk")) for st in stages] + [
+                (self.schedule, ("_maybe_compute_loss",))]:
+            for name in names:
+                setattr(obj, name, self._timed(getattr(obj, name)))
+
+    def _timed(self, f):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+        return timed
 
     def step(self, x, t) -> None:
+        self.busy, t0 = 0.0, time.perf_counter()
         if self.first:
             self.schedule.step(x)
         elif self.last:
             self.schedule.step(target=t, losses=[])
         else:
             self.schedule.step()
+        self.bubbles.append(1 - self.busy / (time.perf_counter() - t0))
         self.opt.step()
         self.opt.zero_grad()
 
@@ -151,7 +171,7 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     probe.step(*data)
     ours.opt.zero_grad()
     mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[warmup + 1:]), ours.pipe.timeline,
-            probe.activations.peak)
+            probe.activations.peak, statistics.median(impls["torch.pipelining"].bubbles[warmup + 1:]))
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
     return (times, cpu, got) if dist.get_rank() == 0 else None
@@ -179,14 +199,16 @@ def main() -> None:
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
              f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | CPU ms/step, all ranks: "
-             "gt / torch = ratio | theory bubble | gt measured bubble per rank | gt micro-batches in flight per "
-             "stage | gt peak saved activations per stage (KiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "gt / torch = ratio | theory bubble | gt measured bubble per rank | torch.pipelining measured bubble per rank | "
+             "gt micro-batches in flight per stage | gt peak saved activations per stage (KiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     data = []
     for kind in ("gpipe", "1f1b", "interleaved"):
         for m in micros:
             times, cpu, got = gt.launch(timed, p, backend="gloo", timeout=1800,
                                         args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
             peaks, bubbles = [g[0] for g in got], [round(g[1], 2) for g in got]
+            torch_bubbles = [round(g[4], 2) for g in got]
             v = VIRTUAL if kind == "interleaved" else 1
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, f"pipeline_{args.size}_{kind}_m{m}.svg"), "w") as f:
@@ -199,8 +221,10 @@ def main() -> None:
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
                          f"{cmed['gt'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
                          f"{paired_ratio(cpu, 'gt', 'torch.pipelining'):.2f} ({clo:.2f}-{chi:.2f}) | "
-                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {peaks} | {[g[3] // 1024 for g in got]} |")
+                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
+                         f"{[g[3] // 1024 for g in got]} |")
             data.append({"schedule": kind, "m": m, "times": times, "cpu": cpu, "peaks": peaks, "bubbles": bubbles,
+                         "torch_bubbles": torch_bubbles,
                          "activation_bytes": [g[3] for g in got],
                          "timelines": [g[2] for g in got]})
     table = "\n".join(lines)
