@@ -246,6 +246,13 @@ def zero_plan(data_axis: int, ndim: int, tensor_axis: int | None = None, *, resh
     return plan
 
 
+def _axes(sbp, ndim: int) -> tuple:
+    """A `params=` hint as one entry per mesh axis (a single SBP stands for a 1-D mesh's tuple)."""
+    if isinstance(sbp, Layout):
+        sbp = sbp.sbp
+    return tuple(sbp) if isinstance(sbp, (tuple, list)) else (sbp,) * ndim
+
+
 def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int = 1) -> dict:
     """Pipeline stages as placements: blocks split evenly (earlier stages take the extra ones), the
     embeddings on the first stage, the final norm on the last, and the head, whose weight is the
@@ -258,7 +265,10 @@ def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int 
 
     `inner`: a plan for each stage's own mesh (e.g. `tp_plan(1, 2)` with data x tensor stages, or
     `zero_plan(...)`): its SBP entries are placed on the stage that owns the parameter; its module hints
-    apply as they are (the head's merged with the move to the last stage).
+    apply as they are (the head's merged with the move to the last stage). The head takes the tied
+    weight in the layout (and dtypes) of the hint that gathers it on the first stage (ZeRO's root:
+    Broadcast on the data axis), so with ZeRO it is gathered once per step with the move, as the
+    embedding's group uses it, rather than used split and all-gathered by each matmul.
     """
     inner = dict(inner or {})
     first, last = stages[0], stages[-1]
@@ -294,7 +304,14 @@ def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int 
     head = hints.pop("head", None)
     head_fields = {} if head is None else {f: getattr(head, f) for f in ("input", "input_grad", "output",
                                                                           "output_grad")}
-    plan["head"] = ModuleLayout(params=Layout(last, sbp_for("wte.weight")), reshard_after_forward=False,
-                                **head_fields)
+    # the tied weight is used on the last stage as the module that gathers it on the first stage uses it
+    # (the innermost of "wte" and its ancestors with a `params=` hint: ZeRO's root, Broadcast on the data
+    # axis), so the head gathers it once per step with the move, not each matmul at each use
+    owner = next((hints[k] for k in ("wte", "") if k in hints and hints[k].params is not None), None)
+    stored = sbp_for("wte.weight")
+    use = stored if owner is None else tuple(s if h is None else h for h, s in zip(_axes(owner.params, len(stored)),
+                                                                                   stored))
+    dtypes = {} if owner is None else {"param_dtype": owner.param_dtype, "reduce_dtype": owner.reduce_dtype}
+    plan["head"] = ModuleLayout(params=Layout(last, use), reshard_after_forward=False, **dtypes, **head_fields)
     plan.update(hints)
     return plan

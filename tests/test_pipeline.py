@@ -483,7 +483,8 @@ def pp_zero_collectives(stage: int, n_layer: int, virtual: int, micro: int, batc
     once per step; ZeRO-3 per micro-batch, gathered again for the backward (resharded after the
     forward: its memory bound), reduced per micro-batch (FSDP2's default). The last stage all-reduces
     the mean's target count per micro-batch. The tied weight: its shard sent to the last stage once per
-    step and gathered there once (the head keeps it for the step: pp_plan's reshard_after_forward=False),
+    step and gathered there once (the head keeps it for the step, gathered as the first stage's ZeRO group
+    uses it: pp_plan's reshard_after_forward=False),
     the head's gradient, summed over the micro-batches, reduce-scattered there and each shard sent back
     (ZeRO keeps the first stage's gradient split: the shard is what it needs). The boundaries as in
     `pp_dp_tp_collectives`."""
@@ -515,12 +516,14 @@ def test_pipeline_x_zero(inner, kind):
     first module gathers: its hooks belong to the chunk; and a resumed fiber puts its own open calls'
     gathered parameters back in the slots, which other micro-batches' forwards changed meanwhile: the
     root's ZeRO-3 group spans the chunks). The last step's collectives on every rank are exactly
-    `pp_zero_collectives` plus one excess (above the lower bound: a finding, pinned so that a fix shows):
-    the head's weight is used as stored (split), pp_plan's head entry giving it the inner plan's stored
-    SBP rather than ZeRO's use layout, so aten.mm all-gathers it at each use, forward and backward of
-    every micro-batch, instead of the head gathering it once for the step. ZeRO-2 interleaved adds a
-    second: the micro-batches' backwards run on their own fibers (threads), the named scope the cost
-    model reads is per thread (ops/scope.py), but a ZeRO-2 call, kept for the step, enters it once
+    `pp_zero_collectives`, but for the form the head's weight arrives in: the boxing planner moves it from
+    (first stage, S(0)) to (last stage, B) in one exchange, each last-stage rank receiving the whole
+    weight from the first stage's two ranks, rather than its shard across and an all-gather inside the
+    stage: the same bytes per rank (which is what the planner minimises), twice those across the stages
+    (it has no path that moves first and converts on the target placement, and would not prefer it on
+    bytes alone). The pipeline's pinned excess (above the lower bound: a finding, pinned so that a fix
+    shows) is ZeRO-2 interleaved's: the micro-batches' backwards run on their own fibers (threads), the
+    named scope the cost model reads is per thread (ops/scope.py), but a ZeRO-2 call, kept for the step, enters it once
     (`_Call.scoped`): the backward of a micro-batch whose fiber did not enter it decides the embedding's
     gradient as code nobody laid out, reducing it early (the gradient split on the hidden dim: an
     all-to-all of the output gradient and the indices all-gathered) where the step's reduce-scatter
@@ -535,8 +538,11 @@ def test_pipeline_x_zero(inner, kind):
         got = Counter((e.kind, "stages" if any(r not in stage_mesh_of[rank].flat_ranks for r in e.group) else "data",
                        e.recv_bytes) for e in events[-1])
         want = pp_zero_collectives(stage, n_layer, virtual, micro, batch, inner == "zero")
-        if stage == 1:  # above the lower bound: the head's weight gathered 2 * micro times, not once
-            want[("all_gather", "data", _gather(VOCAB * D))] += 2 * micro - 1
+        if stage == 1:  # the head's weight arrives whole from the first stage (one exchange), not as its
+            wshard = VOCAB * D // 2 * F64  # shard sent across and gathered in the stage: bytes per rank equal
+            want[("send_recv", "stages", wshard)] -= 1
+            want[("all_gather", "data", _gather(VOCAB * D))] -= 1
+            want[("send_recv", "stages", 2 * wshard)] += 1
         if stage == 0 and (inner, kind) == ("zero2", "interleaved"):
             rows = batch // micro // 2                             # one micro-batch's rows on this rank
             want[("all_to_all", "data", _gather(rows * T * D))] += 1
