@@ -148,9 +148,17 @@ def uneven_merge(ins: Sequence[int], outs: Sequence[int], layout: Layout) -> tup
     """
     if 0 in ins or math.prod(ins) != math.prod(outs):
         return None
+    if any(not isinstance(s, (Split, Broadcast)) for s in layout.sbp):
+        return None
     carried = reshape_map(ins, outs, layout.placement.shape)
     cut = {s.dim for s in layout.sbp if isinstance(s, Split) and s.dim not in carried}
-    if len(cut) != 1 or any(not isinstance(s, (Split, Broadcast)) for s in layout.sbp):
+    if not cut:  # each axis' pieces line up, but nested cuts may not ([2, 8] (S(0), S(0)) on 2x2: 8+0 rows, not 4+4)
+        dst = Layout(layout.placement, tuple(Split(carried[s.dim]) if isinstance(s, Split) else s for s in layout.sbp))
+        if reshape_keeps_order(layout, dst, tuple(ins), tuple(outs)):
+            return None
+        dims = [s.dim for s in layout.sbp if isinstance(s, Split)]
+        cut = {d for d in dims if dims.count(d) > 1}
+    if len(cut) != 1:
         return None
     (d,) = cut
     axes = tuple(a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim == d)
