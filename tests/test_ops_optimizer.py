@@ -95,3 +95,37 @@ def test_optimizers_take_their_foreach_path_for_global_tensors(monkeypatch):
     monkeypatch.setattr(optim_module, "_get_foreach_kernels_supported_devices", lambda: ["cpu"])
     assert optim_module._default_to_fused_or_foreach([p], differentiable=False, use_fused=False) == (False, True)
     assert foreach_utils._has_foreach_support([p], torch.device("cpu"))
+
+
+def _foreach_over_two_stages():
+    """A pipeline optimizer's lists: every index one tensor on its stage, this rank's shards of the other
+    stage empty. In-place and out-of-place ops, with a scalar list read per index, equal the per-tensor ops;
+    new list compositions compile nothing (a rule that always decomposes has one program per op)."""
+    from globaltensor.ops import dispatch
+    stages = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 2), (5,), (2, 2), (4,)]
+    plain = [torch.rand(s, generator=g, dtype=torch.float64) + 0.5 for s in shapes]
+    other = [torch.rand(s, generator=g, dtype=torch.float64) for s in shapes]
+    xs = [gt.to_global(t.clone(), stages[i % 2], gt.broadcast) for i, t in enumerate(plain)]
+    ys = [gt.to_global(t.clone(), stages[i % 2], gt.broadcast) for i, t in enumerate(other)]
+    before = dispatch.cache_size()
+    roots = torch._foreach_sqrt(xs)
+    torch._foreach_addcdiv_(xs, ys, roots, [0.5, -1.0, 2.0, 0.25])
+    torch._foreach_mul_(xs[:3], 3.0)
+    compiled = dispatch.cache_size() - before
+    want = [t + s * o / t.sqrt() for t, o, s in zip(plain, other, [0.5, -1.0, 2.0, 0.25])]
+    want = [w * 3.0 if i < 3 else w for i, w in enumerate(want)]
+    rank = gt.rank()
+    for i, (got, w, r) in enumerate(zip(xs, want, roots)):
+        mine = rank in stages[i % 2]
+        assert got._local.shape == (w.shape if mine else (0,)) and r._local.shape == got._local.shape
+        assert r.global_layout == got.global_layout and tuple(r.shape) == tuple(w.shape)
+        if mine:
+            torch.testing.assert_close(got._local, w, rtol=0, atol=1e-12)
+            torch.testing.assert_close(r._local, plain[i].sqrt(), rtol=0, atol=0)
+    return compiled
+
+
+def test_foreach_over_stages_runs_on_the_shards_that_hold_elements():
+    assert gt.launch(_foreach_over_two_stages, 2) == [0, 0]
