@@ -523,11 +523,14 @@ def test_pipeline_x_zero(inner, kind):
     (it has no path that moves first and converts on the target placement, and would not prefer it on
     bytes alone). The pipeline's pinned excess (above the lower bound: a finding, pinned so that a fix
     shows) is ZeRO-2 interleaved's: the micro-batches' backwards run on their own fibers (threads), the
-    named scope the cost model reads is per thread (ops/scope.py), but a ZeRO-2 call, kept for the step, enters it once
-    (`_Call.scoped`): the backward of a micro-batch whose fiber did not enter it decides the embedding's
-    gradient as code nobody laid out, reducing it early (the gradient split on the hidden dim: an
-    all-to-all of the output gradient and the indices all-gathered) where the step's reduce-scatter
-    would take its Partial for free."""
+    named scope the cost model reads is per thread (ops/scope.py; a fiber starts in its creator's), but
+    a ZeRO-2 call, kept for the step, enters it once, on the thread of the first backward to reach it
+    (`_Call.scoped`, one flag per call): micro-batch 1's backward, resumed while micro-batch 0's is
+    stopped inside the root's, runs the root's (the embedding's) out of the scope and decides the
+    embedding's gradient as code nobody laid out, reducing it early (the gradient split on the hidden
+    dim: an all-to-all of the output gradient and the indices all-gathered, 1152 B) where the step's
+    reduce-scatter would take its Partial for free. The fix is zero.py's: the flag per thread (each
+    backward entering and leaving the call's scope on its own thread) brings it to the bound."""
     virtual = 2 if kind == "interleaved" else 1
     n_layer, micro, batch, steps = 2 * virtual, 2, 8, 4
     want_losses, want_state = reference(n_layer, batch, steps)
@@ -629,6 +632,35 @@ def test_fibers_reuse_their_worker_threads():
     again.resume()
     assert again.result is first.result
     assert "gt-test-fiber" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_fiber_runs_in_its_creators_named_scope_and_leaves_none_on_its_thread():
+    """The named scope (ops/scope.py) is per thread: a fiber starts in its creator's depth, and a fiber
+    cancelled inside a named module (a failed step) leaves no depth on its pooled worker for the next one."""
+    from globaltensor.ops.scope import enter_named, in_named, leave_named
+    from globaltensor.runtime.fiber import Fiber, cross
+
+    def inside():
+        enter_named()
+        cross(entering=False)
+        cross(entering=True)  # stops here, inside the scope
+        leave_named()
+
+    stopped = Fiber(inside, name="gt-test-fiber")
+    stopped.resume()
+    stopped.cancel()
+    assert not in_named()
+    plain = Fiber(in_named, name="gt-test-fiber")
+    plain.resume()
+    assert plain.result is False          # same worker thread, no depth left over
+    enter_named()
+    try:
+        named = Fiber(in_named, name="gt-test-fiber")
+    finally:
+        leave_named()
+    named.resume()
+    assert named.result is True           # created inside a named scope: runs in it
+    assert not in_named()
 
 
 def test_pipeline_bad_input():

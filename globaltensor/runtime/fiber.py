@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
+from ..ops import scope
 from . import context
 
 
@@ -37,6 +38,7 @@ class Fiber:
     def __init__(self, fn: Callable[[], Any], name: str = "gt-fiber") -> None:
         self._fn, self.name = fn, name
         self._comm = context.current_or_none()
+        self._named = scope._DEPTH.value  # the creator's named-scope depth, which the fiber starts in
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._started = False
@@ -51,6 +53,9 @@ class Fiber:
         self._go.acquire()
         context.set_thread(self._comm)  # a simulated rank's communicator is its thread's
         _CURRENT.fiber = self
+        # the named scope (ops/scope.py) is per thread: the fiber runs in its creator's, as a call would, and
+        # leaves none behind on its pooled thread (a fiber cancelled inside a named module never leaves it)
+        scope._DEPTH.value = self._named
         try:
             self.result = self._fn()
         except _Cancelled:
@@ -58,6 +63,7 @@ class Fiber:
         except BaseException as e:  # noqa: BLE001 - handed to the resuming thread
             self._error = e
         finally:
+            scope._DEPTH.value = 0
             _CURRENT.fiber = None
             self._fn = None  # the micro-batch's graph and tensors go with it
             self.done = True
