@@ -178,9 +178,17 @@ class _NamedModule:
         armed = _ARMED.stack.pop() if _ARMED.stack else False
         if self.out is not None:
             output = self.out.after(module, args, output)
-        if armed and isinstance(output, GlobalTensor) and output.requires_grad:
-            output = _OnBackward.apply(output, dispatch.enter_named)
+        if isinstance(output, GlobalTensor) and output.requires_grad and torch.is_grad_enabled():
+            # an input that needs no gradient (an embedding's indices) marks no end: the module's backward is
+            # the last of its branch, so the scope lasts until the backward ends
+            output = _OnBackward.apply(output, dispatch.enter_named if armed else _named_until_backward_ends)
         return output
+
+
+def _named_until_backward_ends() -> None:
+    """Enter the named scope for the rest of this backward (autograd calls back at its end, on this thread)."""
+    dispatch.enter_named()
+    torch.autograd.Variable._execution_engine.queue_callback(dispatch.leave_named)
 
 
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
