@@ -31,6 +31,7 @@ import torch
 
 from .layout import Layout, normalize_sbp
 from .ops import dispatch
+from .ops.scope import enter_named_here
 from .placement import Placement
 from .runtime import context, fiber
 from .sbp import SBP_TYPES, Broadcast, Partial
@@ -186,9 +187,9 @@ class _NamedModule:
 
 
 def _named_until_backward_ends() -> None:
-    """Enter the named scope for the rest of this backward (autograd calls back at its end, on this thread)."""
-    dispatch.enter_named()
-    torch.autograd.Variable._execution_engine.queue_callback(dispatch.leave_named)
+    """Enter the named scope for the rest of this backward: autograd calls back at its end (on the thread that
+    called `backward()`, which need not be the one running this node: the leave is this thread's)."""
+    torch.autograd.Variable._execution_engine.queue_callback(enter_named_here())
 
 
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:

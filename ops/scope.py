@@ -12,6 +12,7 @@ the decision key.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 
 class _Depth(threading.local):
@@ -31,3 +32,15 @@ def leave_named() -> None:
 
 def in_named() -> bool:
     return _DEPTH.value > 0
+
+
+def enter_named_here() -> Callable[[], None]:
+    """Enter the named scope on this thread; returns the matching leave, which leaves this thread's scope
+    from whichever thread calls it (autograd runs a backward's final callbacks on the thread that called
+    `backward()`, a CUDA backward's nodes on the device's own thread)."""
+    enter_named()
+    mine = _DEPTH.__dict__  # this thread's attributes of the thread-local
+
+    def leave() -> None:
+        mine["value"] = max(0, mine.get("value", 0) - 1)
+    return leave

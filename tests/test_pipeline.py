@@ -665,6 +665,30 @@ def test_a_fiber_runs_in_its_creators_named_scope_and_leaves_none_on_its_thread(
     assert not in_named()
 
 
+def test_a_named_module_whose_input_needs_no_gradient_runs_its_backward_named():
+    """An embedding under a ModuleLayout (its input, the indices, needs no gradient, so no mark ends its
+    backward there): its backward runs in the named scope, which the backward's end leaves, also when it
+    ends on another thread than the one that entered (autograd's final callbacks run on the thread that
+    called backward(); a CUDA backward's nodes on the device's thread)."""
+    from globaltensor.ops.scope import enter_named_here, in_named
+
+    def run():
+        emb = gt.to_global(torch.nn.Embedding(8, 4).double(), gt.placement("cpu", [0, 1]),
+                           {"weight": gt.split(0), "": gt.ModuleLayout(output=B)})
+        seen = []
+        emb.weight.register_hook(lambda g: seen.append(in_named()))
+        idx = gt.to_global(torch.tensor([[1, 5, 2]]), gt.placement("cpu", [0, 1]), B)
+        out = emb(idx)
+        assert not in_named()
+        out.sum().backward()
+        leave = enter_named_here()
+        other = threading.Thread(target=leave)
+        other.start()
+        other.join()
+        return seen, in_named()
+    assert gt.launch(run, 2) == [([True], False)] * 2
+
+
 def test_pipeline_bad_input():
     def run():
         stages = _stages(2, (1,))
