@@ -397,6 +397,9 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _SUMS:
         return _sum(func, args, kwargs)
     if func in _LIKE or _is_pointwise(func):
+        if all(t._auto for t in ragged) and any(_held_axes(t, tuple(first.shape), first._layout) is None for t in flat
+                                               if isinstance(t, GlobalTensor) and not isinstance(t, RaggedTensor)):
+            return _on_balanced(func, args, kwargs)   # a reshape's rows meet another split: balanced, then the op
         return _pointwise(func, args, kwargs, flat, first)
     if func is aten.detach.default or func is aten.alias.default:
         return _pointwise(func, args, kwargs, flat, first)
@@ -412,8 +415,7 @@ def _run(func: Any, args: tuple, kwargs: dict) -> Any:
             out = _mm(func, args, kwargs)
         if out is not _NOT_TAKEN:
             return out
-        balanced = tree_map(lambda t: _balance(t) if isinstance(t, RaggedTensor) else t, (args, kwargs))
-        return func(*balanced[0], **balanced[1])
+        return _on_balanced(func, args, kwargs)
     at = next(i for i, t in enumerate(t for t in flat if isinstance(t, torch.Tensor)) if t is first)
     # NotImplementedError, not TypeError: torch turns a TypeError inside `x @ w` into "unsupported operand"
     raise NotImplementedError(f"{func}: tensor input {at} is ragged ({first._layout.sbp}, sizes {_shown(first._sizes)}); "
@@ -427,7 +429,7 @@ _NOT_TAKEN = object()
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,
              aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default}
 _PERMUTES = {aten.t.default, aten.transpose.int, aten.permute.default}
-_MATMULS = {aten.mm.default, aten.addmm.default}
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
 
 
 def _meta_shape(func: Any, args: tuple, kwargs: dict) -> tuple:
@@ -589,49 +591,71 @@ def _permute(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
-    """Matrix products with ragged rows, every other mesh axis Broadcast: rows @ whole -> rows (mm, addmm
-    with a whole bias), whole @ ragged columns -> ragged columns, and a product over the ragged dim of two
-    operands cut alike (x.t() @ grad: a Linear's weight gradient) -> Partial on the ragged axes."""
+    """Matrix products with ragged rows: rows @ whole -> rows (mm, bmm, addmm with a whole bias), whole @
+    ragged columns -> ragged columns, and a product over the ragged dim of two operands cut alike
+    (x.t() @ grad: a Linear's weight gradient) -> Partial on the ragged axes. Every other mesh axis
+    broadcasts, or (bmm) splits the batch dim of every operand alike (experts split over an expert axis)."""
     if func is aten.addmm.default:
         bias, a, b = args[:3]
         if isinstance(bias, RaggedTensor):
             return _NOT_TAKEN
     else:
         bias, (a, b) = None, args[:2]
+    off = 1 if func is aten.bmm.default else 0
     ra, rb = isinstance(a, RaggedTensor), isinstance(b, RaggedTensor)
     first = a if ra else b
     layout, p = first._layout, first.placement
     axes = layout.ragged_axes
-    if any(not isinstance(s, (Broadcast, Ragged)) for s in layout.sbp):
+    others = tuple(s for k, s in enumerate(layout.sbp) if k not in axes)
+    if any(not (isinstance(s, Broadcast) or off and s == Split(0)) for s in others):
         return _NOT_TAKEN
     for t in (bias, a, b):
-        if isinstance(t, GlobalTensor) and not isinstance(t, RaggedTensor) and (
-                t.placement != p or not all(isinstance(s, Broadcast) for s in t.sbp)):
+        if not isinstance(t, GlobalTensor):
+            continue
+        if t.placement != p or tuple(s for k, s in enumerate(t._layout.sbp) if k not in axes) != others:
             return _NOT_TAKEN
+        if not isinstance(t, RaggedTensor) and not all(isinstance(t._layout.sbp[k], Broadcast) for k in axes):
+            return _NOT_TAKEN
+    if bias is not None and bias.dim() == 2 and bias.shape[0] != 1:
+        return _NOT_TAKEN   # a bias with a row per ragged row: not a Linear's
     dim_a = a._layout.sbp[axes[0]].dim if ra else None
     dim_b = b._layout.sbp[axes[0]].dim if rb else None
-    shape = (a.shape[0], b.shape[1])
+    shape = tuple(a.shape[:off]) + (a.shape[off], b.shape[off + 1])
     if ra and rb:
-        if dim_a != 1 or dim_b != 0 or a._sizes != b._sizes or a._unit != b._unit or bias is not None or \
-                a._layout.ragged_axes != b._layout.ragged_axes:
+        if dim_a != off + 1 or dim_b != off or a._sizes != b._sizes or a._unit != b._unit or bias is not None \
+                or a._layout.ragged_axes != b._layout.ragged_axes:
             return _NOT_TAKEN
         out_sbp, sizes, unit = Partial(), None, None
-    elif ra and dim_a == 0:
-        out_sbp, sizes, unit = Ragged(0), a._sizes, a._unit
-    elif rb and dim_b == 1 and bias is None:
-        out_sbp, sizes, unit = Ragged(1), b._sizes, b._unit
+    elif (ra and dim_a == off + 1 or rb and dim_b == off) and bias is None:  # over the ragged dim, the other whole
+        out_sbp, sizes, unit = Partial(), None, None
+        whole = 1 if ra else 0
+    elif ra and dim_a == off:
+        out_sbp, sizes, unit = Ragged(off), a._sizes, a._unit
+    elif rb and dim_b == off + 1 and bias is None:
+        out_sbp, sizes, unit = Ragged(off + 1), b._sizes, b._unit
     else:
         return _NOT_TAKEN
     out = Layout(p, tuple(out_sbp if k in axes else s for k, s in enumerate(layout.sbp)))
-    local_of = lambda t: t._local if isinstance(t, GlobalTensor) else t  # noqa: E731
     if _inside(layout):
-        largs = tuple(local_of(t) for t in args)
-        if bias is not None and bias.dim() > 0 and isinstance(out_sbp, Ragged) and bias.shape[0] == shape[0] != 1:
-            return _NOT_TAKEN   # a bias with a row per ragged row: not a Linear's
+        largs = [t._local if isinstance(t, GlobalTensor) else t for t in args]
+        if isinstance(out_sbp, Partial) and not (ra and rb):  # the whole operand's rows (columns) this rank holds
+            coord = p.coord(context.current().rank)
+            for k in axes:
+                largs[whole] = _recut.take(largs[whole], off + (1 - whole), first._sizes[k], coord[k])
         local = func(*largs, **kwargs)
     else:
         local = first._local.new_empty((0,))
     return make(local, out, shape, sizes, unit=unit)
+
+
+def _on_balanced(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The op on its ragged inputs' balanced splits (a reshape's rows, for an op that does not keep them)."""
+    if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+        raise NotImplementedError(f"{func}: writes a ragged input in place (the rows of a reshape of an uneven split, "
+                                  "which it does not take); the balanced copy it would write is not the tensor: "
+                                  "reshape a balanced split first, or write out of place")
+    balanced = tree_map(lambda t: _balance(t) if isinstance(t, RaggedTensor) else t, (args, kwargs))
+    return func(*balanced[0], **balanced[1])
 
 
 def _shown(sizes: Sizes) -> Any:
@@ -663,10 +687,11 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, flat: list, first: RaggedTe
                                  "the other's (x.to_global(sbp=..., sizes=...))")
             return t._local
         if isinstance(t, GlobalTensor):
-            if t.placement != layout.placement or not all(isinstance(s, Broadcast) for s in t.sbp):
+            held = _held_axes(t, shape, layout)
+            if held is None:
                 raise ValueError(f"{func}: a ragged tensor meets a {t.sbp} one; other operands of a ragged one must "
-                                 "be ragged alike or Broadcast on its placement")
-            return _cut_operand(func, t._local, tuple(t.shape), shape, layout, sizes) if inside else t._local
+                                 "be ragged alike or Broadcast on its placement (or split as it is on its other axes)")
+            return _cut_operand(func, t._local, tuple(t.shape), shape, layout, sizes, held) if inside else t._local
         if isinstance(t, torch.Tensor) and t.dim() > 0:
             return _cut_operand(func, t, tuple(t.shape), shape, layout, sizes) if inside else t
         return t
@@ -680,13 +705,32 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, flat: list, first: RaggedTe
                                    unit=unit) if isinstance(o, torch.Tensor) else o, result)
 
 
+def _held_axes(t: GlobalTensor, out_shape: tuple, layout: Layout) -> Optional[frozenset]:
+    """The mesh axes on which a non-ragged operand of a ragged pointwise op already holds its block (split as
+    the ragged tensor is there: a per-expert bias beside rows split by expert); None if some axis of it is
+    neither that nor Broadcast."""
+    if t.placement != layout.placement:
+        return None
+    lead = len(out_shape) - t.dim()
+    held = set()
+    for a, (s, r) in enumerate(zip(t.sbp, layout.sbp)):
+        if isinstance(s, Broadcast):
+            continue
+        if not (isinstance(s, Split) and isinstance(r, Split) and r.dim == s.dim + lead
+                and t.shape[s.dim] == out_shape[r.dim]):
+            return None
+        held.add(a)
+    return frozenset(held)
+
+
 def _cut_operand(func: Any, t: torch.Tensor, t_shape: tuple, out_shape: tuple, layout: Layout,
-                 sizes: Sizes) -> torch.Tensor:
-    """A whole operand broadcast against the ragged output: the block of each cut dim it spans (a local slice)."""
+                 sizes: Sizes, held: frozenset = frozenset()) -> torch.Tensor:
+    """A whole operand broadcast against the ragged output: the block of each cut dim it spans (a local slice;
+    none on the axes in `held`, where the operand is split alike already)."""
     coord = layout.placement.coord(context.current().rank)
     lead = len(out_shape) - len(t_shape)
     for a, s in enumerate(layout.sbp):
-        if not isinstance(s, (Split, Ragged)):
+        if not isinstance(s, (Split, Ragged)) or a in held:
             continue
         d = s.dim - lead
         if d < 0 or t_shape[d] == 1:

@@ -134,9 +134,10 @@ def check_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, s
     """Values and routing equal one device, nothing falls back; forward and backward each move exactly
     the dispatch's and the combine's ideal bytes (the backward: the combine's dual, then the dispatch's),
     one collective each: an all-to-all within the expert axis when the other axes come first (a
-    send/recv when the expert axis also re-cuts the other axes' groups). With a group count that does
-    not divide over the ranks the two are there, exact, among the router's reboxing (see
-    test_groups_that_do_not_divide)."""
+    send/recv when the expert axis also re-cuts the other axes' groups), group counts that do not divide
+    over the ranks included (test_groups_that_do_not_divide). A conversion that moves nothing on any rank
+    runs no collective; with fewer groups than ranks the aux loss may gather its [G] terms
+    (without_aux_gather)."""
     before = dict(gt.stats()["fallback"])
     n = int(np.prod(mesh))
     results = _launch(_layer_step, n, cfg, batch, seed, skew, mesh, expert_axis)
@@ -146,6 +147,9 @@ def check_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, s
     groups = batch * cfg.block_size // s
     m = mesh[expert_axis]
     kind = "all_to_all" if expert_axis == len(mesh) - 1 else "send_recv"
+    coords = [np.argwhere(np.arange(n).reshape(mesh) == r)[0] for r in range(n)]
+    ideal = [ideal_moe_bytes(cfg, groups, s, mesh, expert_axis, c) for c in coords]
+    moved = [any(b[i] for b in ideal) for i in range(2)]   # a conversion that moves nothing anywhere runs no collective
     for rank, (fwd, bwd, y, aux, kept, xg, grads) in enumerate(results):
         torch.testing.assert_close(y, y_ref, **TOL)
         torch.testing.assert_close(aux, aux_ref, **TOL)
@@ -153,11 +157,12 @@ def check_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, s
         torch.testing.assert_close(xg, xg_ref, **TOL)
         for k, g in grads.items():
             torch.testing.assert_close(g, g_ref[k], **TOL, msg=k)
-        coord = np.argwhere(np.arange(n).reshape(mesh) == rank)[0]
-        dispatch, combine = ideal_moe_bytes(cfg, groups, s, mesh, expert_axis, coord)
-        want = [(kind, dispatch), (kind, combine)]
+        coord = coords[rank]
+        want = [(kind, b) for b, runs in zip(ideal[rank], moved) if runs]
         if m == 1:
             continue
+        if kind == "send_recv":  # point to point: a rank that receives nothing may take no part
+            want, fwd, bwd = ([e for e in events if e[1]] for events in (want, fwd, bwd))
         assert want in (fwd, without_aux_gather(fwd, groups, mesh, coord)), (rank, fwd, want)
         assert bwd == want, (rank, bwd, want)
     return results
@@ -247,16 +252,12 @@ def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
     expert axis last, DeepSpeed-MoE's, or first), every token's choices to the same experts ("equal") or
     every token to one expert with another empty under top-1 and top-2 ("hot"), group counts a multiple
-    of the ranks (as GShard sizes them) or, on 1-D meshes, `short` of one (uneven, ranks with one group or
-    none): values and routing equal one device, bytes exactly the ideal (check_layer; with uneven groups
-    the dispatch and combine exactly, among the router's reboxing, see test_groups_that_do_not_divide).
-    Not drawn, as no test can pass them yet: uneven groups on 2x2, where the dispatch and combine are no
-    longer one collective each (EP x DP, 7 groups, E = 6: send/recvs, reduce-scatters and all-gathers
-    of several times the ideal), and groups smaller than a sequence where the batch does not divide (as
-    in test_dropless_layer_hypothesis)."""
+    of the ranks (as GShard sizes them) or `short` of one (uneven, ranks with one group or none, 1-D and
+    2x2): values and routing equal one device, bytes exactly the ideal (check_layer, the whole layer; see
+    test_groups_that_do_not_divide). Not drawn: groups smaller than a sequence where the batch does not
+    divide (as in test_dropless_layer_hypothesis), and a single group (batch 1)."""
     mesh, expert_axis = mesh
     n = int(np.prod(mesh))
-    short = short if len(mesh) == 1 else 0   # uneven groups on 2x2: not one collective each way (see docstring)
     batch = max(2, n * per_rank - min(short, n - 1))   # (one group: a size-1 dim, kept whole)
     assume(group is None or batch % n == 0)
     k = min(k, experts)
@@ -265,15 +266,60 @@ def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew
     check_layer(cfg, batch, mesh, expert_axis, seed=seed, skew=skew)
 
 
-@pytest.mark.parametrize("n, batch", [(2, 3), (4, 6)])
-def test_groups_that_do_not_divide(n, batch):
-    """G not a multiple of the ranks (uneven G split: 2+1, 2+2+1+1): values equal one device, and the
-    dispatch and combine each move exactly their ideal bytes (ideal_moe_bytes of the uneven split), one
-    all-to-all each way. The whole layer does not meet the ideal: a balanced split of [G, S, d] on G is
-    not one of [G*S, d] on rows, so the router's Linear (which flattens) reboxes its input, and the
-    choices downstream follow (n=2, G=3: 12 collectives forward where 2 do). GShard sizes G as a multiple
-    of the devices; a ragged split of the router's rows would lift this."""
-    check_layer(CFG, batch, (n,))
+@pytest.mark.parametrize("mesh, expert_axis, batch, experts", [((2,), 0, 3, 4), ((4,), 0, 6, 4), ((2, 2), 1, 7, 6)])
+def test_groups_that_do_not_divide(mesh, expert_axis, batch, experts):
+    """G not a multiple of the ranks (uneven G split: 2+1, 2+2+1+1; EP x DP 2x2, 7 groups, E = 6): values
+    equal one device and the whole layer moves exactly the ideal bytes, the dispatch and the combine one
+    collective each way (ideal_moe_bytes of the uneven split), nothing else. A balanced split of
+    [G, S, d] on G is not one of [G*S, d] on rows, so the router's Linear (which flattens) and the
+    experts' reshape ([E, G, C, d] -> [E, G*C, d]) see a ragged split of rows in units of S (or C), with
+    no data moved (ops/view.py's uneven_merge), which their matrix products keep and the reshape back
+    balances again. Before that the router reboxed its input and every choice downstream followed
+    (n=2, G=3: 12 collectives forward where 2 do; on 2x2 send/recvs, reduce-scatters and all-gathers of
+    several times the ideal)."""
+    check_layer(MoEConfig(**{**CFG.__dict__, "n_expert": experts}), batch, mesh, expert_axis)
+
+
+def _uneven_rows_step(mesh, batch):
+    """A Linear over [G, S, d] split unevenly on G (no MoE): its collectives, output and gradients, and the
+    flattened rows' layout; then ops that do not keep ragged rows (softmax over them, a cat) on the view."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4).double()
+    x = torch.randn(batch, 8, 16, dtype=torch.float64)
+    p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
+    gt.to_global(lin, p, {})
+    xg = gt.to_global(x, p, ep_batch(len(mesh))).requires_grad_(True)
+    with gt.comm_log() as log:
+        y = lin(xg)
+        rows = xg.reshape(-1, 16)
+        y.sum().backward()
+    other = (rows.softmax(0) * 2).sum(1)
+    joined = torch.cat([rows, rows]).sum(0)
+    return ([e.kind for e in log.events], type(rows).__name__, rows.sbp, y.full_tensor(), xg.grad.full_tensor(),
+            lin.weight.grad.full_tensor(), rows.full_tensor(), other.full_tensor(), joined.full_tensor())
+
+
+@pytest.mark.parametrize("mesh, batch", [((2,), 3), ((2, 2), 7), ((4,), 1)])
+def test_a_reshape_of_an_uneven_split_is_ragged_rows(mesh, batch):
+    """The rule under test_groups_that_do_not_divide, on its own: [G, S, d] split unevenly on G (nested on
+    2x2; G = 1: 8 + 0 + 0 + 0 rows) reshaped to [G*S, d] is ragged on the rows, a Linear over it runs
+    locally forward and backward (no collective), and ops that do not keep ragged rows get them balanced:
+    values equal one device throughout."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 4).double()
+    x = torch.randn(batch, 8, 16, dtype=torch.float64, requires_grad=True)
+    y = lin(x)
+    y.sum().backward()
+    rows = x.detach().reshape(-1, 16)
+    for kinds, kind, sbp, yg, xgrad, wgrad, r, other, joined in _launch(_uneven_rows_step, int(np.prod(mesh)),
+                                                                       mesh, batch):
+        assert kinds == [] and kind == "RaggedTensor" and sbp == (gt.ragged(0),) * len(mesh)
+        torch.testing.assert_close(yg, y.detach(), **TOL)
+        torch.testing.assert_close(xgrad, x.grad, **TOL)
+        torch.testing.assert_close(wgrad, lin.weight.grad, **TOL)
+        torch.testing.assert_close(r, rows, **TOL)
+        torch.testing.assert_close(other, (rows.softmax(0) * 2).sum(1), **TOL)
+        torch.testing.assert_close(joined, torch.cat([rows, rows]).sum(0), **TOL)
 
 
 @pytest.mark.parametrize("bad, arg", [(dict(top_k=5), "top_k"), (dict(top_k=0), "top_k"),
@@ -634,10 +680,6 @@ def check_dropless_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: i
         assert bwd == ours[1:], (rank, bwd)
 
 
-def _contains(events: list, run: list) -> bool:
-    return any(events[i:i + len(run)] == run for i in range(len(events) - len(run) + 1))
-
-
 @pytest.mark.parametrize("mesh, expert_axis", [((2,), 0), ((4,), 0), ((2, 2), 1)])
 @pytest.mark.parametrize("k", [1, 2])
 def test_dropless_layer_equals_one_device_at_routed_bytes(mesh, expert_axis, k):
@@ -652,10 +694,11 @@ def test_dropless_layer_hypothesis(k, experts, mesh, batch, group, skew, seed):
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
     expert axis last or first), every token to the same k experts ("equal", the others get no rows) or
     every token to one expert with another empty under top-1 and top-2 ("hot"): values and routing equal
-    one device, bytes exactly the routed rows'. (Groups smaller than a
-    sequence are taken where the batch divides: a balanced split of [B, T, d] on B is not one of
-    [G, S, d] on G otherwise, and the reshape between them moves rows, as test_groups_that_do_not_divide
-    says; a single group is a size-1 dim, which the dispatcher keeps whole.)"""
+    one device, bytes exactly the routed rows' (the whole layer). (Groups smaller than a sequence are
+    taken where the batch divides: otherwise [B, T, d] -> [G, S, d] leaves G ragged, in units of two or
+    more groups per sequence, which the router's softmax does not keep, and the layer re-cuts it to a
+    balanced split of G, moving rows the ideal does not count; a single group is a size-1 dim, which
+    the dispatcher keeps whole.)"""
     mesh, expert_axis = mesh
     assume(group is None or batch % int(np.prod(mesh)) == 0)
     cfg = _dropless(CFG, top_k=min(k, experts), n_expert=experts, group_size=group)
