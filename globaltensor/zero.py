@@ -36,6 +36,7 @@ import torch
 from . import boxing
 from .layout import Layout
 from .ops import dispatch
+from .ops.scope import enter_named_here
 from .runtime import context
 from .tensor import GlobalTensor
 
@@ -171,7 +172,7 @@ class _Call:
         self.owned: list = []         # whether that shard is a copy of ours to free (not the stored one)
         self.freed = False
         self.tracked = False          # an autograd function holds this call (a backward will come)
-        self.scoped = False           # its backward is running in the named scope
+        self.scopes: dict = {}        # thread -> leave: the backwards running in the named scope, one per thread
         self.pending: Any = None      # a started gather (prefetch) to finish
         self.reduced = False          # its backward has run
         self.before_in_backward: Optional["weakref.ref[_Call]"] = None  # the call whose backward comes next
@@ -232,14 +233,21 @@ class _Call:
         self.freed = False
 
     def enter_scope(self) -> None:
-        if not self.scoped:
-            self.scoped = True
-            dispatch.enter_named()
+        """The module's backward runs in the named scope (its gradients are laid out by the user: the
+        cost model leaves a Partial for the reduce-scatter). The scope is per thread (ops/scope.py), and a
+        call kept for a pipeline step is in several backwards at once, one per micro-batch, each on its
+        own fiber's thread when interleaved: each thread enters (and leaves) it for itself."""
+        me = threading.get_ident()
+        if me not in self.scopes:
+            self.scopes[me] = enter_named_here()
 
     def leave_scope(self) -> None:
-        if self.scoped:
-            self.scoped = False
-            dispatch.leave_named()
+        if not self.scopes:
+            return
+        leave = self.scopes.pop(threading.get_ident(), None)
+        if leave is None:  # left from another thread than the one that entered (a device's backward thread)
+            leave = self.scopes.pop(next(iter(self.scopes)))
+        leave()
 
     def reduce_start(self, grads: tuple) -> Any:
         """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`), started
