@@ -2,7 +2,10 @@
 
 A dim that has no image (the sliced/selected/concatenated dim, or a reshape
 group whose split pieces would not line up) can only be taken Broadcast,
-which the dispatcher boxes to and counts. Views are linear, so P passes.
+which the dispatcher boxes to and counts; except that a dim split unevenly and
+merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a multiple
+of the ranks) becomes a ragged split of the rows in units of S, no data moved
+(`uneven_merge`, run by globaltensor/ragged.py). Views are linear, so P passes.
 Sizes in the arguments are global; kernels that take sizes get this rank's.
 """
 from __future__ import annotations
