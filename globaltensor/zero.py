@@ -38,7 +38,8 @@ from .layout import Layout
 from .ops import dispatch
 from .ops.scope import enter_named_here
 from .runtime import context
-from .tensor import GlobalTensor
+from .sbp import Broadcast, Partial
+from .tensor import GlobalTensor, grad_layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,11 +250,16 @@ class _Call:
             leave = self.scopes.pop(next(iter(self.scopes)))
         leave()
 
-    def reduce_start(self, grads: tuple) -> Any:
+    def reduce_start(self, grads: tuple, keep_partial: bool = False) -> Any:
         """Gradients in the compute layouts -> the stored layouts and dtypes (the dual of `gather`), started
-        now (its reduce-scatter may stay in flight), finished by calling the result."""
+        now (its reduce-scatter may stay in flight), finished by calling the result. `keep_partial`: a
+        Partial axis on which the parameter is stored Broadcast stays Partial (`_kept_partial`), unless
+        the group reduces in another dtype than the parameter's (the bucket would reduce it in the latter)."""
         g = self.group
         which = [i for i, gr in enumerate(grads) if gr is not None]
+        targets = {i: _kept_partial(grads[i]._layout, g.params[i]._layout) if keep_partial and
+                   isinstance(grads[i], GlobalTensor) and g.reduce_dtype in (None, g.params[i].dtype)
+                   else g.params[i]._layout for i in which}
         locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
         for i in which:
             gr, p = grads[i], g.params[i]
@@ -264,7 +270,7 @@ class _Call:
             if g.reduce_dtype is not None and local.dtype != g.reduce_dtype:
                 local = local.to(g.reduce_dtype)
             locals_.append(local)
-            plans.append((gr._layout, p._layout, local.dtype))
+            plans.append((gr._layout, targets[i], local.dtype))
         done = boxing.execute_many_start(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
         n = len(grads)
 
@@ -274,7 +280,7 @@ class _Call:
             result: list = [None] * n
             for i, out in zip(which, done()):
                 p = g.params[i]
-                result[i] = GlobalTensor(out.to(p.dtype), p._layout, tuple(p.shape))
+                result[i] = GlobalTensor(out.to(p.dtype), targets[i], tuple(p.shape))
             return result
         return finish
 
@@ -375,13 +381,16 @@ class _Accumulation:
 
     def close(self) -> None:
         """Reduce each group's summed gradients into the stored layouts (one bucket per group, in the
-        order the groups were first called: the same on every rank) and free the gathered copies."""
+        order the groups were first called: the same on every rank) and free the gathered copies. The
+        step is over: a Partial on an axis where the parameter is stored Broadcast is left for the step's
+        gradient bucket (`_kept_partial`), as DDP leaves it (a tied weight's gradient too, sent back to
+        its stage, where it joins the other use's gradient before the bucket reduces the sum)."""
         for group, call in self.calls.items():
             grads = self.grads.get(call)
             call.free()
             if grads is not None:
                 call.reduced = True
-                _land(group.params, call.reduce_start(tuple(grads)))
+                _land(group.params, call.reduce_start(tuple(grads), keep_partial=True))
 
 
 _SCOPES: "weakref.WeakKeyDictionary[Any, _Accumulation]" = weakref.WeakKeyDictionary()  # per rank (communicator)
@@ -430,15 +439,64 @@ def _land_down_to(limit: int) -> None:
         _land(*_LANDING.pending.pop(0))
 
 
+def _kept_partial(grad: Layout, stored: Layout) -> Layout:
+    """Where a step's summed gradient (`_Accumulation.close`) lands: the stored layout, but Partial on an
+    axis where the gradient is Partial and the parameter is stored Broadcast. The reduction there is an
+    all-reduce of the parameter's whole size on that axis, which the step's gradient bucket (the
+    optimizer's first read, `dispatch.defer_reduction`) makes anyway, in one collective with the other
+    gradients; made here it is a collective of its own. Where the gradient goes to another placement (a
+    tied weight's, back to its stage) it joins the gradient it meets there as a Partial (`_sum_layout`),
+    reduced once with it. (The boxing planner moves no Partial across placements: it reduce-scatters it
+    on the source and sends the sums to the target's partial-coordinate-0 ranks, the others filling
+    zeros; the same bytes in all as each rank sending its share to its peer, one collective more.) An axis
+    stored split (ZeRO) is reduce-scattered as before: the stored shard is what it is for."""
+    if len(grad.sbp) != len(stored.sbp):
+        return stored
+    return Layout(stored.placement, tuple(g if _is_sum(g) and isinstance(s, Broadcast) else s
+                                          for g, s in zip(grad.sbp, stored.sbp)))
+
+
+def _is_sum(s: Any) -> bool:
+    return isinstance(s, Partial) and s.op == "sum"
+
+
+def _sum_layout(stored: Layout, a: Layout, b: Layout) -> Layout:
+    """The layout two gradients of a parameter (stored in `stored`) are summed in: per mesh axis Partial
+    where either is Partial (the sum is reduced once, by whoever reads it: never one operand first, nor the
+    other made Partial-compatible by a gather), else the stored SBP (where the optimizer reads it). Each
+    operand reaches it without moving anything wherever it is Broadcast, Partial or split as stored: e.g.
+    an embedding's gradient whole on the tensor axis, (P, B), plus a vocab-split head's, (P, S(0)), is
+    summed as (P, S(0)), the first sliced, rather than the second all-gathered to (P, B)."""
+    return Layout(stored.placement, tuple(Partial() if _is_sum(x) or _is_sum(y) else s
+                                          for s, x, y in zip(stored.sbp, a.sbp, b.sbp)))
+
+
 def _land(params: tuple, finish: Any) -> None:
+    """Reduced gradients into the parameters' `.grad`. Two of a parameter (a tied weight's, from its two
+    uses) are summed in `_sum_layout`; a Partial result is noted for the step's gradient bucket, as the
+    accumulation hook of a converted parameter notes it (module.py `_defer_grad_reduction`)."""
     with torch.no_grad():
         for p, g in zip(params, finish()):
             if g is None:
                 continue
-            if p.grad is None:
+            have = p.grad
+            if have is None:
                 p.grad = g
             else:
-                p.grad.add_(g)
+                where = None
+                if isinstance(have, GlobalTensor) and isinstance(g, GlobalTensor) and \
+                        have._layout.placement == g._layout.placement == p._layout.placement:
+                    where = _sum_layout(p._layout, have._layout, g._layout)
+                if where is None or where == have._layout:
+                    have.add_(g)
+                else:
+                    mine = dispatch.box(have._local, have._layout, where, tuple(p.shape))
+                    if _storage(mine) == _storage(have._local):
+                        mine = mine.clone()  # a slice of the old gradient: not kept alive whole
+                    mine.add_(dispatch.box(g._local, g._layout, where, tuple(p.shape)))
+                    p.grad = GlobalTensor(mine, where, tuple(p.shape))
+            if isinstance(p.grad, GlobalTensor) and p.grad._layout.has_partial:
+                dispatch.defer_reduction(p.grad, grad_layout(p.grad._layout))
 
 
 class _Regather(torch.autograd.Function):
