@@ -108,3 +108,33 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
         routes.append((r, RankRoute(out_shape, tuple(regions.get(r, ())), rs, rr, rb)))
     prim = ("broadcast" if bcasts and not sends else "send_recv") if latency else "local"
     return Step(prim, src, dst, None, tuple(recv_bytes), latency, routes=tuple(routes))
+
+
+def relocate(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Step:
+    """A Partial layout moved as it is to another placement of the same mesh shape: each rank sends its
+    whole shard to the rank at its mesh coordinate there (one message each, no reduction). `direct`
+    needs a Partial-free source, so without this a Partial crossing placements was reduced first, even
+    where the destination keeps it Partial (a tied weight's gradient going back to the stage that
+    stores it, whose data-parallel bucket reduces it anyway)."""
+    A, B = src.placement, dst.placement
+    sends: dict[int, tuple] = {}
+    recvs: dict[int, tuple] = {}
+    regions: dict[int, tuple] = {}
+    world = max(A.flat_ranks + B.flat_ranks) + 1
+    recv_bytes = [0] * world
+    for a, b in zip(A.flat_ranks, B.flat_ranks):  # the same mesh coordinate (flat order)
+        box = src.shard(shape, a)
+        whole = tuple((0, n) for n in sizes(box))
+        if a == b:
+            regions[b] = (("copy", whole, whole),)
+            continue
+        sends[a] = ((b, (whole,)),)
+        recvs[b] = ((a, (whole,)),)
+        regions[b] = (("recv", whole, (a, 0)),)
+        recv_bytes[b] = numel(box) * dtype.itemsize
+    routes = []
+    for r in sorted(set(A.flat_ranks) | set(B.flat_ranks)):
+        out_shape = sizes(dst.shard(shape, r)) if r in B else (0,)
+        routes.append((r, RankRoute(out_shape, regions.get(r, ()), sends.get(r, ()), recvs.get(r, ()))))
+    return Step("send_recv" if sends else "local", src, dst, None, tuple(recv_bytes), 1 if sends else 0,
+                routes=tuple(routes))

@@ -3,7 +3,8 @@
 Nodes are layouts on the source placement (and the target itself when it
 lives elsewhere). Edges are the 1-D transitions of `rules` on one mesh axis,
 and, from every Partial-free node, one direct exchange straight to the
-target (`exchange`). Dijkstra on the lexicographic cost of `cost` returns the
+target (`exchange`); a Partial node whose SBP is the target's on another
+placement of the same mesh shape also moves there as it is (`relocate`). Dijkstra on the lexicographic cost of `cost` returns the
 cheapest plan; ties go to fewer collective launches, so a named collective
 beats a point-to-point exchange of the same bytes.
 """
@@ -19,7 +20,7 @@ from ..layout import Layout
 from ..sbp import Broadcast, Partial, Split
 from . import cost as C
 from . import zigzag
-from .exchange import direct
+from .exchange import direct, relocate
 from .plan import Plan, Step
 from .rules import transition
 
@@ -77,6 +78,9 @@ def edges(node: Layout, src: Layout, dst: Layout, shape: tuple[int, ...], dtype:
                     out.append(step)
     if not node.has_partial and node != dst:
         out.append(direct(node, dst, shape, dtype))
+    elif (node.has_partial and node.placement != dst.placement and node.sbp == dst.sbp
+          and node.placement.shape == dst.placement.shape):
+        out.append(relocate(node, dst, shape, dtype))
     return out
 
 

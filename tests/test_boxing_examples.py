@@ -120,6 +120,21 @@ def test_partial_target_across_placements_receives_only_on_coordinate_zero():
     assert plan.recv_bytes == [0, 24, 24, 0, 0]
 
 
+def test_partial_moves_as_it_is_to_another_placement_of_its_mesh_shape():
+    """A Partial kept Partial across placements: each rank's whole shard to the rank at its coordinate,
+    one message, no reduction (reducing first costs a collective more and the same bytes or more)."""
+    src, dst = gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [[4, 5], [6, 7]])
+    plan, events = _run(src, (P, S1), dst, (P, S1), (4, 4), 8)
+    assert [s.primitive for s in plan.steps] == ["send_recv"]
+    assert plan.recv_bytes == [0, 0, 0, 0, 32, 32, 32, 32]
+    plan, _ = _run(gt.placement("cpu", [0, 1]), (P,), gt.placement("cpu", [2, 3]), (P,), (4, 4), 4)
+    assert [s.primitive for s in plan.steps] == ["send_recv"] and plan.recv_bytes == [0, 0, 64, 64]
+    # where the target overlaps the source, reducing first can be cheaper, and is chosen: rank 1 keeps
+    # its reduced half, rank 0 sends the other (96 B in all, not 128)
+    plan, _ = _run(gt.placement("cpu", [0, 1]), (P,), gt.placement("cpu", [1, 2]), (P,), (4, 4), 3)
+    assert sum(plan.recv_bytes) == 96
+
+
 def test_b_to_s_is_a_free_view():
     line = gt.placement("cpu", [0, 1])
 
