@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
+from ..runtime import context
+from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, is_inplace, register
 
 
 def reduced_dims(ctx: Ctx) -> tuple[list[int], bool]:
@@ -68,13 +70,107 @@ register([aten.argmax.default, aten.argmin.default], reduction(None))
 
 
 # -- scans and counts ----------------------------------------------------------------------------
+# cumsum / cumprod (and their in-place forms) along a split dim run as a distributed scan: each rank
+# scans its shard, the ranks of the mesh axes that split the dim all-gather their shards' totals (the
+# scan's last row: one row of the dim's cross-section per rank), and each rank combines into its scan
+# the totals of the ranks before it in the split's order. Several mesh axes splitting the dim (mesh
+# axis 0 cuts first) are scanned innermost axis first: the totals gathered on an axis give the rank's
+# offset within its outer piece and that piece's total, which the next axis out gathers in turn, so a
+# rank receives (n_a - 1) rows per such axis a, not (prod n_a - 1). Output: the same Split.
+SCANS = {aten.cumsum.default: "sum", aten.cumsum_.default: "sum",
+         aten.cumprod.default: "prod", aten.cumprod_.default: "prod"}
+
+
+def scan_axes(layout: Any, dim: int) -> tuple[int, ...]:
+    """The mesh axes (of more than one rank) whose Split cuts `dim`, outermost first."""
+    return tuple(a for a, s in enumerate(layout.sbp) if s == S(dim) and layout.placement.shape[a] > 1)
+
+
+def _scan_dim(ctx: Ctx) -> int:
+    return ctx.named("dim") % max(len(ctx.shapes[0]), 1)
+
+
 def scan_signatures(ctx: Ctx) -> list:
-    """cumsum: a split of another dim passes; the scanned dim is taken whole. Linear: P passes."""
+    """A split of another dim passes; a split of the scanned dim stays split, the kernel exchanging
+    the shards' totals (`scan_local`, charged by `scan_cost`). Linear (cumsum): P passes too."""
     n = len(ctx.shapes[0])
-    dim = ctx.named("dim") % max(n, 1)
+    dim = _scan_dim(ctx)
     dtype = ctx.kwargs.get("dtype")
-    linear = dtype is None or dtype.is_floating_point or dtype.is_complex  # an int cast of P would truncate
-    return [((S(d),), (S(d),)) for d in range(n) if d != dim] + ([((P,), (P,))] if linear else [])
+    linear = SCANS[ctx.func] == "sum" and (dtype is None or dtype.is_floating_point or dtype.is_complex)
+    # (an int cast of P would truncate; a product of partial sums is no partial product)
+    return [((S(d),), (S(d),)) for d in range(n)] + ([((P,), (P,))] if linear else [])
+
+
+def _scan_dtype(ctx: Ctx) -> torch.dtype:
+    """The result's dtype: `dtype=`, else the input's, integers (and bool) widened to int64 as torch does;
+    an in-place scan keeps its target's."""
+    x = ctx.args[0]
+    if ctx.func in (aten.cumsum_.default, aten.cumprod_.default):
+        return x.dtype
+    dtype = ctx.kwargs.get("dtype")
+    if dtype is not None:
+        return dtype
+    return x.dtype if x.dtype.is_floating_point or x.dtype.is_complex else torch.int64
+
+
+def scan_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    """What the scan's kernel receives: on each mesh axis a that splits the scanned dim, the other
+    n_a - 1 ranks' totals (a row of the rank's cross-section of the dim), one all-gather per axis."""
+    dim, layout = _scan_dim(ctx), targets[0]
+    axes = scan_axes(layout, dim)
+    if not axes:
+        return (), 0
+    shape, itemsize = ctx.shapes[0], _scan_dtype(ctx).itemsize
+    out = [0] * (max(layout.placement.flat_ranks) + 1)
+    for r in layout.placement.flat_ranks:
+        local = layout.local_shape(shape, r)
+        row = math.prod(local[:dim] + local[dim + 1:])
+        out[r] = sum(layout.placement.shape[a] - 1 for a in axes) * row * itemsize
+    return tuple(out), len(axes)
+
+
+def scan_local(func: Any, args: tuple, kwargs: dict, where: Local) -> torch.Tensor:
+    """The shard's scan, then the totals of the ranks before it combined in (`SCANS`' comment).
+
+    Integers are exact. Floating point: a rank's values are its local scan plus (or times) the sum
+    (product) of the earlier shards' totals, not one device's left-to-right running sum, so they
+    differ from one device's by rounding (compare with a tolerance).
+    """
+    result = func(*args, **kwargs)
+    dim = _scan_dim(where.ctx)
+    axes = scan_axes(where.in_layouts[0], dim)
+    if where.checking or not axes:
+        return result
+    kind = SCANS[func]
+    comm = context.current()
+    placement = where.in_layouts[0].placement
+    if result.shape[dim]:
+        total = result.select(dim, -1)
+    else:  # an empty shard (a dim smaller than the mesh) adds nothing
+        total = (result.new_zeros if kind == "sum" else result.new_ones)(result.shape[:dim] + result.shape[dim + 1:])
+    offset = None
+    for a in reversed(axes):  # innermost first: within the outer piece, then the pieces
+        group = placement.group(where.rank, a)
+        totals = comm.all_gather(total.contiguous(), group)
+        before = totals[:group.index(where.rank)]
+        if before:
+            here = _combine(kind, before)
+            offset = here if offset is None else _combine(kind, [here, offset])
+        total = _combine(kind, totals)
+    if offset is None:
+        return result
+    offset = offset.unsqueeze(dim)
+    if is_inplace(func):
+        return result.add_(offset) if kind == "sum" else result.mul_(offset)
+    return result + offset if kind == "sum" else result * offset
+
+
+def _combine(kind: str, parts: list) -> torch.Tensor:
+    """The sum (product) of `parts` in order, left to right."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p if kind == "sum" else out * p
+    return out
 
 
 def _histc_range(args: tuple, kwargs: dict) -> bool:
@@ -91,5 +187,5 @@ def histc_signatures(ctx: Ctx) -> list:
     return [((S(d),), (P,)) for d in range(len(ctx.shapes[0]))]
 
 
-register([aten.cumsum.default], Rule(scan_signatures))
+register(list(SCANS), Rule(scan_signatures, local=scan_local, kernel_cost=scan_cost))
 register([aten.histc.default], Rule(histc_signatures, scalar_key=_histc_range))
