@@ -60,18 +60,22 @@ def meta_like(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 
 
 def map_tensors(args: tuple, kwargs: dict, fn: Callable) -> tuple[tuple, dict]:
-    """Rebuild args/kwargs with every tensor (also inside lists) replaced by fn(tensor, slot index)."""
-    c = [0]
+    """Rebuild args/kwargs with every tensor (also inside lists) replaced by fn(tensor, slot index).
 
-    def m(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            c[0] += 1
-            return fn(a, c[0] - 1)
-        if isinstance(a, (list, tuple)):
-            return type(a)(m(x) for x in a)
-        return a
-    new_args = tuple(m(a) for a in args)
-    return new_args, {k: m(v) for k, v in kwargs.items()}
+    A module-level walk, not a recursive inner function: such a function's closure refers to itself, a
+    reference cycle that kept `fn` (and the op's tensors it holds) alive until the cyclic gc ran: a
+    training step's first-call tensors outlived it (wide GPT ZeRO-3 peak 1.02x FSDP2's where 0.92x)."""
+    count = [0]
+    return tuple(_mapped(a, fn, count) for a in args), {k: _mapped(v, fn, count) for k, v in kwargs.items()}
+
+
+def _mapped(a: Any, fn: Callable, count: list) -> Any:
+    if isinstance(a, torch.Tensor):
+        count[0] += 1
+        return fn(a, count[0] - 1)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_mapped(x, fn, count) for x in a)
+    return a
 
 
 def flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:

@@ -14,12 +14,21 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from ..runtime import fiber
+
 
 class _Depth(threading.local):
     value = 0
 
 
 _DEPTH = _Depth()
+
+
+def _set_depth(value: int) -> None:
+    _DEPTH.value = value
+
+
+fiber.inherit(lambda: _DEPTH.value, _set_depth, 0)  # a pipeline fiber runs in its creator's scope
 
 
 def enter_named() -> None:

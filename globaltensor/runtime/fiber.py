@@ -16,8 +16,17 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
-from ..ops import scope
 from . import context
+
+
+# Per-thread state a fiber starts with as its creator had it, and leaves at its default on its pooled
+# thread: (read it on this thread, set it on this thread, its default). The layers above register theirs
+# (ops/scope.py: the named-scope depth), so this floor imports none of them.
+INHERITED: list[tuple[Callable[[], Any], Callable[[Any], None], Any]] = []
+
+
+def inherit(read: Callable[[], Any], write: Callable[[Any], None], default: Any) -> None:
+    INHERITED.append((read, write, default))
 
 
 class _Current(threading.local):
@@ -38,7 +47,7 @@ class Fiber:
     def __init__(self, fn: Callable[[], Any], name: str = "gt-fiber") -> None:
         self._fn, self.name = fn, name
         self._comm = context.current_or_none()
-        self._named = scope._DEPTH.value  # the creator's named-scope depth, which the fiber starts in
+        self._inherited = [read() for read, _, _ in INHERITED]  # the creator's, which the fiber starts in
         self._go = threading.Semaphore(0)
         self._back = threading.Semaphore(0)
         self._started = False
@@ -53,9 +62,10 @@ class Fiber:
         self._go.acquire()
         context.set_thread(self._comm)  # a simulated rank's communicator is its thread's
         _CURRENT.fiber = self
-        # the named scope (ops/scope.py) is per thread: the fiber runs in its creator's, as a call would, and
+        # e.g. the named scope (ops/scope.py), per thread: the fiber runs in its creator's, as a call would, and
         # leaves none behind on its pooled thread (a fiber cancelled inside a named module never leaves it)
-        scope._DEPTH.value = self._named
+        for (_, write, _), value in zip(INHERITED, self._inherited):
+            write(value)
         try:
             self.result = self._fn()
         except _Cancelled:
@@ -63,7 +73,8 @@ class Fiber:
         except BaseException as e:  # noqa: BLE001 - handed to the resuming thread
             self._error = e
         finally:
-            scope._DEPTH.value = 0
+            for _, write, default in INHERITED:
+                write(default)
             _CURRENT.fiber = None
             self._fn = None  # the micro-batch's graph and tensors go with it
             self.done = True
