@@ -446,9 +446,8 @@ def _kept_partial(grad: Layout, stored: Layout) -> Layout:
     optimizer's first read, `dispatch.defer_reduction`) makes anyway, in one collective with the other
     gradients; made here it is a collective of its own. Where the gradient goes to another placement (a
     tied weight's, back to its stage) it joins the gradient it meets there as a Partial (`_sum_layout`),
-    reduced once with it. (The boxing planner moves no Partial across placements: it reduce-scatters it
-    on the source and sends the sums to the target's partial-coordinate-0 ranks, the others filling
-    zeros; the same bytes in all as each rank sending its share to its peer, one collective more.) An axis
+    reduced once with it (the planner moves it there as it is, each rank's share to its peer:
+    `boxing/exchange.relocate`). An axis
     stored split (ZeRO) is reduce-scattered as before: the stored shard is what it is for."""
     if len(grad.sbp) != len(stored.sbp):
         return stored

@@ -65,7 +65,7 @@ def _local(a: Any) -> Any:
     return a._local if isinstance(a, torch.Tensor) and hasattr(a, "_local") else a
 
 
-def _on_local_shards(func: Any, name: str, args: tuple, kwargs: dict, cls: type) -> Any:
+def _on_local_shards(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """torch's foreach kernel once, on the indices whose shards hold elements: a pipeline's optimizer lists
     every stage's parameters, and on a rank outside a stage those shards are empty (a 2-stage GPT's AdamW:
     half of each list). An empty shard's result is empty; only an out-of-place op needs it made."""
@@ -90,7 +90,7 @@ def foreach(func, args, kwargs):
     name = func._schema.name.split("::")[1][len("_foreach_"):]
     cls = None if name.rstrip("_") in _NOT_ELEMENTWISE else _same_layouts(args, kwargs)
     if cls is not None:
-        out = _on_local_shards(func, name, args, kwargs, cls)
+        out = _on_local_shards(func, name, args, kwargs)
         if name.endswith("_"):
             return None
         like = next(a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor))

@@ -10,6 +10,7 @@ GlobalTensor, naming the argument: a wrong answer is worse than an error.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -21,6 +22,7 @@ def _key(schema: Any) -> tuple:
     return tuple((a.name, str(a.type)) for a in schema.arguments if not a.is_out)
 
 
+@lru_cache(maxsize=None)  # per overload, once: not a walk of the packet at every call
 def _functional_twin(op: Any) -> Optional[Any]:
     """The overload of `op`'s packet that takes the same arguments but the outs and writes none."""
     packet = getattr(aten, op._schema.name.split("::")[1])
@@ -35,8 +37,9 @@ def _functional_twin(op: Any) -> Optional[Any]:
     return None
 
 
-def _out_names(op: Any) -> list:
-    return [a.name for a in op._schema.arguments if a.is_out]
+@lru_cache(maxsize=None)
+def _out_names(op: Any) -> tuple:
+    return tuple(a.name for a in op._schema.arguments if a.is_out)
 
 
 def _run_out_variant(func: Any, args: tuple, kwargs: dict) -> Any:
