@@ -122,7 +122,7 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
             rep.chrome_trace(trace, all_ranks=True)
             lines.append(f"chrome trace of the last step: {trace} (open in chrome://tracing or ui.perfetto.dev)")
     if check:
-        full = {n: q.full_tensor() for n, q in model.named_parameters()}  # every rank takes part
+        full = {n: q.full_tensor().cpu() for n, q in model.named_parameters()}  # every rank takes part; the reference ran on the CPU
         if reference is not None:
             ref_losses, ref_params = reference
             dl = max(abs(a - b) for a, b in zip(losses, ref_losses[start:]))

@@ -1,6 +1,6 @@
 """globaltensor.ops: SBP signature rules (one file per op family) and the one dispatcher."""
 from . import registry  # noqa: F401  (rules register themselves on import, below)
-from . import attention, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
+from . import attention, attention_cuda, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
 from . import indexing, norm, sorting  # noqa: F401
 from . import batchnorm, datadependent, scalar, variance  # noqa: F401
 from . import out_variants  # noqa: F401  (after every rule: it takes the out= overloads none names)

@@ -82,9 +82,19 @@ def flatten_out(out: Any) -> tuple[list, Callable[[list], Any]]:
     """An op's tensor outputs as a list, and how to put a list of the same length back in their place."""
     if isinstance(out, torch.Tensor):
         return [out], lambda xs: xs[0]
-    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+    if isinstance(out, (tuple, list)):
         kind = type(out)
-        return list(out), lambda xs: kind(xs)
+        if all(o is None or isinstance(o, torch.Tensor) for o in out):
+            return list(out), lambda xs: kind(xs)
+        # tensors beside plain values (flash attention's max lengths): the tensors in order, the values kept
+        at = [i for i, o in enumerate(out) if o is None or isinstance(o, torch.Tensor)]
+        if at:
+            def put_back(xs: list) -> Any:
+                items = list(out)
+                for i, x in zip(at, xs):
+                    items[i] = x
+                return kind(items)
+            return [out[i] for i in at], put_back
     return [], lambda xs: out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 
 import globaltensor as gt
 from boxing_support import make
-from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
+from globaltensor import zero
+from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, pp_plan, tp_plan, zero_plan
 from training import adamw_steps
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -201,3 +203,123 @@ def test_nccl_with_one_rank_runs_and_matches_the_simulator():
     assert torch.equal(z, torch.arange(12.0).reshape(3, 4) @ torch.ones(4, 3))
     assert training[2] == {"cuda"}
     _assert_same_training(training, gt.launch(_train, 1, args=("cuda", (1, 1)))[0], atol=1e-6)
+
+
+def _events(log) -> list:
+    return [(e.kind, e.group, e.recv_bytes) for e in log.events]
+
+
+def _zero3(device: str, steps: int = 3):
+    """ZeRO-3 on a 1-D data axis of `device`: on CUDA one reduce-scatter stays in flight across a
+    module's backward (`zero.in_flight`), on CPU none does; values and bytes must not change."""
+    p = gt.placement(device, [0, 1])
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(CFG), p, zero_plan(0, 1))
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (gt.to_global(torch.randint(0, CFG.vocab_size, (4, CFG.block_size), generator=g), p, dp_batch(0, 1))
+                for _ in range(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, logs = [], []
+    for _ in range(steps):
+        with gt.comm_log() as log:
+            loss = model(idx, tgt)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+        logs.append(_events(log))
+    devices = {q.to_local().device.type for q in model.parameters()}
+    return losses, {n: q.full_tensor().detach().cpu() for n, q in model.named_parameters()}, logs, devices, \
+        zero.in_flight(torch.device(device))
+
+
+def test_sim_zero3_on_cuda_keeps_a_reduction_in_flight_and_matches_cpu():
+    cuda, cpu = gt.launch(_zero3, 2, args=("cuda",)), gt.launch(_zero3, 2, args=("cpu",))
+    for r in range(2):
+        assert cuda[r][3] == {"cuda"} and (cuda[r][4], cpu[r][4]) == (1, 0)
+        assert cuda[r][2] == cpu[r][2], f"rank {r}: the collectives differ between cuda and cpu"
+        _assert_same_training(cuda[r], cpu[r], atol=1e-5)
+
+
+def _pipeline(device: str, steps: int = 3):
+    """Two stages of one rank each on `device`, 1F1B over 4 micro-batches."""
+    stages = [gt.placement(device, [0]), gt.placement(device, [1])]
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(CFG), stages[0], pp_plan(stages, CFG.n_layer))
+    pipe = gt.Pipeline(model, microbatches=4, schedule="1f1b",
+                       loss_fn=lambda y, t: torch.nn.functional.cross_entropy(y.reshape(-1, y.size(-1)), t.reshape(-1)))
+    g = torch.Generator().manual_seed(1)
+    x, t = (torch.randint(0, CFG.vocab_size, (8, CFG.block_size), generator=g) for _ in range(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, logs = [], []
+    for _ in range(steps):
+        with gt.comm_log() as log:
+            loss = pipe.step(x, t)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
+        logs.append(_events(log))
+    held = {n: q for n, q in model.named_parameters() if gt.rank() in q.placement}
+    return losses, {n: q.full_tensor().detach().cpu() for n, q in held.items()}, logs, \
+        {q.to_local().device.type for q in held.values()}
+
+
+def test_sim_pipeline_on_cuda_placements_matches_cpu():
+    cuda, cpu = gt.launch(_pipeline, 2, args=("cuda",)), gt.launch(_pipeline, 2, args=("cpu",))
+    for r in range(2):
+        assert cuda[r][3] == {"cuda"}
+        assert cuda[r][2] == cpu[r][2], f"rank {r}: the collectives differ between cuda and cpu"
+        np.testing.assert_allclose([x for x in cuda[r][0] if x is not None],
+                                   [x for x in cpu[r][0] if x is not None], rtol=0, atol=1e-5)
+        for name, q in cuda[r][1].items():
+            if not name.endswith("attn.k.bias"):  # as in _assert_same_training
+                torch.testing.assert_close(q, cpu[r][1][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("launcher", ["sim", "torchrun-nccl"])
+def test_example_trains_on_cuda_and_checks_against_one_device(launcher):
+    """examples/train_gpt.py --device cuda --check: its one-device reference runs on the CPU, so the
+    comparison must bring the CUDA parameters over (it once raised on mixing devices)."""
+    example = ["examples/train_gpt.py", "--device", "cuda", "--steps", "3", "--check"]
+    cmd = ([sys.executable, *example] if launcher == "sim" else
+           [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", *example,
+            "--mesh", "1x1"])  # torchrun's ranks on cuda use nccl
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "matches one device" in out.stdout, out.stdout[-3000:]
+
+
+def _fused_attention(dtype: torch.dtype, sbp, masked: bool):
+    """F.scaled_dot_product_attention on a cuda placement: torch picks its fused kernel from the global
+    tensor (flash for bf16, memory-efficient for fp32 or with a mask), which runs on the shards."""
+    p = gt.placement("cuda", [0, 1])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 64, 32, generator=g).to("cuda", dtype) for _ in range(3))
+    mask = torch.randn(64, 64, generator=g).to("cuda", dtype) if masked else None
+    with gt.comm_log() as log:
+        xs = [gt.to_global(t, p, (sbp,)).requires_grad_() for t in (q, k, v)]
+        m = None if mask is None else gt.to_global(mask, p, (B,))
+        y = torch.nn.functional.scaled_dot_product_attention(*xs, attn_mask=m, is_causal=not masked)
+        y.backward(gt.to_global(torch.ones_like(q), p, y.sbp))
+    return (y.full_tensor().cpu(), [x.grad.full_tensor().cpu() for x in xs], log.recv_bytes,
+            dict(gt.stats()["fallback"]))
+
+
+@pytest.mark.parametrize("dtype,masked", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("sbp", [S0, S1, gt.split(2)])
+def test_sim_fused_cuda_attention_runs_on_shards_as_one_device(dtype, masked, sbp):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(4, 4, 64, 32, generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+    mask = torch.randn(64, 64, generator=g).to("cuda", dtype) if masked else None
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked)
+    y.backward(torch.ones_like(y))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    gt.reset_stats()  # fallbacks are counted per process: only this launch's
+    for got in gt.launch(_fused_attention, 2, args=(dtype, sbp, masked)):
+        assert not got[3], got[3]
+        torch.testing.assert_close(got[0], y.detach().cpu(), rtol=tol, atol=tol)
+        for a, b in zip(got[1], (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(a, b.cpu(), rtol=tol, atol=tol)
+        if sbp != gt.split(2):
+            assert got[2] == 0, f"a batch or heads split moved {got[2]} B"
