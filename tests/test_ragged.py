@@ -1,6 +1,7 @@
 """Ragged splits (`gt.ragged(dim)`, sizes carried by the tensor): conversions equal one device and move
 exactly the rows that change hands (one uneven all-to-all, forward and backward); pointwise ops and sums
-pass the sizes through; every other op refuses, naming itself and the input; bad sizes are named."""
+and every op whose rule passes a split of the ragged dim through (it works along other dims) keep the
+sizes, with no data moved; every other op refuses, naming itself and the input; bad sizes are named."""
 from __future__ import annotations
 
 import numpy as np
@@ -114,20 +115,80 @@ def test_pointwise_and_sums_pass_sizes_through():
         assert "all_to_all" not in events  # the gradient keeps the sizes: nothing re-cut
 
 
+def _routing(x, k):
+    """A router's ops along the dims other than x's first: softmax and topk over the last, one_hot, a
+    cumsum and a stable argsort along dim 1, a sum over the last, a batched product with dim 0 as the batch."""
+    probs = x.softmax(-1)
+    top_p, top_i = probs.topk(k, dim=-1)
+    masks = torch.nn.functional.one_hot(top_i, x.shape[-1])
+    pos = masks.reshape(x.shape[0], -1, x.shape[-1]).cumsum(1)
+    order = top_i.reshape(x.shape[0], -1).argsort(dim=1, stable=True)
+    mixed = torch.bmm(probs, probs.transpose(1, 2)) * top_p.sum(-1, keepdim=True)
+    return probs, top_i, masks, pos, order, mixed
+
+
+def _through_step(full, mesh, sizes, k):
+    """`_routing` on x ragged on dim 0 (the user's sizes, or, sizes None, a reshape of an uneven batch
+    split: two groups per sequence, nested on 2x2); every output's type, layout and sizes, the values,
+    the collectives, and the gradient."""
+    p = _mesh(mesh)
+    if sizes is None:
+        seqs = gt.to_global(full.reshape(-1, 2 * full.shape[1], full.shape[2]), p, (gt.split(0),) * len(mesh))
+        x = seqs.requires_grad_(True)
+        rows = x.reshape(full.shape)
+    else:
+        x = rows = gt.to_global(full, p, gt.ragged(0), sizes=sizes).requires_grad_(True)
+    with gt.comm_log() as log:
+        outs = _routing(rows, k)
+        (outs[0] * outs[5]).sum().backward()
+    return ([(type(o).__name__, o.sbp, getattr(o, "sizes", None)) for o in outs], rows.sbp, rows.sizes,
+            [o.full_tensor() for o in outs], [e.kind for e in log.events if e.kind != "all_reduce"],
+            x.grad.full_tensor())
+
+
+@pytest.mark.parametrize("mesh, sizes, groups", [((3,), [3, 0, 2], 5), ((2,), None, 6), ((4,), None, 6),
+                                                 ((2, 2), None, 10)])
+@pytest.mark.parametrize("k", [1, 2])
+def test_ops_along_other_dims_keep_a_ragged_split(mesh, sizes, groups, k):
+    """The general rule: an op whose rule lets a split of the ragged dim pass through (the output split on
+    a dim as long as it) keeps the ragged split and its sizes, with no data moved: softmax and topk over
+    the last dim, one_hot, cumsum and argsort along dim 1, sums over other dims, bmm with the ragged dim
+    as the batch, forward and backward. Sizes given by the user ([3, 0, 2]: a rank with none) or made by
+    a reshape of an uneven batch split (3 sequences of two groups on 2 ranks: 4 + 2 groups; 5 on 2x2:
+    nested runs). No collective but the final sum's (a Partial scalar reduced); values equal one device."""
+    torch.manual_seed(k)
+    full = torch.randn(groups, 4, 4, dtype=torch.float64)
+    x = full.clone().requires_grad_(True)
+    want = _routing(x, k)
+    (want[0] * want[5]).sum().backward()
+    for layouts, sbp, got_sizes, outs, kinds, xg in launch(_through_step, int(np.prod(mesh)), full, mesh, sizes, k):
+        assert kinds == [], kinds
+        for kind, out_sbp, out_sizes in layouts:
+            assert kind == "RaggedTensor" and out_sbp == sbp and out_sizes == got_sizes, (kind, out_sbp, sbp)
+        for got, ref in zip(outs, want):
+            if ref.is_floating_point():
+                torch.testing.assert_close(got, ref.detach(), **TOL)
+            else:
+                assert torch.equal(got, ref)
+        torch.testing.assert_close(xg.reshape(x.shape), x.grad, **TOL)
+
+
 def _refuse_step(op):
     p = _mesh((2,))
     x = gt.from_local(torch.ones(gt.rank() + 1, 3), p, gt.ragged(0), sizes=[1, 2])
     w = gt.to_global(torch.ones(3, 3), p, gt.broadcast)
     try:
-        {"mm": lambda: x @ w, "softmax": lambda: x.softmax(0), "cat": lambda: torch.cat([x, x]),
-         "view": lambda: x.reshape(-1)}[op]()
+        {"flip": lambda: x.flip(0) @ w, "cumsum": lambda: x.cumsum(0), "softmax": lambda: x.softmax(0),
+         "cat": lambda: torch.cat([x, x]), "view": lambda: x.reshape(-1)}[op]()
     except NotImplementedError as e:
         return str(e)
     return None
 
 
-@pytest.mark.parametrize("op", ["mm", "softmax", "cat", "view"])
+@pytest.mark.parametrize("op", ["flip", "cumsum", "softmax", "cat", "view"])
 def test_other_ops_refuse_a_ragged_input_by_name(op):
+    """Ops along the ragged dim (flip, a scan, softmax over it, cat along it) or merging it (view) refuse,
+    naming the op and the input (`x @ w` of ragged rows is taken: test_ops_along_other_dims_keep_a_ragged_split)."""
     for msg in launch(_refuse_step, 2, op):
         assert msg is not None and "ragged" in msg and "input 0" in msg and "R(0)" in msg, msg
         assert "aten." in msg
