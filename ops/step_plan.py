@@ -57,8 +57,8 @@ class StepPlan:
 
     `plan.steering`: whether the last run followed the solved choices to its end (while one is open:
     whether it follows them so far); `plan.steered_runs` counts the runs that did.
-    `plan.solved_cost` and `plan.recorded_cost`: the step's bill (most bytes a rank receives, summed
-    over the step's conversions; all ranks' bytes; collectives) under the solved and op-by-op choices.
+    `plan.solved_cost` and `plan.recorded_cost`: the step's bill (the busiest rank's bytes, each rank's
+    summed over the step; all ranks' bytes; collectives) under the solved and op-by-op choices.
     """
 
     def __init__(self) -> None:
@@ -120,7 +120,7 @@ class StepPlan:
     def __repr__(self) -> str:
         if self.graph is None:
             return "StepPlan(not recorded yet)"
-        lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's bytes summed, all ranks' "
+        lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's bytes over the step, all ranks' "
                  f"bytes, collectives): op by op {self.recorded_cost}, solved {self.solved_cost}; "
                  f"{'steering' if self.steering else 'not steering'}"]
         for k, func, before, after in self.changes():

@@ -14,17 +14,31 @@ reader's choice names). The bill of a choice of every call:
 - per call, what its kernel sends itself and an in-place result's conversion
   back into its target.
 
-Each conversion is scored (most bytes a rank receives, bytes all ranks
-receive, collectives), summed over the step, compared in that order.
+Each bill is the bytes every global rank receives, and collectives; they are
+summed rank by rank over the step (`Cost`), and the step is scored by (its
+busiest rank's bytes, all ranks' bytes, collectives), compared in that order:
+the rank the step waits on. Not by the sum of each conversion's busiest rank:
+with uneven shards the busiest rank differs between conversions, and a choice
+that lowers that sum can raise the step's busiest rank (test_step_plan.py's
+example: 568 -> 544 bytes in all, 176 -> 192 on rank 2).
 
 The search starts from the op-by-op choices and improves them by local
 moves until none helps: one call's choice at a time given the others, then
-a call and the producer of one of its inputs together (a layout change that
-pays only when both ends move: the MoE combine). It never ends worse than
-op by op, and every choice it can take is one the rule's kernel accepts.
+a call with the calls around it following (a layout change that pays only
+when both ends move: the MoE combine). It is a local search, not an exact
+one. The score is a maximum of sums, not a sum of per-call parts, so no move
+is weighed alone: the search keeps the step's per-rank bill under its
+current choices and scores a trial as that bill less what the calls it moves
+cost before plus what they cost after (exact for the whole step, at one
+per-rank vector per trial). A move is kept only if the step's score falls,
+so the search never ends worse than op by op in this bill, and every choice
+it can take is one the rule's kernel accepts. What it can miss is what any
+local search misses: a better choice reached only through dearer ones,
+beyond what one wave moves.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,8 +47,8 @@ import torch
 from ..layout import Layout
 from .decide import conversion_cost, owed_by
 
-INF = (float("inf"), 0, 0)
-ZERO = (0, 0, 0)
+INF = (float("inf"), 0, 0)    # an impossible choice's score
+ZERO = ((), 0, 0)              # a bill of nothing (see `Cost.add`)
 MAX_SWEEPS = 20
 WAVE_LIMIT = 64         # calls a trial choice may move after it
 WORK_LIMIT = 4_000_000  # value costs weighed before the search stops improving (its choices stay valid).
@@ -98,25 +112,68 @@ class Graph:
             self.values[r.value].readers.append((k, r))
 
 
-def _score(bill: Optional[tuple]) -> tuple:
+def _term(bill: Optional[tuple]) -> tuple:
+    """A (bytes per rank, collectives) bill, or None (impossible), as (bytes per rank, collectives,
+    impossible): what `Cost.add` sums."""
     if bill is None:
-        return INF
+        return (), 0, 1
     vec, n = bill
-    return (max(vec, default=0), sum(vec), n)
+    return tuple(vec), n, 0
 
 
-def _add(a: tuple, b: tuple) -> tuple:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2])
+class Cost:
+    """Bills summed rank by rank: bytes each global rank receives, collectives, and how many of the bills
+    are impossible. `score`: (the busiest rank's bytes, all ranks' bytes, collectives)."""
+
+    __slots__ = ("vec", "n", "bad")
+
+    def __init__(self) -> None:
+        self.vec: list = []
+        self.n = 0
+        self.bad = 0
+
+    def add(self, term: tuple, sign: int = 1) -> None:
+        vec, n, bad = term
+        if vec:
+            mine = self.vec
+            if len(mine) < len(vec):
+                mine += [0] * (len(vec) - len(mine))
+            if len(mine) == len(vec):
+                self.vec = list(map(operator.add if sign > 0 else operator.sub, mine, vec))
+            else:
+                for r, b in enumerate(vec):
+                    mine[r] += sign * b
+        self.n += sign * n
+        self.bad += sign * bad
+
+    def plus(self, other: "Cost", sign: int = 1) -> None:
+        self.add((other.vec, other.n, other.bad), sign)
+
+    def copy(self) -> "Cost":
+        c = Cost()
+        c.vec, c.n, c.bad = list(self.vec), self.n, self.bad
+        return c
+
+    def score(self) -> tuple:
+        if self.bad:
+            return INF
+        return (max(self.vec, default=0), sum(self.vec), self.n)
+
+    def is_zero(self) -> bool:
+        return self.n == 0 and self.bad == 0 and not any(self.vec)
 
 
 class _Search:
-    """The search's state: a choice per call. Layouts are numbered once, so that comparing and looking
-    up conversions is integer work (the search weighs each value's readers many times)."""
+    """The search's state: a choice per call, and the step's bill under it (`step`), kept up to date as
+    choices change (`_set`): a trial is scored as the step less what the calls it moves cost before plus
+    what they cost after, since the busiest rank of the step is no sum of per-call parts. Layouts are
+    numbered once, so that comparing and looking up conversions is integer work (the search weighs each
+    value's readers many times)."""
 
     def __init__(self, g: Graph) -> None:
         self.g = g
         self.choice = [c.chosen for c in g.calls]
-        self.own = [[_score(b) for b in c.bills] or [ZERO] for c in g.calls]  # a decomposition: nothing own
+        self.own = [[_term(b) for b in c.bills] or [ZERO] for c in g.calls]  # a decomposition: nothing own
         ids: dict = {}
         self.layouts: list = []
 
@@ -139,6 +196,7 @@ class _Search:
         self.partial = [lay.has_partial for lay in self.layouts]
         self._bills: dict = {}
         self.work = 0
+        self.step = self.total()
 
     def _source(self, v: int) -> int:
         p = self.g.values[v].producer
@@ -147,26 +205,29 @@ class _Search:
         return self.outs[p[0]][self.choice[p[0]]][p[1]]
 
     def _bill(self, v: int, src: int, dst: int) -> tuple:
-        """Score of converting value v from layout src to dst (dst -1: what it owes unread)."""
+        """Converting value v from layout src to dst (dst -1: what it owes unread), as a `Cost` term."""
         val = self.g.values[v]
         key = (src, dst, val.shape, val.dtype)
         got = self._bills.get(key)
         if got is None:
             lay = self.layouts[src]
-            got = self._bills[key] = _score(owed_by(lay, val.shape, val.dtype) if dst < 0 else
-                                            conversion_cost(lay, self.layouts[dst], val.shape, val.dtype))
+            got = self._bills[key] = _term(owed_by(lay, val.shape, val.dtype) if dst < 0 else
+                                           conversion_cost(lay, self.layouts[dst], val.shape, val.dtype))
         return got
 
-    def value_cost(self, v: int) -> tuple:
+    def value_cost(self, v: int, into: Cost) -> None:
+        """Adds value v's conversions (or what it owes unread) to `into`."""
         self.work += 1
         src = self._source(v)
         if src < 0:
-            return ZERO
+            return
         readers = self.readers[v]
         partial = self.partial[src]
         if not readers:
-            return self._bill(v, src, -1) if partial and self.g.values[v].owes else ZERO
-        total, seen = ZERO, set()
+            if partial and self.g.values[v].owes:
+                into.add(self._bill(v, src, -1))
+            return
+        seen: set = set()
         choice, targets = self.choice, self.targets
         for k, slot, group in readers:
             dst = targets[k][choice[k]][slot] if k >= 0 else slot
@@ -176,8 +237,7 @@ class _Search:
             if once in seen:
                 continue
             seen.add(once)
-            total = _add(total, self._bill(v, src, dst))
-        return total
+            into.add(self._bill(v, src, dst))
 
     def touched(self, calls: tuple) -> set:
         vs: set = set()
@@ -187,35 +247,53 @@ class _Search:
             vs.update(v for v in c.made if v is not None)
         return vs
 
-    def local(self, calls: tuple, values: set) -> tuple:
-        total = ZERO
+    def local(self, calls: tuple, values: set) -> Cost:
+        total = Cost()
         for k in calls:
-            total = _add(total, self.own[k][self.choice[k]])
+            total.add(self.own[k][self.choice[k]])
         for v in values:
-            total = _add(total, self.value_cost(v))
+            self.value_cost(v, total)
         return total
 
-    def total(self) -> tuple:
+    def total(self) -> Cost:
         return self.local(tuple(range(len(self.g.calls))), set(range(len(self.g.values))))
+
+    def trial(self, before: Cost, after: Cost) -> tuple:
+        """The step's score if the part that costs `before` now costs `after`."""
+        t = self.step.copy()
+        t.plus(before, -1)
+        t.plus(after)
+        return t.score()
+
+    def _set(self, k: int, c: int) -> None:
+        """Call k takes choice c; the step's bill follows."""
+        if c == self.choice[k]:
+            return
+        values = self.touched((k,))
+        before = self.local((k,), values)
+        self.choice[k] = c
+        self.step.plus(before, -1)
+        self.step.plus(self.local((k,), values))
 
     def improve_one(self, k: int) -> bool:
         values = self.touched((k,))
         start = self.choice[k]
-        best, best_cost = start, self.local((k,), values)
+        before = self.local((k,), values)
+        best, best_score = start, self.step.score()
         for c in range(len(self.g.calls[k].cands)):
             if c == start:
                 continue
             self.choice[k] = c
-            cost = self.local((k,), values)
-            if cost < best_cost:
-                best, best_cost = c, cost
-        self.choice[k] = best
+            score = self.trial(before, self.local((k,), values))
+            if score < best_score:
+                best, best_score = c, score
+        self.choice[k] = start
+        self._set(k, best)
         return best != start
 
     def paying(self, k: int) -> bool:
         """Whether call k's choice or a value it touches costs something (only there can a move help)."""
-        return self.own[k][self.choice[k]] != ZERO or any(self.value_cost(v) != ZERO
-                                                          for v in self.touched((k,)))
+        return not self.local((k,), self.touched((k,))).is_zero()
 
     def followers(self, k: int) -> list:
         """Calls whose best choice may follow k's, each with how it follows: the readers of what k makes
@@ -235,57 +313,52 @@ class _Search:
         return sorted((j, how) for j, how in out.items() if g.calls[j].steer and len(g.calls[j].cands) > 1)
 
     def follow(self, j: int) -> bool:
-        """Call j re-chooses by its inputs alone (its own bill and what its reads cost), as if what reads
-        its outputs will follow it in turn."""
+        """Call j re-chooses by its inputs alone (its own bill and what its reads cost, with the rest of
+        the step as it is), as if what reads its outputs will follow it in turn."""
         reads = {r.value for r in self.g.calls[j].reads}
         start = self.choice[j]
-        best, best_cost = start, None
+        before = self.local((j,), reads)
+        best, best_score = start, None
         for c in range(len(self.g.calls[j].cands)):
             self.choice[j] = c
-            cost = self.own[j][c]
-            for v in reads:
-                cost = _add(cost, self.value_cost(v))
-            if best_cost is None or cost < best_cost:
-                best, best_cost = c, cost
-        self.choice[j] = best
+            score = self.trial(before, self.local((j,), reads))
+            if best_score is None or score < best_score:
+                best, best_score = c, score
+        self.choice[j] = start
+        self._set(j, best)
         return best != start
 
     def improve_wave(self, k: int) -> bool:
         """Try each other choice of k, and let the calls around it follow (`followers`) as far as they
-        change, like an SBP inferred forward and backward; keep the best outcome if the calls it changed
-        cost less together.
+        change, like an SBP inferred forward and backward; keep the best outcome if the step costs less.
 
         A layout change often pays only once the views and pointwise ops after it follow it (eight calls
         in a MoE combine's backward): one call at a time, each step of the way is dearer."""
-        start = list(self.choice)
-        best_gain, best_choice = ZERO, None
+        start, start_step = list(self.choice), self.step.copy()
+        best_score, best = start_step.score(), None
         for c in range(len(self.g.calls[k].cands)):
             if c == start[k]:
                 continue
-            self.choice[k] = c
+            self._set(k, c)
             moved, queue = {k}, self.followers(k)
             while queue and len(moved) < WAVE_LIMIT:
                 j, how = queue.pop(0)
                 if j not in moved and (self.follow(j) if how == "down" else self.improve_one(j)):
                     moved.add(j)
                     queue += self.followers(j)
-            calls = tuple(sorted(moved))
-            values = self.touched(calls)
-            after = self.local(calls, values)
-            trial = list(self.choice)
-            self.choice = list(start)
-            before = self.local(calls, values)
-            gain = (before[0] - after[0], before[1] - after[1], before[2] - after[2])
-            if gain > best_gain:
-                best_gain, best_choice = gain, trial
-        self.choice = best_choice if best_choice is not None else start
-        return best_choice is not None
+            score = self.step.score()
+            if score < best_score:
+                best_score, best = score, (list(self.choice), self.step.copy())
+            self.choice, self.step = list(start), start_step.copy()
+        if best is not None:
+            self.choice, self.step = best
+        return best is not None
 
 
 def solve(g: Graph) -> tuple[list, tuple, tuple]:
     """(chosen choice per call, the op-by-op bill, the solved bill)."""
     s = _Search(g)
-    before = s.total()
+    before = s.step.score()
     free = [k for k, c in enumerate(g.calls) if c.steer and len(c.cands) > 1]
     for _ in range(MAX_SWEEPS):
         changed = False
@@ -298,7 +371,7 @@ def solve(g: Graph) -> tuple[list, tuple, tuple]:
                 break
         if not changed or s.work > WORK_LIMIT:
             break
-    return s.choice, before, s.total()
+    return s.choice, before, s.step.score()
 
 
 __all__ = ["Graph", "Read", "Call", "Value", "solve"]

@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
@@ -177,19 +177,19 @@ SBPS = [gt.broadcast, gt.split(0), gt.split(1)]
 @settings(deadline=None, max_examples=max(6, settings.default.max_examples // 4))  # each records and solves
 @given(mesh=st.sampled_from([(2,), (3,), (2, 2)]), m=st.integers(1, 7), k=st.integers(1, 6), j=st.integers(1, 5),
        picks=st.lists(st.sampled_from(SBPS), min_size=6, max_size=6))
+@example(mesh=(2, 2), m=2, k=6, j=5, picks=[gt.broadcast, gt.split(1), gt.split(0), gt.split(1), gt.broadcast,
+                                            gt.broadcast])
 def test_steered_runs_equal_one_device_and_move_no_more(mesh, m, k, j, picks):
     """a [m, k] @ b [k, j], tanh, + c, softmax, backward: leaves in random layouts on 1-D and 2-D
     meshes, uneven and smaller-than-mesh dims included. The steered run equals one device (fp64)
     and its busiest rank receives no more than the op-by-op run's, each run with what its gradients
     still owe paid (`_settle`).
 
-    Known gap (session 10, found by a random CI draw, present since the step planner landed): the solver
-    scores a choice by the sum over its conversions of each one's busiest rank (`step_solve._score`),
-    not by the busiest rank of the summed bytes that this asserts; with uneven shards the busiest rank
-    differs between conversions and the two disagree: mesh (2, 2), a [2, 6] @ b [6, 5], picks (B, S1),
-    (S0, S1), (B, B): steered [96, 176, 192, 80] B per rank against op by op [120, 176, 176, 96] (less
-    in all, more on rank 2). Not among CI's (derandomized) examples; the solver should score per-rank
-    vectors summed."""
+    The example (found by a random CI draw in session 10): with uneven shards the busiest rank differs
+    between conversions. The solver scored a choice by the sum over its conversions of each one's
+    busiest rank, and steered this to [96, 176, 192, 80] B per rank against op by op's
+    [120, 176, 176, 96] (less in all, more on rank 2); it now scores the busiest rank of the step's
+    bytes summed rank by rank (`step_solve.Cost`), what this asserts."""
     ndim = len(mesh)
     sbps = tuple(tuple(picks[i * 2 + a] for a in range(ndim)) for i in range(3))
     results = gt.launch(_program, int(torch.tensor(mesh).prod()), args=(((m, k), (k, j), (m, j)), sbps, mesh))
