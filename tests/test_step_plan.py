@@ -151,10 +151,13 @@ def _program(shapes: tuple, sbps: tuple, mesh: tuple):
 
 
 def _settle(t: gt.GlobalTensor) -> None:
-    """Pay what a Partial gradient still owes: its cheapest reduction (by the busiest rank's bytes).
+    """Pay what a Partial gradient still owes: its cheapest reduction, as decisions and the step solver
+    charge it (`ops/decide.py:owed_by`: by the busiest rank's bytes, then collectives, the first in order).
 
     A run that leaves a gradient Partial has not finished paying for it: the optimizer's first read
-    reduces it. Op by op and steered runs may leave different gradients Partial, so both pay here."""
+    reduces it. Op by op and steered runs may leave different gradients Partial, so both pay here.
+    Which of the reductions that tie on the busiest rank is paid matters to the step's busiest rank:
+    another rank may receive more in one than in the other."""
     lay = t.global_layout
     if not any(isinstance(s, gt.Partial) for s in lay.sbp):
         return
@@ -163,9 +166,11 @@ def _settle(t: gt.GlobalTensor) -> None:
     for sbp in itertools.product(options, repeat=lay.placement.ndim):
         dst = gt.Layout(lay.placement, sbp)
         try:
-            cost = max(gt.boxing.plan(lay, dst, tuple(t.shape), t.dtype).recv_bytes)
+            dst.check_shape(tuple(t.shape))
+            steps = gt.boxing.plan(lay, dst, tuple(t.shape), t.dtype)
         except ValueError:  # a dim smaller than the mesh axis cannot be split there
             continue
+        cost = (max(steps.recv_bytes), sum(s.latency for s in steps.steps))
         if best is None or cost < best[0]:
             best = (cost, sbp)
     t.to_global(lay.placement, best[1])
