@@ -51,6 +51,22 @@ def recut(local: torch.Tensor, dim: int, src: Sequence[int], dst: Sequence[int],
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+def swap(local: torch.Tensor, src_dim: int, src: Sequence[int], dst_dim: int, dst: Sequence[int],
+         group: Sequence[int], comm: Any) -> torch.Tensor:
+    """This member's block re-cut from sizes `src` along `src_dim` (`dst_dim` whole) to sizes `dst` along
+    `dst_dim` (`src_dim` whole): one all-to-all in which member i sends member j its rows of src_dim
+    within j's range of dst_dim, so every member receives what its target block holds and its source
+    block does not (a ragged dim to a split of another and back: MoE's dispatch and combine)."""
+    me = group.index(comm.rank)
+    off = [0]
+    for n in dst:
+        off.append(off[-1] + n)
+    pieces = [local.narrow(dst_dim, off[j], dst[j]) for j in range(len(group))]
+    shapes = [tuple(src[i] if d == src_dim else dst[me] if d == dst_dim else n for d, n in enumerate(local.shape))
+              for i in range(len(group))]
+    return torch.cat(comm.all_to_all(pieces, tuple(group), shapes), src_dim)
+
+
 def gather(local: torch.Tensor, dim: int, sizes: Sequence[int], group: Sequence[int], comm: Any) -> torch.Tensor:
     """Every member's rows of `dim` on every member (ragged -> Broadcast): one uneven all-gather."""
     shapes = [tuple(n if d == dim else s for d, s in enumerate(local.shape)) for n in sizes]
@@ -62,4 +78,4 @@ def take(full: torch.Tensor, dim: int, sizes: Sequence[int], index: int) -> torc
     return full.narrow(dim, sum(sizes[:index]), sizes[index])
 
 
-__all__ = ["overlaps", "recut", "gather", "take"]
+__all__ = ["overlaps", "recut", "swap", "gather", "take"]

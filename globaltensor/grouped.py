@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from .layout import Layout
-from .ragged import RaggedTensor, convert, make
+from .ragged import RaggedTensor, convert, local_shape, make
 from .runtime import context
 from .sbp import Broadcast, Partial, Ragged, Split, split_range
 from .tensor import GlobalTensor, grad_layout
@@ -56,6 +56,9 @@ class Routing:
     token_shape: tuple = ()
     expert_layout: Optional[Layout] = None
     sizes: Optional[tuple] = None
+    # a ragged token side's sizes (and unit: a reshape's runs), which by_group's result takes back
+    token_sizes: Optional[tuple] = None
+    token_unit: Optional[int] = None
 
 
 def _ids(counts: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -116,19 +119,36 @@ def _token_side(xs: GlobalTensor, counts: Any, experts: Any,
     if not isinstance(xs, GlobalTensor) or not isinstance(counts, GlobalTensor) or \
             not isinstance(experts, GlobalTensor) or not isinstance(index, (GlobalTensor, type(None))):
         raise ValueError("by_expert: xs, counts, experts (and index) must all be GlobalTensors or all plain tensors")
-    if isinstance(xs, RaggedTensor) or isinstance(counts, RaggedTensor):
-        raise ValueError("by_expert(xs): takes the token side (groups split on dim 0), not a ragged tensor")
     axis = _expert_axis(experts)
+    if isinstance(xs, RaggedTensor) and _ragged_groups(xs, axis):   # uneven groups cut as they are: kept
+        counts = _index_on(counts, xs._layout, xs._sizes)
+        return xs, counts, _index_on(index, xs._layout, xs._sizes)
+    if isinstance(xs, RaggedTensor):
+        xs = xs.to_global(xs.placement, tuple(Split(s.dim) if isinstance(s, Ragged) else s for s in xs.sbp))
     want = tuple(Split(0) if a == axis or s == Split(0) else Broadcast() for a, s in enumerate(xs.sbp))
     if xs.sbp != want:
         xs = xs.to_global(xs.placement, want)
-    if counts.placement != xs.placement or counts.sbp != want:
-        counts = counts.to_global(xs.placement, want)
+    if counts.placement != xs.placement or counts.sbp != want or isinstance(counts, RaggedTensor):
+        counts = _index_on(counts, xs._layout)
     return xs, counts, _index_on(index, xs._layout)
 
 
-def _index_on(index: Optional[GlobalTensor], layout: Layout) -> Optional[GlobalTensor]:
-    if index is not None and (index.placement != layout.placement or index.sbp != layout.sbp):
+def _ragged_groups(xs: RaggedTensor, axis: int) -> bool:
+    """Whether a ragged token side is taken as it is: its groups (dim 0) cut on the expert axis, the
+    innermost of the axes that cut them (the expert axis' peers then share one piece of the outer cuts,
+    whose sizes this rank knows), every other axis Broadcast."""
+    cut = [a for a, s in enumerate(xs.sbp) if isinstance(s, (Split, Ragged))]
+    return axis in cut and axis == max(cut) and all(xs.sbp[a] == Ragged(0) for a in cut) and \
+        all(isinstance(s, Broadcast) for a, s in enumerate(xs.sbp) if a not in cut)
+
+
+def _index_on(index: Optional[GlobalTensor], layout: Layout, sizes: Optional[tuple] = None) -> Optional[GlobalTensor]:
+    """`index` (or counts) laid out as the token side (`sizes`: its ragged sizes)."""
+    if index is None:
+        return None
+    if index.placement != layout.placement or index._layout != layout or getattr(index, "_sizes", None) != sizes:
+        if sizes is not None or isinstance(index, RaggedTensor):
+            return convert(index, layout, sizes, getattr(index, "_unit", None))
         index = index.to_global(layout.placement, layout.sbp)
     return index
 
@@ -146,18 +166,21 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
     n_expert = experts.shape[0]
     token_shape = (xs.shape[0], rows) + tuple(xs.shape[2:])
     coord = p.coord(comm.rank)
-    sbp = tuple(Ragged(0) if a == axis or s == Split(0) else Broadcast() for a, s in enumerate(xs.sbp))
+    sbp = tuple(Ragged(0) if a == axis or isinstance(s, (Split, Ragged)) and s.dim == 0 else Broadcast()
+                for a, s in enumerate(xs.sbp))
     expert_layout = Layout(p, sbp)
+    token_sizes, token_unit = getattr(xs, "_sizes", None), getattr(xs, "_unit", None)
     if coord is None:
         empty = torch.zeros(0, dtype=torch.long)
         return Routing(empty, None, (), (), (), (), xs._layout, token_shape, expert_layout,
-                       tuple(None for _ in sbp))
+                       tuple(None for _ in sbp), token_sizes, token_unit)
     peers = p.group(comm.rank, axis)
     n, me = len(peers), peers.index(comm.rank)
     mine = counts._local.to(torch.long)
     if bool((mine.sum(1) != rows).any()):
         raise ValueError(f"by_expert(counts): every group's counts must add up to its {rows} rows")
-    shapes = [counts._layout.local_shape(counts.shape, q) for q in peers]
+    shapes = [counts._layout.local_shape(counts.shape, q) if token_sizes is None else
+              local_shape(counts._layout, counts.shape, token_sizes, q) for q in peers]
     pieces = comm.all_gather(mine, peers, shapes)                 # the count exchange
     per_peer = torch.stack([c.sum(0) for c in pieces]).tolist()  # [n][E]: each member's rows per expert
     starts = [split_range(n_expert, n, j) for j in range(n)]      # each member's experts: (first, how many)
@@ -172,7 +195,8 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
     ids = torch.arange(ne).repeat(n).repeat_interleave(arrived)
     sizes = tuple(sizes_here if a == axis else None for a in range(p.ndim))
     return Routing(torch.argsort(_ids(mine, torch.arange(n_expert)), stable=True), torch.argsort(ids, stable=True),
-                   send, recv, per_expert, tuple(peers), xs._layout, token_shape, expert_layout, sizes)
+                   send, recv, per_expert, tuple(peers), xs._layout, token_shape, expert_layout, sizes,
+                   token_sizes, token_unit)
 
 
 def by_group(y: torch.Tensor, routing: Routing, index: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -190,7 +214,8 @@ def by_group(y: torch.Tensor, routing: Routing, index: Optional[torch.Tensor] = 
     elif isinstance(index, GlobalTensor):
         if not isinstance(y, GlobalTensor) or routing.token_layout is None:
             raise ValueError("by_group(index): a GlobalTensor index needs the global rows of a global by_expert")
-        rows = _Rows.writing_tokens(routing.sort_local, _index_on(index, routing.token_layout)._local.detach(), r)
+        rows = _Rows.writing_tokens(routing.sort_local, _index_on(index, routing.token_layout,
+                                                                  routing.token_sizes)._local.detach(), r)
     else:
         if isinstance(y, GlobalTensor):
             raise ValueError("by_group(index): give a GlobalTensor index (groups split as the tokens) with global rows")
@@ -294,7 +319,8 @@ class _Regroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, routing: Routing, to_experts: bool, rows: _Rows,  # type: ignore[override]
                 token_shape: tuple) -> torch.Tensor:
-        if isinstance(x, RaggedTensor) == to_experts and routing.peers:
+        expert_side = isinstance(x, RaggedTensor) and x.dim() < len(routing.token_shape)  # [G*R, d], not [G, R, d]
+        if routing.peers and expert_side == to_experts:
             raise ValueError("by_expert/by_group: by_expert takes the token side (split groups), by_group the "
                              "ragged expert side")
         ctx.routing, ctx.to_experts, ctx.rows = routing, to_experts, rows
@@ -306,15 +332,16 @@ class _Regroup(torch.autograd.Function):
         routing = ctx.routing
         if isinstance(grad, GlobalTensor):
             want = routing.expert_layout if ctx.to_experts else grad_layout(routing.token_layout)
-            if grad._layout != want or (ctx.to_experts and getattr(grad, "_sizes", None) != routing.sizes):
-                grad = _to(grad, want, routing.sizes if ctx.to_experts else None)
+            sizes = routing.sizes if ctx.to_experts else routing.token_sizes
+            if grad._layout != want or getattr(grad, "_sizes", None) != sizes:
+                grad = _to(grad, want, sizes, None if ctx.to_experts else routing.token_unit)
         return _move(grad, routing, not ctx.to_experts, ctx.rows, ctx.token_shape), None, None, None, None
 
 
-def _to(grad: GlobalTensor, layout: Layout, sizes: Any) -> GlobalTensor:
+def _to(grad: GlobalTensor, layout: Layout, sizes: Any, unit: Optional[int] = None) -> GlobalTensor:
     """A gradient that arrived in another layout (a Broadcast one from a sum's backward) put in the one needed."""
     if isinstance(grad, RaggedTensor) or sizes is not None:
-        return convert(grad, layout, sizes)
+        return convert(grad, layout, sizes, unit)
     return grad.to_global(layout.placement, layout.sbp)
 
 
@@ -330,9 +357,11 @@ def _move(x: torch.Tensor, routing: Routing, to_experts: bool, rows: _Rows, toke
         shape = (routing.token_shape[0] * routing.token_shape[1], x.shape[-1])
         return make(local, routing.expert_layout, shape, routing.sizes)
     shape = token_shape[:-1] + (x.shape[-1],)
-    local_shape = routing.token_layout.local_shape(shape, context.current().rank)
-    local = _backward_rows(x._local, routing, rows, comm, local_shape) if inside else x._local.new_empty((0,))
-    return GlobalTensor(local, routing.token_layout, shape)
+    rank = context.current().rank
+    held = routing.token_layout.local_shape(shape, rank) if routing.token_sizes is None else \
+        local_shape(routing.token_layout, shape, routing.token_sizes, rank)
+    local = _backward_rows(x._local, routing, rows, comm, held) if inside else x._local.new_empty((0,))
+    return make(local, routing.token_layout, shape, routing.token_sizes, unit=routing.token_unit)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], routing: Routing) -> torch.Tensor:

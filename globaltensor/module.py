@@ -34,7 +34,8 @@ from .ops import dispatch
 from .ops.scope import enter_named_here
 from .placement import Placement
 from .runtime import context, fiber
-from .sbp import SBP_TYPES, Broadcast, Partial
+from .ragged import convert as convert_ragged
+from .sbp import SBP_TYPES, Broadcast, Partial, Ragged, Split
 from .tensor import GlobalTensor, _FromLocal, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
 
@@ -84,15 +85,16 @@ class ModuleLayout:
                             f"got {self.reshard_after_forward!r}")
 
 
-def _hint(spec: Any, ndim: int, arg: str) -> Optional[tuple]:
-    """An nd-SBP whose entries may be None; checked against the mesh."""
+def _hint(spec: Any, ndim: int, arg: str, ragged: bool = False) -> Optional[tuple]:
+    """An nd-SBP whose entries may be None; checked against the mesh. `ragged`: an output's, which may
+    name `gt.ragged(d)`: dim d cut on that axis as the module's input arrived cut (its sizes)."""
     if spec is None:
         return None
     if isinstance(spec, (tuple, list)) and any(s is None for s in spec):
         if len(spec) != ndim:
             raise ValueError(f"{arg}: has {len(spec)} entries but the placement mesh has {ndim} axes")
         for s in spec:
-            if s is not None and not isinstance(s, SBP_TYPES):
+            if s is not None and not isinstance(s, SBP_TYPES + ((Ragged,) if ragged else ())):
                 raise TypeError(f"{arg}: {s!r} is not an SBP; use gt.split(d), gt.broadcast, gt.partial(op) "
                                 "or None (keep the axis)")
         return tuple(spec)
@@ -106,19 +108,47 @@ class _Boundary:
     grad: Optional[tuple]
     where: str
 
-    def apply(self, x: Any) -> Any:
+    def apply(self, x: Any, arrived: Any = None) -> Any:
+        """x laid out; a `gt.ragged(d)` entry takes the cut the module's input `arrived` in on that axis
+        ((sbp, sizes, unit): its sizes where it was ragged, a balanced split where it was split)."""
         if not isinstance(x, GlobalTensor):
             raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
                             "convert the model's inputs with gt.to_global first")
         sbp = x.sbp if self.sbp is None else tuple(o if h is None else h for h, o in zip(self.sbp, x.sbp))
+        sizes, unit = getattr(x, "sizes", None) or (None,) * len(sbp), getattr(x, "_unit", None)
+        if self.sbp is not None and any(isinstance(s, Ragged) for s in self.sbp):
+            sbp, sizes, unit = self._as_arrived(sbp, arrived, x)
+        sizes = tuple(n if isinstance(s, Ragged) else None for s, n in zip(sbp, sizes))
+        sizes = sizes if any(n is not None for n in sizes) else None
         grad = None
         if self.grad is not None:
             dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
             grad = tuple(d if h is None else h for h, d in zip(self.grad, dual))
         try:
+            if sizes is not None:
+                if grad is not None:
+                    raise ValueError(f"gradient layout {grad} beside a ragged layout: a ragged tensor's gradient "
+                                     "keeps its sizes; drop the gradient's hint")
+                return convert_ragged(x, Layout(x.placement, sbp), sizes, unit)
             return x.to_global(x.placement, sbp, grad)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{self.where}: {e}") from None
+
+    def _as_arrived(self, sbp: tuple, arrived: Any, x: GlobalTensor) -> tuple:
+        """(sbp, sizes, unit) with the hint's ragged entries resolved; x's own ragged axes keep x's sizes."""
+        have, have_sizes, unit = arrived if arrived is not None else ((None,) * len(sbp), None, None)
+        out, sizes = list(sbp), list(getattr(x, "sizes", None) or (None,) * len(sbp))
+        for a, s in enumerate(sbp):
+            if not isinstance(self.sbp[a], Ragged):
+                continue
+            if isinstance(have[a], Ragged) and have_sizes is not None:
+                sizes[a] = have_sizes[a]
+            elif isinstance(have[a], Split):
+                out[a] = Split(s.dim)
+            else:
+                raise ValueError(f"{self.where}: {s!r} on mesh axis {a} takes the cut the module's input arrived in "
+                                 f"there, but it arrived {have[a]!r} (not split)")
+        return tuple(out), tuple(sizes), unit
 
     # the hooks are bound methods, not closures, so that a converted module pickles (torch.save(model))
     def before(self, module: torch.nn.Module, args: tuple) -> tuple:
@@ -127,9 +157,9 @@ class _Boundary:
             raise TypeError(f"{self.where}: the module was called without a positional input")
         return (self.apply(args[0]),) + tuple(args[1:])
 
-    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    def after(self, module: torch.nn.Module, args: tuple, output: Any, arrived: Any = None) -> Any:
         """Forward hook: the output laid out."""
-        return self.apply(output)
+        return self.apply(output, arrived)
 
 
 class _OnBackward(torch.autograd.Function):
@@ -153,7 +183,8 @@ class _Armed(threading.local):
         self.stack: list = []
 
 
-_ARMED = _Armed()  # per thread (simulated rank): whether each open module call marked its backward
+_ARMED = _Armed()  # per thread (simulated rank): per open module call, whether it marked its backward and the
+# cut its input arrived in ((sbp, sizes): what a ragged output hint takes)
 
 
 @dataclass(frozen=True)
@@ -165,20 +196,22 @@ class _NamedModule:
 
     # bound methods, not closures, so that a converted module pickles (torch.save(model))
     def before(self, module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0] if args else None
+        arrived = (x.sbp, getattr(x, "sizes", None), getattr(x, "_unit", None)) if isinstance(x, GlobalTensor) else None
         if self.inp is not None:
             args = self.inp.before(module, args)
         dispatch.enter_named()
         x = args[0] if args else None
         armed = isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled()
-        _ARMED.stack.append(armed)
+        _ARMED.stack.append((armed, arrived))
         # the module's backward ends at its input: leave the named scope there
         return (_OnBackward.apply(x, dispatch.leave_named),) + tuple(args[1:]) if armed else args
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         dispatch.leave_named()
-        armed = _ARMED.stack.pop() if _ARMED.stack else False
+        armed, arrived = _ARMED.stack.pop() if _ARMED.stack else (False, None)
         if self.out is not None:
-            output = self.out.after(module, args, output)
+            output = self.out.after(module, args, output, arrived)
         if isinstance(output, GlobalTensor) and output.requires_grad and torch.is_grad_enabled():
             # an input that needs no gradient (an embedding's indices) marks no end: the module's backward is
             # the last of its branch, so the scope lasts until the backward ends
@@ -198,7 +231,7 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
         return None, None  # only parameters: their group runs the module in the named scope (zero.py)
     inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
                     f"{where} on the input")
-    out = _Boundary(_hint(hint.output, ndim, f"{where}.output"),
+    out = _Boundary(_hint(hint.output, ndim, f"{where}.output", ragged=True),
                     _hint(hint.output_grad, ndim, f"{where}.output_grad"), f"{where} on the output")
     for b in (inp, out):
         if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):

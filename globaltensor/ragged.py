@@ -34,7 +34,7 @@ from .ops.pointwise import cast_meta, elementwise_meta
 from .ops.registry import RULES, Ctx, Local, is_inplace
 from .placement import Placement
 from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split, split_range, split_sizes
+from .sbp import Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes
 from .tensor import GlobalTensor, _wrap, _tensor_key, device_for, grad_layout
 
 aten = torch.ops.aten
@@ -103,17 +103,43 @@ def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes
     shape = tuple(shape)
     if not layout.ragged_axes:
         return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+    layout, sizes = _outer_splits_ragged(layout, shape, sizes)
     r = _wrap(RaggedTensor, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
     r._sizes = sizes
     r._unit = unit
     return r
 
 
-def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: str = "sizes") -> Sizes:
+def _outer_splits_ragged(layout: Layout, shape: tuple, sizes: Sizes) -> tuple[Layout, Sizes]:
+    """One form for one cut: a balanced split of a dim on an axis before one that cuts it ragged (nested
+    runs: [G, S, d] of an uneven batch on 2x2, whose outer cut happens to be balanced) is written as
+    ragged too, with its balanced sizes, as the reshape that made the runs writes it."""
+    outer = {b for a in layout.ragged_axes for b in range(a)
+             if type(layout.sbp[b]) is Split and layout.sbp[b].dim == layout.sbp[a].dim}
+    if not outer:
+        return layout, sizes
+    p = layout.placement
+    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
+    sbp, sizes = list(layout.sbp), list(sizes)
+    for d in {layout.sbp[b].dim for b in outer}:
+        length = shape[d]
+        for b, s in enumerate(layout.sbp):
+            if not isinstance(s, (Split, Ragged)) or s.dim != d:
+                continue
+            if b in outer:
+                sbp[b], sizes[b] = Ragged(d), tuple(split_sizes(length, p.shape[b]))
+            length = sizes[b][coord[b]] if isinstance(sbp[b], Ragged) else split_sizes(length, p.shape[b])[coord[b]]
+    return Layout(p, tuple(sbp)), tuple(sizes)
+
+
+def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: str = "sizes",
+                nested: bool = False) -> Sizes:
     """`sizes` as one tuple per mesh axis; a flat list stands for the one ragged axis'.
 
     Checked against the layout's structure (one per rank of a ragged axis, non-negative ints, no other
-    axis cutting a ragged dim) and, where the global shape is known, against its dims.
+    axis cutting a ragged dim) and, where the global shape is known, against its dims. `nested`: a
+    reshape's runs (`RaggedTensor._unit`), where later ragged axes of a dim cut the piece this rank's
+    group of the earlier ones holds (their sizes add up to it).
     """
     axes = layout.ragged_axes
     mesh = layout.placement.shape
@@ -126,7 +152,8 @@ def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: st
     if isinstance(sizes, torch.Tensor):
         sizes = sizes.tolist()
     sizes = [int(n) if isinstance(n, np.integer) else n for n in sizes]
-    if len(axes) == 1 and (all(isinstance(n, int) for n in sizes) or layout.placement.ndim == 1):
+    per_axis = len(sizes) == layout.placement.ndim and all(n is None or isinstance(n, (list, tuple)) for n in sizes)
+    if len(axes) == 1 and (all(isinstance(n, int) for n in sizes) or layout.placement.ndim == 1 and not per_axis):
         sizes = [sizes if a == axes[0] else None for a in range(layout.placement.ndim)]
     if len(sizes) != layout.placement.ndim:
         raise ValueError(f"{arg}: give one entry per mesh axis ({layout.placement.ndim}), None for the axes that "
@@ -145,11 +172,22 @@ def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: st
                 isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in n):
             raise ValueError(f"{arg}: mesh axis {a} ({s!r}) has {mesh[a]} ranks, so give {mesh[a]} non-negative "
                              f"ints, one per rank; got {n!r}")
-        others = [b for b, t in enumerate(layout.sbp) if b != a and isinstance(t, (Split, Ragged)) and t.dim == s.dim]
+        others = [b for b, t in enumerate(layout.sbp) if b != a and isinstance(t, (Split, Ragged)) and t.dim == s.dim
+                  and not (nested and shape is not None and (b < a or isinstance(t, Ragged)))]
         if others:
             raise ValueError(f"sbp: {s!r} on mesh axis {a} and {layout.sbp[others[0]]!r} on axis {others[0]} cut the "
                              "same dim; a ragged dim is cut by one mesh axis only")
-        if shape is not None and sum(n) != shape[s.dim]:
+        outer = [b for b in range(a) if isinstance(layout.sbp[b], (Split, Ragged)) and layout.sbp[b].dim == s.dim]
+        if outer:   # nested: the piece of the outer axes' cuts this rank's group holds
+            coord = layout.placement.coord(context.current().rank) or layout.placement.coord(layout.placement.flat_ranks[0])
+            piece = shape[s.dim]
+            for b in outer:
+                piece = out[b][coord[b]] if isinstance(layout.sbp[b], Ragged) else \
+                    split_sizes(piece, mesh[b])[coord[b]]
+            if sum(n) != piece:
+                raise ValueError(f"{arg}: mesh axis {a} cuts the piece of {piece} rows of dim {s.dim} that mesh axes "
+                                 f"{outer} leave this rank, but its sizes {list(n)} add up to {sum(n)}")
+        elif shape is not None and sum(n) != shape[s.dim]:
             raise ValueError(f"{arg}: {list(n)} add up to {sum(n)}, but dim {s.dim} of the tensor (shape "
                              f"{tuple(shape)}) is {shape[s.dim]}; the sizes must add up to the dim")
         out.append(n)
@@ -246,10 +284,18 @@ def _take_ragged(t: torch.Tensor, layout: Layout, sizes: Sizes) -> torch.Tensor:
 
 
 # -- conversions ------------------------------------------------------------------------------------
-def convert(x: GlobalTensor, dst: Layout, sizes: Any) -> GlobalTensor:
-    """x in layout `dst` (with `sizes` for its ragged axes); differentiable, the backward the reverse."""
+def convert(x: GlobalTensor, dst: Layout, sizes: Any, unit: Optional[int] = None) -> GlobalTensor:
+    """x in layout `dst` (with `sizes` for its ragged axes); differentiable, the backward the reverse.
+    `unit`: the sizes are a reshape's runs (`RaggedTensor._unit`, taken from the tensor they came from)."""
+    out = _convert(x, dst, sizes, nested=unit is not None)
+    if unit is not None and isinstance(out, RaggedTensor) and out is not x:
+        out._unit = unit
+    return out
+
+
+def _convert(x: GlobalTensor, dst: Layout, sizes: Any, nested: bool = False) -> GlobalTensor:
     if dst.ragged_axes:
-        sizes = check_sizes(sizes, dst, x.shape, "to_global(sizes)")
+        sizes = check_sizes(sizes, dst, x.shape, "to_global(sizes)", nested)
     elif sizes is not None:
         check_sizes(sizes, dst, x.shape, "to_global(sizes)")  # raises: nothing to cut
     if dst == x._layout and sizes == getattr(x, "_sizes", None):
@@ -267,6 +313,16 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
     a balanced split the planner takes on from. Then the non-ragged rest is boxed (one plan), with
     the axes that dst wants ragged taken as balanced splits (or Broadcast), and re-cut (or sliced).
     """
+    a = _inner_swap(x._layout, getattr(x, "_sizes", None), dst, sizes, tuple(x.shape))
+    if a is not None:  # one axis from rows of d to a split of another dim, or back: one all-to-all in its groups
+        comm, p, shape = context.current(), x.placement, tuple(x.shape)
+        s, t = x._layout.sbp[a], dst.sbp[a]
+        local = x._local
+        if p.coord(comm.rank) is not None:
+            src_sizes = x._sizes[a] if isinstance(s, Ragged) else split_sizes(shape[s.dim], p.shape[a])
+            dst_sizes = sizes[a] if isinstance(t, Ragged) else split_sizes(shape[t.dim], p.shape[a])
+            local = _recut.swap(local, s.dim, src_sizes, t.dim, dst_sizes, p.group(comm.rank, a), comm)
+        return make(local, dst, shape, sizes if dst.ragged_axes else None)
     if isinstance(x, RaggedTensor) and x._auto and len(x._layout.ragged_axes) > 1:  # a reshape's nested runs
         x = _balance(x)
     comm = context.current()
@@ -288,11 +344,15 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
             group = p.group(comm.rank, a)
             if isinstance(want, Broadcast):
                 local = _recut.gather(local, d, have[a], group, comm)
+            elif _swaps(x._layout, dst, a):   # rows of d -> a split of another dim: one all-to-all
+                local = _recut.swap(local, d, have[a], want.dim, split_sizes(shape[want.dim], p.shape[a]), group, comm)
             else:
                 to = sizes[a] if isinstance(want, Ragged) and want.dim == d else split_sizes(shape[d], p.shape[a])
                 local = _recut.recut(local, d, have[a], to, group, comm)
         if isinstance(want, Broadcast):
             sbp[a], have[a] = Broadcast(), None
+        elif _swaps(x._layout, dst, a):
+            sbp[a], have[a] = want, None
         elif isinstance(want, Ragged) and want.dim == d:
             sbp[a], have[a] = want, sizes[a]
         else:
@@ -309,13 +369,17 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
         raise ValueError(f"to_global: from {x._layout.sbp} to {dst.sbp}: the axes that stay ragged must be the only "
                          "ragged axes; convert the ragged axes first, then the others")
     if not now.ragged_axes:  # the rest is ordinary boxing, with dst's ragged axes first balanced
-        mid = Layout(p, tuple(_entry(s, t) for s, t in zip(now.sbp, dst.sbp)))
+        mid = Layout(p, tuple(_entry(s, t, now, dst, a) for a, (s, t) in enumerate(zip(now.sbp, dst.sbp))))
         if mid != now:
             local = convert_local(local, now, mid, shape, comm) if coord is not None else local
         for a in dst.ragged_axes:
             d = dst.sbp[a].dim
             if coord is not None:
-                if isinstance(mid.sbp[a], Split):
+                if isinstance(mid.sbp[a], Split) and mid.sbp[a].dim != d:   # a split of another dim -> rows of d
+                    e = mid.sbp[a].dim
+                    local = _recut.swap(local, e, split_sizes(shape[e], p.shape[a]), d, sizes[a],
+                                        p.group(comm.rank, a), comm)
+                elif isinstance(mid.sbp[a], Split):
                     local = _recut.recut(local, d, split_sizes(shape[d], p.shape[a]), sizes[a],
                                          p.group(comm.rank, a), comm)
                 else:
@@ -335,12 +399,66 @@ def _boxes_beside(now: Layout, dst: Layout) -> bool:
                not (isinstance(t, Split) and t.dim in ragged_dims) for s, t in zip(now.sbp, dst.sbp))
 
 
-def _entry(src: Any, want: Any) -> Any:
+def _entry(src: Any, want: Any, layout: Layout, dst: Layout, axis: int) -> Any:
     """What the boxing before the re-cut must reach on one axis: dst's balanced stand-in for Ragged(d)
-    (Split(d), or Broadcast from a Broadcast or Partial source, which then needs only a slice)."""
+    (Split(d), or a split of another dim this axis alone cuts, which one all-to-all swaps for the rows,
+    or Broadcast from a Broadcast or Partial source, which then needs only a slice)."""
     if not isinstance(want, Ragged):
         return want
-    return Split(want.dim) if isinstance(src, Split) and src.dim == want.dim else Broadcast()
+    if isinstance(src, Split) and (src.dim == want.dim or _alone(layout, axis, src.dim) and _alone(dst, axis, src.dim)):
+        return src
+    return Broadcast()
+
+
+def _alone(layout: Layout, axis: int, dim: int) -> bool:
+    """Whether mesh `axis` is the only one of `layout` that cuts `dim`."""
+    return all(a == axis or not isinstance(s, (Split, Ragged)) or s.dim != dim for a, s in enumerate(layout.sbp))
+
+
+def _cuts(layout: Layout, shape: tuple, sizes: Sizes) -> tuple:
+    """Per mesh axis what it does, one form for one cut: (dim, this rank's group's sizes) for a split or
+    ragged axis (a balanced split's sizes spelled out, nested ones of the piece the axes before leave),
+    the SBP itself otherwise."""
+    p = layout.placement
+    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
+    left = list(shape)
+    out = []
+    for a, s in enumerate(layout.sbp):
+        if isinstance(s, (Split, Ragged)) and not isinstance(s, Zigzag):
+            n = tuple(sizes[a]) if isinstance(s, Ragged) else tuple(split_sizes(left[s.dim], p.shape[a]))
+            out.append((s.dim, n))
+            left[s.dim] = n[coord[a]]
+        else:
+            out.append(s)
+    return tuple(out)
+
+
+def _inner_swap(src: Layout, src_sizes: Sizes, dst: Layout, dst_sizes: Sizes, shape: tuple) -> Optional[int]:
+    """The one mesh axis on which src and dst differ, where one side holds rows of d on it (the innermost
+    of that side's ragged axes: nested runs stay runs of the same outer pieces) and the other a balanced
+    split of another dim that no other axis cuts; every other axis (and its sizes) alike. None otherwise."""
+    if src.placement != dst.placement or any(src_sizes is None or src_sizes[a] is None for a in src.ragged_axes) or \
+            any(dst_sizes is None or dst_sizes[a] is None for a in dst.ragged_axes):
+        return None   # sizes known inside each slice only (by_expert's rows on EP x DP): not re-cut here
+    src_cuts, dst_cuts = _cuts(src, shape, src_sizes), _cuts(dst, shape, dst_sizes)
+    differ = [a for a in range(src.placement.ndim) if src_cuts[a] != dst_cuts[a]]
+    if len(differ) != 1:
+        return None
+    (a,) = differ
+    s, t = src.sbp[a], dst.sbp[a]
+    for rows, cut, side in ((s, t, src), (t, s, dst)):
+        if isinstance(rows, Ragged) and type(cut) is Split and cut.dim != rows.dim and a == max(side.ragged_axes) \
+                and _alone(src, a, cut.dim) and _alone(dst, a, cut.dim):
+            return a
+    return None
+
+
+def _swaps(src: Layout, dst: Layout, axis: int) -> bool:
+    """Whether `axis` goes from rows of one dim to a balanced split of another that no other axis cuts,
+    in either layout: one all-to-all (`boxing/ragged.py`'s swap)."""
+    s, t = src.sbp[axis], dst.sbp[axis]
+    return isinstance(s, Ragged) and type(t) is Split and t.dim != s.dim and _alone(src, axis, t.dim) and \
+        _alone(dst, axis, t.dim)
 
 
 class _Convert(torch.autograd.Function):
@@ -354,10 +472,15 @@ class _Convert(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
-        if ctx.unit is not None and ctx.src.ragged_axes:  # back to a reshape's runs: by way of the balanced split
+        if ctx.unit is not None and len(ctx.src.ragged_axes) > 1 and \
+                _inner_swap(grad._layout, getattr(grad, "_sizes", None), ctx.src, ctx.sizes, tuple(grad.shape)) is None:
+            # a reshape's nested runs: by way of the balanced split
             balanced = _convert_now(grad, Layout(ctx.src.placement, _balanced_sbp(ctx.src)), None)
             return _unbalance(balanced, ctx.src, ctx.unit), None, None
-        return _convert_now(grad, ctx.src, ctx.sizes), None, None
+        out = _convert_now(grad, ctx.src, ctx.sizes)
+        if ctx.unit is not None and isinstance(out, RaggedTensor):
+            out._unit = ctx.unit   # still a reshape's runs: ops that do not keep them balance them
+        return out, None, None
 
 
 class _FromLocal(torch.autograd.Function):

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..grouped import by_expert, by_group, grouped_linear
 from ..module import ModuleLayout
-from ..sbp import Broadcast, Split
+from ..sbp import Broadcast, Ragged, Split
 from .gpt import GPT, CausalSelfAttention, GPTConfig, tp_plan
 
 
@@ -241,7 +241,7 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, drop
                 "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0))}
     if tensor_axis is None:
         return {"*experts.*": on_axes(Split(0)),
-                "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Split(1)))}
+                "*experts": ModuleLayout(input=hint(Split(0)), output=hint(Ragged(1)))}
     return {"*experts.w1": on_axes(Split(0), Split(2)), "*experts.b1": on_axes(Split(0), Split(2)),
             "*experts.w2": on_axes(Split(0), Split(1)), "*experts.b2": on_axes(Split(0)),
             "*experts": ModuleLayout(input=hint(Split(0), Broadcast()), input_grad=hint(None, Broadcast()),

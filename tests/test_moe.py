@@ -93,15 +93,23 @@ def _layer_reference(cfg, batch, seed, skew):
     return y.detach(), aux.detach(), layer.last_kept, x.grad, {k: v.grad for k, v in layer.named_parameters()}
 
 
-def _cut(length: int, mesh: tuple, axes: list, coord) -> tuple:
+def _cut(length: int, mesh: tuple, axes: list, coord, unit: int = 1) -> tuple:
     """The [lo, hi) of a dim of `length` a rank at `coord` holds when mesh `axes` split it, in order
-    (each axis splits the piece the axes before it left, balanced)."""
-    lo, hi = 0, length
+    (each axis splits the piece the axes before it left, balanced), in whole units of `unit` (the
+    groups of one sequence: [B, T, d] split on B, reshaped to [G, S, d], keeps each sequence's groups
+    on the rank of the sequence)."""
+    lo, hi = 0, length // unit
     for a in axes:
         sizes = _split_sizes(hi - lo, mesh[a])
         lo += sum(sizes[:coord[a]])
         hi = lo + sizes[coord[a]]
-    return lo, hi
+    return lo * unit, hi * unit
+
+
+def per_sequence(cfg: MoEConfig) -> int:
+    """Routing groups per sequence: the unit in which a batch split cuts the groups."""
+    s = cfg.group_size or cfg.block_size
+    return cfg.block_size // s if cfg.block_size % s == 0 else 1
 
 
 def ideal_moe_bytes(cfg: MoEConfig, groups: int, group_size: int, mesh: tuple, expert_axis: int, coord) -> tuple:
@@ -111,19 +119,20 @@ def ideal_moe_bytes(cfg: MoEConfig, groups: int, group_size: int, mesh: tuple, e
     (ideal_all_to_all when the expert axis is the last)."""
     axes = list(range(len(mesh)))
     others = [a for a in axes if a != expert_axis]
-    routed = ((0, cfg.n_expert), _cut(groups, mesh, axes, coord))
-    experts = (_cut(cfg.n_expert, mesh, [expert_axis], coord), _cut(groups, mesh, others, coord))
+    u = per_sequence(cfg)
+    routed = ((0, cfg.n_expert), _cut(groups, mesh, axes, coord, u))
+    experts = (_cut(cfg.n_expert, mesh, [expert_axis], coord), _cut(groups, mesh, others, coord, u))
     size = lambda blk: (blk[0][1] - blk[0][0]) * (blk[1][1] - blk[1][0])  # noqa: E731
     both = tuple((max(a[0], b[0]), max(min(a[1], b[1]), max(a[0], b[0]))) for a, b in zip(routed, experts))
     unit = capacity(cfg, group_size) * cfg.n_embd * 8
     return (size(experts) - size(both)) * unit, (size(routed) - size(both)) * unit
 
 
-def without_aux_gather(events: list, groups: int, mesh: tuple, coord) -> list:
+def without_aux_gather(events: list, groups: int, mesh: tuple, coord, unit: int = 1) -> list:
     """The forward's collectives less the aux loss's one small reduction where there are fewer groups than
     ranks: the planner then gathers the [G] per-group loss terms (at most 8 bytes for each this rank lacks)
     rather than owe the all-reduce of a Partial scalar, which would receive more."""
-    lo, hi = _cut(groups, mesh, list(range(len(mesh))), coord)
+    lo, hi = _cut(groups, mesh, list(range(len(mesh))), coord, unit)
     small = [i for i, (kind, b) in enumerate(events) if kind == "all_gather" and b <= 8 * (groups - (hi - lo))]
     if groups >= int(np.prod(mesh)) or not small:
         return events
@@ -163,7 +172,7 @@ def check_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: int = 0, s
             continue
         if kind == "send_recv":  # point to point: a rank that receives nothing may take no part
             want, fwd, bwd = ([e for e in events if e[1]] for events in (want, fwd, bwd))
-        assert want in (fwd, without_aux_gather(fwd, groups, mesh, coord)), (rank, fwd, want)
+        assert want in (fwd, without_aux_gather(fwd, groups, mesh, coord, per_sequence(cfg))), (rank, fwd, want)
         assert bwd == want, (rank, bwd, want)
     return results
 
@@ -253,13 +262,17 @@ def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew
     expert axis last, DeepSpeed-MoE's, or first), every token's choices to the same experts ("equal") or
     every token to one expert with another empty under top-1 and top-2 ("hot"), group counts a multiple
     of the ranks (as GShard sizes them) or `short` of one (uneven, ranks with one group or none, 1-D and
-    2x2): values and routing equal one device, bytes exactly the ideal (check_layer, the whole layer; see
-    test_groups_that_do_not_divide). Not drawn: groups smaller than a sequence where the batch does not
-    divide (as in test_dropless_layer_hypothesis), and a single group (batch 1)."""
+    2x2), groups smaller than a sequence (two per sequence) with a batch that does not divide over the
+    ranks (G ragged in units of a sequence's groups, which the router's ops keep: ideal_moe_bytes of that
+    cut): values and routing equal one device, bytes exactly the ideal (check_layer, the whole layer; see
+    test_groups_that_do_not_divide). Not drawn: a single group (batch 1); and, with groups smaller than
+    a sequence and a batch that does not divide, the expert axis first on 2x2 (there the experts' G cut on
+    the other axis is the sequences re-cut over that axis alone, a send/recv across both axes from the
+    router's nested runs that the ragged conversions do not make: they move one axis at a time)."""
     mesh, expert_axis = mesh
     n = int(np.prod(mesh))
     batch = max(2, n * per_rank - min(short, n - 1))   # (one group: a size-1 dim, kept whole)
-    assume(group is None or batch % n == 0)
+    assume(group is None or batch % n == 0 or expert_axis == len(mesh) - 1)
     k = min(k, experts)
     cfg = MoEConfig(**{**CFG.__dict__, "top_k": k, "capacity_factor": factor, "n_expert": experts,
                        "group_size": group})
@@ -598,11 +611,13 @@ def _dropless(cfg: MoEConfig, **kw) -> MoEConfig:
     return MoEConfig(**{**cfg.__dict__, "dropless": True, **kw})
 
 
-def _owners(groups: int, mesh: tuple) -> list[tuple]:
-    """The mesh coordinate holding each group when every mesh axis splits the groups (axis 0 first)."""
+def _owners(groups: int, mesh: tuple, unit: int = 1) -> list[tuple]:
+    """The mesh coordinate holding each group when every mesh axis splits the groups (axis 0 first), in
+    whole units of `unit` (a sequence's groups, see _cut)."""
     owners = []
     for g in range(groups):
-        lo, length, coord = 0, groups, []
+        g //= unit
+        lo, length, coord = 0, groups // unit, []
         for m in mesh:
             for i, size in enumerate(_split_sizes(length, m)):
                 if lo <= g < lo + size:
@@ -620,7 +635,7 @@ def dropless_bytes(cfg: MoEConfig, choice: torch.Tensor, mesh: tuple, expert_axi
     dispatch (the routed rows of its experts from other members' tokens) and the combine (its tokens'
     rows computed by other members' experts); the backward receives the dispatch's and the combine's again."""
     groups, e, d = choice.shape[0], cfg.n_expert, cfg.n_embd
-    owners = _owners(groups, mesh)
+    owners = _owners(groups, mesh, per_sequence(cfg))
     expert_rank = [i for i, n in enumerate(_split_sizes(e, mesh[expert_axis])) for _ in range(n)]
     same_slice = lambda o: all(o[a] == coord[a] for a in range(len(mesh)) if a != expert_axis)  # noqa: E731
     me = coord[expert_axis]
@@ -676,7 +691,7 @@ def check_dropless_layer(cfg: MoEConfig, batch: int, mesh: tuple, expert_axis: i
         if mesh[expert_axis] == 1:
             continue
         ours = [("all_gather", counts), ("all_to_all", dispatch), ("all_to_all", combine)]
-        assert ours in (fwd, without_aux_gather(fwd, choice.shape[0], mesh, coord)), (rank, fwd)
+        assert ours in (fwd, without_aux_gather(fwd, choice.shape[0], mesh, coord, per_sequence(cfg))), (rank, fwd)
         assert bwd == ours[1:], (rank, bwd)
 
 
@@ -694,13 +709,14 @@ def test_dropless_layer_hypothesis(k, experts, mesh, batch, group, skew, seed):
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
     expert axis last or first), every token to the same k experts ("equal", the others get no rows) or
     every token to one expert with another empty under top-1 and top-2 ("hot"): values and routing equal
-    one device, bytes exactly the routed rows' (the whole layer). (Groups smaller than a sequence are
-    taken where the batch divides: otherwise [B, T, d] -> [G, S, d] leaves G ragged, in units of two or
-    more groups per sequence, which the router's softmax does not keep, and the layer re-cuts it to a
-    balanced split of G, moving rows the ideal does not count; a single group is a size-1 dim, which
-    the dispatcher keeps whole.)"""
+    one device, bytes exactly the routed rows' (the whole layer). Groups smaller than a sequence with a
+    batch that does not divide included: [B, T, d] -> [G, S, d] leaves G ragged, in units of a sequence's
+    groups, which the router's ops keep and by_expert / by_group take as they are (dropless_bytes of that
+    cut). Not drawn there: the expert axis first on 2x2 (the expert axis' peers then hold runs of
+    different outer pieces, whose sizes a rank does not know: the tokens are re-cut to a balanced split
+    first, moving rows the ideal does not count); nor a single group (a size-1 dim, kept whole)."""
     mesh, expert_axis = mesh
-    assume(group is None or batch % int(np.prod(mesh)) == 0)
+    assume(group is None or batch % int(np.prod(mesh)) == 0 or expert_axis == len(mesh) - 1)
     cfg = _dropless(CFG, top_k=min(k, experts), n_expert=experts, group_size=group)
     check_dropless_layer(cfg, batch, mesh, expert_axis, seed=seed, skew=skew)
 
