@@ -35,6 +35,13 @@ so the search never ends worse than op by op in this bill, and every choice
 it can take is one the rule's kernel accepts. What it can miss is what any
 local search misses: a better choice reached only through dearer ones,
 beyond what one wave moves.
+
+Known gap of the bill: the calls inside a decomposition are charged as
+recorded under every choice, though a steered run whose layouts let the op
+run whole skips them (a softmax over a dim the recording split): the bill
+then overstates such a choice (test_step_plan.py's program, mesh (3,),
+[5, 1] @ [1, 3]: solved bill [144, 144, 176] B per rank, the steered run
+receives [48, 48, 48]), so the search may pass over it.
 """
 from __future__ import annotations
 
