@@ -36,7 +36,7 @@ from .placement import Placement
 from .runtime import context, fiber
 from .ragged import convert as convert_ragged
 from .sbp import SBP_TYPES, Broadcast, Partial, Ragged, Split
-from .tensor import GlobalTensor, _FromLocal, distribute, grad_layout
+from .tensor import GlobalTensor, _wrap, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
 
 
@@ -355,6 +355,7 @@ class _StageForward:
         self.leaves: Optional[dict] = None  # in a step, inside: parameter -> its plain leaf for the step
         self.owed: Optional[dict] = None    # in a step, outside: parameter -> the layout its gradient takes
         self._tables: Optional[list] = None  # (its modules' _parameters, _buffers) dicts: walked once, read each call
+        self._empties: dict = {}  # outside: parameter -> the empty gradient it takes at each step's end
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -367,11 +368,24 @@ class _StageForward:
             return
         with torch.no_grad():
             for p, leaf in leaves.items():
-                if leaf.grad is not None:
-                    _accumulate(p, GlobalTensor(leaf.grad, grad_layout(p._layout), tuple(p.shape)))
+                g = leaf.grad
+                if g is not None:
+                    lay = p._layout
+                    if not lay.has_partial and not lay.zigzag_axes and g.dtype is p.dtype:  # its own key
+                        _accumulate(p, _wrap(GlobalTensor, g, lay, p._key.shape, p._key))
+                    else:
+                        _accumulate(p, GlobalTensor(g, grad_layout(lay), tuple(p.shape)))
+            empties = self._empties
             for p, (lay, shape, dtype) in owed.items():
-                empty = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay, shape)
-                _accumulate(p, empty if p.grad is None else None)
+                if p.grad is not None:
+                    _accumulate(p, None)
+                    continue
+                # an empty shard holds nothing to change: the one made for the parameter serves every step
+                empty = empties.get(p)
+                if empty is None or empty._layout is not lay or empty.dtype is not dtype:
+                    empty = empties[p] = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay,
+                                                      shape)
+                _accumulate(p, empty)
 
     def tables(self) -> list:
         """Each of the module's modules' parameter and buffer dicts (the same dict objects for the module's
@@ -416,6 +430,13 @@ class _StageForward:
                for t in _tensors((args, kwargs))):
             return inside
         return None
+
+    def stop_on_entry(self) -> None:
+        """Install `enter` as the module's first forward pre-hook (a pipeline that runs its micro-batches as
+        fibers does; without one, the module's calls keep torch's fast path, which a hook forgoes)."""
+        if "_gt_stage_hooks" not in self.module.__dict__:
+            self.module.__dict__["_gt_stage_hooks"] = (
+                self.module.register_forward_pre_hook(self.enter, prepend=True, with_kwargs=True),)
 
     def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook, run before the module's other hooks (a ZeRO gather, a boundary's conversion,
@@ -515,7 +536,7 @@ def _accumulate(p: torch.Tensor, grad: Optional[GlobalTensor]) -> None:
 
 def _as_local(obj: Any, grad: bool) -> Any:
     if isinstance(obj, GlobalTensor):
-        return obj.to_local() if grad and obj.requires_grad else obj._local
+        return _plain_input(obj) if grad and obj.requires_grad else obj._local
     if isinstance(obj, (tuple, list)):
         return type(obj)(_as_local(o, grad) for o in obj)
     if isinstance(obj, dict):
@@ -525,13 +546,44 @@ def _as_local(obj: Any, grad: bool) -> Any:
 
 def _as_global(obj: Any, layout: Layout) -> Any:
     if isinstance(obj, torch.Tensor) and not isinstance(obj, GlobalTensor):
-        return _FromLocal.apply(obj, layout, tuple(obj.shape)) if obj.requires_grad else \
+        return _StageOutput.apply(obj, layout, tuple(obj.shape)) if obj.requires_grad else \
             GlobalTensor(obj, layout, tuple(obj.shape))
     if isinstance(obj, (tuple, list)):
         return type(obj)(_as_global(o, layout) for o in obj)
     if isinstance(obj, dict):
         return {k: _as_global(v, layout) for k, v in obj.items()}
     return obj
+
+
+class _StageOutput(torch.autograd.Function):
+    """A plain stage's output as a GlobalTensor (as `_FromLocal`), remembering the plain tensor it wraps: a
+    stage that takes it as its input on the same rank runs on that tensor itself (`_plain_input`), so
+    consecutive plain stages form one plain autograd graph, with no unwrapping node, nor a backward through
+    the wrap and the unwrap, per boundary between them."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple) -> GlobalTensor:  # type: ignore[override]
+        ctx.layout, ctx.local, ctx.version = grad_layout(layout), local, local._version
+        return GlobalTensor(local.view_as(local), layout, shape)
+
+    @staticmethod
+    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        if grad._layout != ctx.layout:
+            grad = grad.to_global(ctx.layout.placement, ctx.layout.sbp)
+        return grad._local, None, None
+
+
+_STAGE_OUTPUT = _StageOutput._backward_cls
+
+
+def _plain_input(x: GlobalTensor) -> torch.Tensor:
+    """x's local tensor, differentiable: the plain tensor x wraps where x is a plain stage's output as it came
+    (not written in place since, no hook on it: its gradient is the plain tensor's), else `x.to_local()`."""
+    node = x.grad_fn
+    if type(node) is _STAGE_OUTPUT and node.local._version == node.version and not x._backward_hooks \
+            and not x.retains_grad:
+        return node.local
+    return x.to_local()
 
 
 @dataclass(frozen=True, eq=False)
@@ -667,9 +719,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     groups = _param_groups(module, hints, placement)
     stages = _stage_hooks(module, groups)
     for mod, where in stages.items():
-        stage = mod.__dict__["forward"] = _StageForward(mod, where)
-        mod.__dict__["_gt_stage_hooks"] = (mod.register_forward_pre_hook(stage.enter, prepend=True,
-                                                                         with_kwargs=True),)
+        mod.__dict__["forward"] = _StageForward(mod, where)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []

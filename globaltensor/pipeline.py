@@ -28,10 +28,10 @@ import torch
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
-from .sbp import Broadcast, Split
+from .sbp import Broadcast, Partial, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
-from .tensor import GlobalTensor, distribute
+from .tensor import GlobalTensor, _wrap, distribute
 from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -217,6 +217,11 @@ class Pipeline:
         # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
         # skipped (after a first step) on the ranks outside it, as the model's stage modules are
         self._losses: dict[Placement, _StageForward] = {}
+        self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
+                                if isinstance(f, _StageForward)]
+        if self.chunks > 1:  # fibers: each stops where it enters one of its rank's chunks
+            for f in self._stage_forwards:
+                f.stop_on_entry()
 
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
@@ -234,8 +239,7 @@ class Pipeline:
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
-        stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in self.model.modules())
-                          if isinstance(f, _StageForward)]
+        stage_forwards = self._stage_forwards
         for f in stage_forwards:  # the parameters take the step's gradients once, at its end
             f.open_step()
         flushed = False
@@ -250,7 +254,7 @@ class Pipeline:
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
                     if done:
-                        losses[i] = result if act == "F" else losses[i].detach()
+                        losses[i] = result if act == "F" else _value(losses[i])
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
                 comm.p2p_label = "the step's deferred reductions"
@@ -276,10 +280,7 @@ class Pipeline:
         self.bubble = (waited + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
         for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
             f.settle()                                             # skip their ops from now on
-        loss = losses[0]
-        for i in range(1, self.microbatches):
-            loss = loss + losses[i]
-        return loss
+        return _summed([losses[i] for i in range(self.microbatches)])
 
     @property
     def chunks(self) -> int:
@@ -323,6 +324,27 @@ class _Loss(torch.nn.Module):
 
     def forward(self, out: Any, target: Any, weight: float) -> torch.Tensor:
         return self.loss_fn(out, target) * weight
+
+
+def _value(t: GlobalTensor) -> GlobalTensor:
+    """t's value, out of autograd (`detach()` without a dispatch: the same shard, layout and key)."""
+    return _wrap(type(t), t._local.detach(), t._layout, t._key.shape, t._key)
+
+
+def _summed(losses: list) -> GlobalTensor:
+    """The micro-batches' losses added up: where they share a layout whose shards add up to the sum's (no
+    Partial but sums), their shards are added; else through the dispatcher."""
+    first = losses[0]
+    if all(t._key is first._key for t in losses) and not any(
+            isinstance(s, Partial) and s.op != "sum" for s in first._layout.sbp):
+        total = first._local
+        for t in losses[1:]:
+            total = total + t._local
+        return _wrap(type(first), total, first._layout, first._key.shape, first._key)
+    loss = first
+    for t in losses[1:]:
+        loss = loss + t
+    return loss
 
 
 def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:
