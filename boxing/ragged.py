@@ -61,6 +61,8 @@ def swap(local: torch.Tensor, src_dim: int, src: Sequence[int], dst_dim: int, ds
     off = [0]
     for n in dst:
         off.append(off[-1] + n)
+    if not any(src[i] and dst[j] for i in range(len(group)) for j in range(len(group)) if i != j):
+        return local.narrow(dst_dim, off[me], dst[me])   # nothing changes hands anywhere: no collective
     pieces = [local.narrow(dst_dim, off[j], dst[j]) for j in range(len(group))]
     shapes = [tuple(src[i] if d == src_dim else dst[me] if d == dst_dim else n for d, n in enumerate(local.shape))
               for i in range(len(group))]

@@ -34,7 +34,7 @@ from .ops import dispatch
 from .ops.scope import enter_named_here
 from .placement import Placement
 from .runtime import context, fiber
-from .ragged import convert as convert_ragged
+from .ragged import RaggedTensor, convert as convert_ragged
 from .sbp import SBP_TYPES, Broadcast, Partial, Ragged, Split
 from .tensor import GlobalTensor, _wrap, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
@@ -101,6 +101,21 @@ def _hint(spec: Any, ndim: int, arg: str, ragged: bool = False) -> Optional[tupl
     return normalize_sbp(spec, ndim, arg)
 
 
+def _runs_kept(have: tuple, sbp: tuple, hint: Optional[tuple]) -> bool:
+    """Whether a ragged target keeps one cut: no split of a dim after a ragged axis of it, and each ragged axis
+    kept from the tensor (not named by the hint) inside the same outer cuts of its dim as before."""
+    for a, s in enumerate(sbp):
+        if not isinstance(s, Ragged):
+            continue
+        if any(isinstance(t, Split) and t.dim == s.dim for t in sbp[a + 1:]):
+            return False
+        named = hint is not None and hint[a] is not None
+        if not named and any(isinstance(t, (Split, Ragged)) and t.dim == s.dim and sbp[b] != have[b]
+                             for b, t in enumerate(have[:a])):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class _Boundary:
     """One tensor's conversion at a module boundary (checked hints, None entries still open)."""
@@ -120,6 +135,14 @@ class _Boundary:
             sbp, sizes, unit = self._as_arrived(sbp, arrived, x)
         sizes = tuple(n if isinstance(s, Ragged) else None for s, n in zip(sbp, sizes))
         sizes = sizes if any(n is not None for n in sizes) else None
+        if sizes is not None and not _runs_kept(x.sbp, sbp, self.sbp):
+            # a ragged axis nested in a cut that changes (the expert axis first on EP x DP), or a balanced split
+            # nested in a ragged one: not one cut the sizes describe; the balanced splits instead (rows move)
+            if isinstance(x, RaggedTensor):
+                x = x.to_global(x.placement, tuple(Split(s.dim) if isinstance(s, Ragged) else s for s in x.sbp))
+            hinted = tuple(o if h is None else Split(h.dim) if isinstance(h, Ragged) else h
+                           for h, o in zip(self.sbp, x.sbp))
+            sbp, sizes = hinted, None
         grad = None
         if self.grad is not None:
             dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)

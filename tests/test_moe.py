@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan, moe_gpt_plan
@@ -256,6 +256,9 @@ SKEWS = [False, "equal", "hot"]
 @given(k=st.sampled_from([1, 2]), factor=st.sampled_from([0.5, 1.0, 1.25, 2.0, None]), experts=st.integers(1, 6),
        mesh=st.sampled_from(MESHES), per_rank=st.integers(1, 2), short=st.sampled_from([0, 0, 1, 2, 3]),
        group=st.sampled_from([None, 4]), skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
+@example(k=1, factor=0.5, experts=1, mesh=((2, 2), 1), per_rank=1, short=2, group=4, skew=False, seed=0)  # dev: 0-byte all-to-alls
+@example(k=2, factor=1.0, experts=4, mesh=((2,), 0), per_rank=2, short=1, group=4, skew=False, seed=0)  # G 4+2 groups
+@example(k=2, factor=1.25, experts=6, mesh=((2, 2), 1), per_rank=2, short=3, group=4, skew="hot", seed=1)  # 5 seqs, nested
 def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew, seed):
     """Top-1/2, capacity factors that drop and that pad (None: dropless by padding), E below / not a
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
@@ -704,6 +707,8 @@ def test_dropless_layer_equals_one_device_at_routed_bytes(mesh, expert_axis, k):
 @settings(max_examples=max(10, settings.default.max_examples * 5 // 9), deadline=None)   # 10 in CI
 @given(k=st.sampled_from([1, 2]), experts=st.integers(1, 6), mesh=st.sampled_from(MESHES), batch=st.integers(2, 6),
        group=st.sampled_from([None, 4]), skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
+@example(k=2, experts=4, mesh=((2,), 0), batch=3, group=4, skew=False, seed=0)           # G ragged: 4+2 groups
+@example(k=1, experts=3, mesh=((2, 2), 1), batch=5, group=4, skew="equal", seed=2)      # nested runs on 2x2
 def test_dropless_layer_hypothesis(k, experts, mesh, batch, group, skew, seed):
     """Group counts that do not divide over the ranks (ranks with one group, or none), E below or not a
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
