@@ -110,6 +110,29 @@ def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes
     return r
 
 
+def _cuts(layout: Layout, shape: Sequence[int], sizes: Sizes, coord: Optional[Sequence[int]] = None) -> tuple:
+    """Per mesh axis what it does, one form for one cut: (dim, the sizes of the group of `coord` on that
+    axis, this rank's by default) for a split or ragged axis, the SBP itself otherwise. A balanced
+    split's sizes are spelled out (`split_sizes` of the piece the axes before it leave: the nesting
+    `Layout.shard` applies); a ragged axis' are its own (None: known inside each slice only)."""
+    p = layout.placement
+    if coord is None:
+        coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
+    left: list = list(shape)
+    out = []
+    for a, s in enumerate(layout.sbp):
+        if not isinstance(s, (Split, Ragged)):
+            out.append(s)
+            continue
+        if isinstance(s, Ragged):
+            n = None if sizes is None or sizes[a] is None else tuple(sizes[a])
+        else:
+            n = None if left[s.dim] is None else tuple(split_sizes(left[s.dim], p.shape[a]))
+        out.append((s.dim, n))
+        left[s.dim] = None if n is None else n[coord[a]]
+    return tuple(out)
+
+
 def _outer_splits_ragged(layout: Layout, shape: tuple, sizes: Sizes) -> tuple[Layout, Sizes]:
     """One form for one cut: a balanced split of a dim on an axis before one that cuts it ragged (nested
     runs: [G, S, d] of an uneven batch on 2x2, whose outer cut happens to be balanced) is written as
@@ -118,18 +141,9 @@ def _outer_splits_ragged(layout: Layout, shape: tuple, sizes: Sizes) -> tuple[La
              if type(layout.sbp[b]) is Split and layout.sbp[b].dim == layout.sbp[a].dim}
     if not outer:
         return layout, sizes
-    p = layout.placement
-    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
-    sbp, sizes = list(layout.sbp), list(sizes)
-    for d in {layout.sbp[b].dim for b in outer}:
-        length = shape[d]
-        for b, s in enumerate(layout.sbp):
-            if not isinstance(s, (Split, Ragged)) or s.dim != d:
-                continue
-            if b in outer:
-                sbp[b], sizes[b] = Ragged(d), tuple(split_sizes(length, p.shape[b]))
-            length = sizes[b][coord[b]] if isinstance(sbp[b], Ragged) else split_sizes(length, p.shape[b])[coord[b]]
-    return Layout(p, tuple(sbp)), tuple(sizes)
+    cuts = _cuts(layout, shape, sizes)
+    return (Layout(layout.placement, tuple(Ragged(s.dim) if b in outer else s for b, s in enumerate(layout.sbp))),
+            tuple(cuts[b][1] if b in outer else n for b, n in enumerate(sizes)))
 
 
 def check_sizes(sizes: Any, layout: Layout, shape: Sequence[int] | None, arg: str = "sizes",
@@ -415,24 +429,6 @@ def _alone(layout: Layout, axis: int, dim: int) -> bool:
     return all(a == axis or not isinstance(s, (Split, Ragged)) or s.dim != dim for a, s in enumerate(layout.sbp))
 
 
-def _cuts(layout: Layout, shape: tuple, sizes: Sizes) -> tuple:
-    """Per mesh axis what it does, one form for one cut: (dim, this rank's group's sizes) for a split or
-    ragged axis (a balanced split's sizes spelled out, nested ones of the piece the axes before leave),
-    the SBP itself otherwise."""
-    p = layout.placement
-    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
-    left = list(shape)
-    out = []
-    for a, s in enumerate(layout.sbp):
-        if isinstance(s, (Split, Ragged)) and not isinstance(s, Zigzag):
-            n = tuple(sizes[a]) if isinstance(s, Ragged) else tuple(split_sizes(left[s.dim], p.shape[a]))
-            out.append((s.dim, n))
-            left[s.dim] = n[coord[a]]
-        else:
-            out.append(s)
-    return tuple(out)
-
-
 def _inner_swap(src: Layout, src_sizes: Sizes, dst: Layout, dst_sizes: Sizes, shape: tuple) -> Optional[int]:
     """The one mesh axis on which src and dst differ, where one side holds rows of d on it (the innermost
     of that side's ragged axes: nested runs stay runs of the same outer pieces) and the other a balanced
@@ -577,11 +573,13 @@ def _inside(layout: Layout) -> bool:
 def _nested(length: int, p: Placement, axes: Sequence[int], coord: Sequence[int]) -> list:
     """Per mesh axis the sizes of the group of `coord` on that axis when `axes` split `length` in turn (each
     cutting the piece the ones before it left, balanced); None on the other axes."""
-    out: list = [None] * p.ndim
-    for a in axes:
-        out[a] = tuple(split_sizes(length, p.shape[a]))
-        length = out[a][coord[a]]
-    return out
+    cuts = _cuts(_splitting(p, axes), (length,), None, coord)
+    return [cuts[a][1] if a in axes else None for a in range(p.ndim)]
+
+
+def _splitting(p: Placement, axes: Sequence[int]) -> Layout:
+    """The layout in which mesh `axes` split dim 0 (in mesh order, balanced) and the others broadcast."""
+    return Layout(p, tuple(Split(0) if a in axes else Broadcast() for a in range(p.ndim)))
 
 
 def _unit_sizes(length: int, unit: int, p: Placement, axes: Sequence[int]) -> Sizes:
@@ -605,8 +603,7 @@ def _members(p: Placement, axes: Sequence[int], coord: Sequence[int]) -> list:
 
 
 def _rows(length: int, p: Placement, axes: Sequence[int], coord: Sequence[int]) -> int:
-    n = _nested(length, p, axes, coord)
-    return n[axes[-1]][coord[axes[-1]]]
+    return _splitting(p, axes).local_shape((length,), p.rank_at(coord))[0]
 
 
 def _recut_units(local: torch.Tensor, p: Placement, axes: Sequence[int], d: int, length: int, unit: int,
