@@ -806,16 +806,17 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list) -> Any:
     key = _rule_key(func, args, kwargs)
     chosen = _BY_RULE.get(key, _NONE)
     if chosen is _NONE:
+        if len(_BY_RULE) >= 4096:   # bounded, as the dispatcher's programs are
+            _BY_RULE.clear()
         chosen = _BY_RULE[key] = _choose_passing(func, args, kwargs, tensors, p, axes, length)
     if chosen is None:
         return _NOT_TAKEN
-    rule, ctx, stand_ins, out_layouts, cuts = chosen
+    rule, ctx, stand_ins, out_layouts, cuts, dtypes = chosen
     unit = first._unit if all(t._auto for t in ragged) else None
-    outs_ragged = [lay is not None and any(isinstance(lay.sbp[a], Split) for a in axes) for lay in out_layouts]
-    if is_inplace(func) and not (isinstance(args[0], RaggedTensor) and outs_ragged[0]):
-        return _NOT_TAKEN
+    if is_inplace(func) and not (isinstance(args[0], RaggedTensor) and out_layouts[0] == stand_ins[0]):
+        return _NOT_TAKEN   # writes its target where it is, or not here
     if not _inside(first._layout):
-        result = [None if lay is None else first._local.new_empty((0,)) for lay in out_layouts]
+        result = [None if lay is None else first._local.new_empty((0,), dtype=dt) for lay, dt in zip(out_layouts, dtypes)]
         return _wrap_outputs(func, ctx, result, out_layouts, axes, sizes, unit, args)
     rank = context.current().rank
     coord = p.coord(rank)
@@ -917,7 +918,8 @@ def _choose_passing(func: Any, args: tuple, kwargs: dict, tensors: list, p: Plac
         partials = sum(lay is not None and lay.has_partial for lay in out_layouts)
         if (best is None or partials < best[0]) and _valid(ctx, rule, targets, out_layouts, p):
             cuts = tuple(tuple(cut_dims[a][k][i] for a, k in enumerate(pick)) for i in range(len(tensors)))
-            best = (partials, (rule, ctx, targets, out_layouts, cuts))
+            best = (partials, (rule, ctx, targets, out_layouts, cuts,
+                               tuple(None if o is None else o.dtype for o in outs)))
             if not partials:
                 break
     return None if best is None else best[1]
