@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from .layout import Layout
-from .ragged import RaggedTensor, convert, local_shape, make
+from .ragged import RaggedTensor, convert, local_shape, make, runs_sizes
 from .runtime import context
 from .sbp import Broadcast, Partial, Ragged, Split, split_range
 from .tensor import GlobalTensor, grad_layout
@@ -136,9 +136,11 @@ def _token_side(xs: GlobalTensor, counts: Any, experts: Any,
 def _ragged_groups(xs: RaggedTensor, axis: int) -> bool:
     """Whether a ragged token side is taken as it is: its groups (dim 0) cut on the expert axis, the
     innermost of the axes that cut them (the expert axis' peers then share one piece of the outer cuts,
-    whose sizes this rank knows), every other axis Broadcast."""
+    whose sizes this rank knows) or anywhere where they are a reshape's runs (every rank's sizes follow
+    from the unit), every other axis Broadcast."""
     cut = [a for a, s in enumerate(xs.sbp) if isinstance(s, (Split, Ragged))]
-    return axis in cut and axis == max(cut) and all(xs.sbp[a] == Ragged(0) for a in cut) and \
+    runs = xs._unit is not None and runs_sizes(xs._layout, xs.shape, xs._unit) == xs._sizes
+    return axis in cut and (axis == max(cut) or runs) and all(xs.sbp[a] == Ragged(0) for a in cut) and \
         all(isinstance(s, Broadcast) for a, s in enumerate(xs.sbp) if a not in cut)
 
 
@@ -180,7 +182,8 @@ def _global_routing(xs: GlobalTensor, counts: GlobalTensor, experts: GlobalTenso
     if bool((mine.sum(1) != rows).any()):
         raise ValueError(f"by_expert(counts): every group's counts must add up to its {rows} rows")
     shapes = [counts._layout.local_shape(counts.shape, q) if token_sizes is None else
-              local_shape(counts._layout, counts.shape, token_sizes, q) for q in peers]
+              local_shape(counts._layout, counts.shape, token_sizes if token_unit is None else
+                          runs_sizes(xs._layout, xs.shape, token_unit, q), q) for q in peers]
     pieces = comm.all_gather(mine, peers, shapes)                 # the count exchange
     per_peer = torch.stack([c.sum(0) for c in pieces]).tolist()  # [n][E]: each member's rows per expert
     starts = [split_range(n_expert, n, j) for j in range(n)]      # each member's experts: (first, how many)

@@ -34,8 +34,8 @@ from .ops import dispatch
 from .ops.scope import enter_named_here
 from .placement import Placement
 from .runtime import context, fiber
-from .ragged import RaggedTensor, convert as convert_ragged
-from .sbp import SBP_TYPES, Broadcast, Partial, Ragged, Split
+from .ragged import boundary_cut, convert as convert_ragged
+from .sbp import SBP_TYPES, Broadcast, Partial, Ragged
 from .tensor import GlobalTensor, _wrap, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
 
@@ -101,21 +101,6 @@ def _hint(spec: Any, ndim: int, arg: str, ragged: bool = False) -> Optional[tupl
     return normalize_sbp(spec, ndim, arg)
 
 
-def _runs_kept(have: tuple, sbp: tuple, hint: Optional[tuple]) -> bool:
-    """Whether a ragged target keeps one cut: no split of a dim after a ragged axis of it, and each ragged axis
-    kept from the tensor (not named by the hint) inside the same outer cuts of its dim as before."""
-    for a, s in enumerate(sbp):
-        if not isinstance(s, Ragged):
-            continue
-        if any(isinstance(t, Split) and t.dim == s.dim for t in sbp[a + 1:]):
-            return False
-        named = hint is not None and hint[a] is not None
-        if not named and any(isinstance(t, (Split, Ragged)) and t.dim == s.dim and sbp[b] != have[b]
-                             for b, t in enumerate(have[:a])):
-            return False
-    return True
-
-
 @dataclass(frozen=True)
 class _Boundary:
     """One tensor's conversion at a module boundary (checked hints, None entries still open)."""
@@ -130,19 +115,10 @@ class _Boundary:
             raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
                             "convert the model's inputs with gt.to_global first")
         sbp = x.sbp if self.sbp is None else tuple(o if h is None else h for h, o in zip(self.sbp, x.sbp))
-        sizes, unit = getattr(x, "sizes", None) or (None,) * len(sbp), getattr(x, "_unit", None)
-        if self.sbp is not None and any(isinstance(s, Ragged) for s in self.sbp):
-            sbp, sizes, unit = self._as_arrived(sbp, arrived, x)
-        sizes = tuple(n if isinstance(s, Ragged) else None for s, n in zip(sbp, sizes))
-        sizes = sizes if any(n is not None for n in sizes) else None
-        if sizes is not None and not _runs_kept(x.sbp, sbp, self.sbp):
-            # a ragged axis nested in a cut that changes (the expert axis first on EP x DP), or a balanced split
-            # nested in a ragged one: not one cut the sizes describe; the balanced splits instead (rows move)
-            if isinstance(x, RaggedTensor):
-                x = x.to_global(x.placement, tuple(Split(s.dim) if isinstance(s, Ragged) else s for s in x.sbp))
-            hinted = tuple(o if h is None else Split(h.dim) if isinstance(h, Ragged) else h
-                           for h, o in zip(self.sbp, x.sbp))
-            sbp, sizes = hinted, None
+        try:
+            x, sbp, sizes, unit = boundary_cut(x, sbp, self.sbp, arrived)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{self.where}: {e}") from None
         grad = None
         if self.grad is not None:
             dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
@@ -156,22 +132,6 @@ class _Boundary:
             return x.to_global(x.placement, sbp, grad)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{self.where}: {e}") from None
-
-    def _as_arrived(self, sbp: tuple, arrived: Any, x: GlobalTensor) -> tuple:
-        """(sbp, sizes, unit) with the hint's ragged entries resolved; x's own ragged axes keep x's sizes."""
-        have, have_sizes, unit = arrived if arrived is not None else ((None,) * len(sbp), None, None)
-        out, sizes = list(sbp), list(getattr(x, "sizes", None) or (None,) * len(sbp))
-        for a, s in enumerate(sbp):
-            if not isinstance(self.sbp[a], Ragged):
-                continue
-            if isinstance(have[a], Ragged) and have_sizes is not None:
-                sizes[a] = have_sizes[a]
-            elif isinstance(have[a], Split):
-                out[a] = Split(s.dim)
-            else:
-                raise ValueError(f"{self.where}: {s!r} on mesh axis {a} takes the cut the module's input arrived in "
-                                 f"there, but it arrived {have[a]!r} (not split)")
-        return tuple(out), tuple(sizes), unit
 
     # the hooks are bound methods, not closures, so that a converted module pickles (torch.save(model))
     def before(self, module: torch.nn.Module, args: tuple) -> tuple:

@@ -17,6 +17,7 @@ keeps every conversion a re-cut of contiguous ranges over one axis group (`boxin
 from __future__ import annotations
 
 import itertools
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -25,8 +26,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .boxing import convert_local
+from .boxing.boxes import intersect, numel, relative
 from .boxing import ragged as _recut
-from .layout import Layout, normalize_sbp
+from .layout import Layout, normalize_sbp, slice_box
 from .ops import view as _view
 from .ops.decide import _valid, axis_candidates, flatten_out, map_tensors
 from .ops.errors import data_dependent
@@ -301,13 +303,13 @@ def _take_ragged(t: torch.Tensor, layout: Layout, sizes: Sizes) -> torch.Tensor:
 def convert(x: GlobalTensor, dst: Layout, sizes: Any, unit: Optional[int] = None) -> GlobalTensor:
     """x in layout `dst` (with `sizes` for its ragged axes); differentiable, the backward the reverse.
     `unit`: the sizes are a reshape's runs (`RaggedTensor._unit`, taken from the tensor they came from)."""
-    out = _convert(x, dst, sizes, nested=unit is not None)
+    out = _convert(x, dst, sizes, nested=unit is not None, unit=unit)
     if unit is not None and isinstance(out, RaggedTensor) and out is not x:
         out._unit = unit
     return out
 
 
-def _convert(x: GlobalTensor, dst: Layout, sizes: Any, nested: bool = False) -> GlobalTensor:
+def _convert(x: GlobalTensor, dst: Layout, sizes: Any, nested: bool = False, unit: Optional[int] = None) -> GlobalTensor:
     if dst.ragged_axes:
         sizes = check_sizes(sizes, dst, x.shape, "to_global(sizes)", nested)
     elif sizes is not None:
@@ -315,11 +317,11 @@ def _convert(x: GlobalTensor, dst: Layout, sizes: Any, nested: bool = False) -> 
     if dst == x._layout and sizes == getattr(x, "_sizes", None):
         return x
     if x.requires_grad and torch.is_grad_enabled():
-        return _Convert.apply(x, dst, sizes)
-    return _convert_now(x, dst, sizes)
+        return _Convert.apply(x, dst, sizes, unit)
+    return _convert_now(x, dst, sizes, unit)
 
 
-def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
+def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: Optional[int] = None) -> GlobalTensor:
     """Axis by axis: the ragged axes re-cut, gathered or sliced; everything else boxed as usual.
 
     First every ragged axis of x that dst does not keep as it is becomes dst's (ragged -> ragged,
@@ -337,6 +339,9 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
             dst_sizes = sizes[a] if isinstance(t, Ragged) else split_sizes(shape[t.dim], p.shape[a])
             local = _recut.swap(local, s.dim, src_sizes, t.dim, dst_sizes, p.group(comm.rank, a), comm)
         return make(local, dst, shape, sizes if dst.ragged_axes else None)
+    if unit is not None and (len(x._layout.ragged_axes) > 1 or len(dst.ragged_axes) > 1) and _runs_of(x, unit) \
+            and _runs_of_layout(dst, sizes, tuple(x.shape), unit):
+        return _exchange_runs(x, dst, sizes, unit)   # nested runs re-cut on several axes at once
     if isinstance(x, RaggedTensor) and x._auto and len(x._layout.ragged_axes) > 1:  # a reshape's nested runs
         x = _balance(x)
     comm = context.current()
@@ -404,6 +409,61 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:
                 tuple(have) if now.ragged_axes else None)
 
 
+def boundary_cut(x: GlobalTensor, sbp: tuple, hint: Optional[tuple], arrived: Any) -> tuple:
+    """A module boundary's target (`globaltensor/module.py`): (x, sbp, sizes, unit) for the layout `sbp` (the
+    hint over x's own, its None entries kept). A `gt.ragged(d)` entry of the hint takes the cut the module's
+    input `arrived` in ((sbp, sizes, unit): its sizes where it was ragged, a balanced split where it was
+    split); x's own ragged axes keep x's sizes. Where a kept ragged axis would sit in an outer cut that
+    changes (the expert axis first on EP x DP), a reshape's runs take the sizes their unit gives that layout;
+    anything else takes the balanced splits (x balanced first: rows move). sizes None: not ragged."""
+    sizes = list(getattr(x, "sizes", None) or (None,) * len(sbp))
+    unit = getattr(x, "_unit", None)
+    if hint is not None and any(isinstance(h, Ragged) for h in hint):
+        have, have_sizes, unit = arrived if arrived is not None else ((None,) * len(sbp), None, None)
+        sbp = list(sbp)
+        for a, h in enumerate(hint):
+            if not isinstance(h, Ragged):
+                continue
+            if isinstance(have[a], Ragged) and have_sizes is not None:
+                sizes[a] = have_sizes[a]
+            elif isinstance(have[a], Split):
+                sbp[a] = Split(h.dim)
+            else:
+                raise ValueError(f"{h!r} on mesh axis {a} takes the cut the module's input arrived in there, but it "
+                                 f"arrived {have[a]!r} (not split)")
+        sbp = tuple(sbp)
+    sizes = tuple(n if isinstance(s, Ragged) else None for s, n in zip(sbp, sizes))
+    if not any(n is not None for n in sizes):
+        return x, sbp, None, None
+    if _one_cut(x.sbp, sbp, hint):
+        return x, sbp, sizes, unit
+    runs = unit if unit is not None else arrived[2] if arrived is not None else None
+    cut = {t.dim for t in sbp if isinstance(t, Ragged)}
+    as_runs = tuple(Ragged(t.dim) if type(t) is Split and t.dim in cut else t for t in sbp)
+    again = None if runs is None else runs_sizes(Layout(x.placement, as_runs), x.shape, runs)
+    if again is not None:
+        return x, as_runs, again, runs
+    if isinstance(x, RaggedTensor):
+        x = x.to_global(x.placement, _balanced_sbp(x._layout))
+    return x, tuple(o if h is None else Split(h.dim) if isinstance(h, Ragged) else h
+                    for h, o in zip(hint or (None,) * len(sbp), x.sbp)), None, None
+
+
+def _one_cut(have: tuple, sbp: tuple, hint: Optional[tuple]) -> bool:
+    """Whether a ragged target keeps one cut its sizes describe: no split of a dim after a ragged axis of it,
+    and each ragged axis kept from the tensor (not named by the hint) inside the same outer cuts as before."""
+    for a, s in enumerate(sbp):
+        if not isinstance(s, Ragged):
+            continue
+        if any(isinstance(t, Split) and t.dim == s.dim for t in sbp[a + 1:]):
+            return False
+        named = hint is not None and hint[a] is not None
+        if not named and any(sbp[b] != have[b] and any(isinstance(t, (Split, Ragged)) and t.dim == s.dim
+                                                       for t in (sbp[b], have[b])) for b in range(a)):
+            return False
+    return True
+
+
 def _boxes_beside(now: Layout, dst: Layout) -> bool:
     """Ragged axes that stay as they are, and other axes whose change cuts no ragged dim (a tensor-parallel
     Partial of ragged rows reduced over the tensor axis): ordinary boxing of the shards, with the ragged
@@ -461,22 +521,24 @@ class _Convert(torch.autograd.Function):
     """The gradient goes back the reverse way: into the source's (dual) layout and sizes."""
 
     @staticmethod
-    def forward(ctx, x: GlobalTensor, dst: Layout, sizes: Sizes) -> GlobalTensor:  # type: ignore[override]
+    def forward(ctx, x: GlobalTensor, dst: Layout, sizes: Sizes, unit: Optional[int] = None) -> GlobalTensor:  # type: ignore[override]
         ctx.src, ctx.sizes = grad_layout(x._layout), getattr(x, "_sizes", None)
         ctx.unit = getattr(x, "_unit", None)
-        return _convert_now(x, dst, sizes)
+        return _convert_now(x, dst, sizes, unit)
 
     @staticmethod
     def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
+        unit = ctx.unit if ctx.unit is not None else getattr(grad, "_unit", None)   # the runs either side is cut in
         if ctx.unit is not None and len(ctx.src.ragged_axes) > 1 and \
-                _inner_swap(grad._layout, getattr(grad, "_sizes", None), ctx.src, ctx.sizes, tuple(grad.shape)) is None:
+                _inner_swap(grad._layout, getattr(grad, "_sizes", None), ctx.src, ctx.sizes, tuple(grad.shape)) is None \
+                and not _runs_of(grad, ctx.unit):
             # a reshape's nested runs: by way of the balanced split
             balanced = _convert_now(grad, Layout(ctx.src.placement, _balanced_sbp(ctx.src)), None)
-            return _unbalance(balanced, ctx.src, ctx.unit), None, None
-        out = _convert_now(grad, ctx.src, ctx.sizes)
+            return _unbalance(balanced, ctx.src, ctx.unit), None, None, None
+        out = _convert_now(grad, ctx.src, ctx.sizes, unit)
         if ctx.unit is not None and isinstance(out, RaggedTensor):
             out._unit = ctx.unit   # still a reshape's runs: ops that do not keep them balance them
-        return out, None, None
+        return out, None, None, None
 
 
 class _FromLocal(torch.autograd.Function):
@@ -582,8 +644,9 @@ def _splitting(p: Placement, axes: Sequence[int]) -> Layout:
     return Layout(p, tuple(Split(0) if a in axes else Broadcast() for a in range(p.ndim)))
 
 
-def _unit_sizes(length: int, unit: int, p: Placement, axes: Sequence[int]) -> Sizes:
-    coord = p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
+def _unit_sizes(length: int, unit: int, p: Placement, axes: Sequence[int], coord: Optional[Sequence[int]] = None) -> Sizes:
+    """`_nested` in units of `unit` rows: the sizes of a reshape's runs (this rank's view by default)."""
+    coord = coord or p.coord(context.current().rank) or p.coord(p.flat_ranks[0])
     return tuple(None if n is None else tuple(k * unit for k in n) for n in _nested(length, p, axes, coord))
 
 
@@ -616,6 +679,86 @@ def _recut_units(local: torch.Tensor, p: Placement, axes: Sequence[int], d: int,
     rows = [_rows(length * unit, p, axes, c) for c in members]
     src, dst = (rows, units) if to_units else (units, rows)
     return _recut.recut(local, d, src, dst, [p.rank_at(c) for c in members], comm)
+
+
+def runs_sizes(layout: Layout, shape: Sequence[int], unit: int, rank: Optional[int] = None) -> Optional[Sizes]:
+    """The sizes of a reshape's runs in units of `unit` rows under `layout` (its ragged axes on one dim, in
+    turn, as `uneven_merge` makes them), as `rank` (this rank by default) sees them; None where that is not
+    such a layout."""
+    dims = {layout.sbp[a].dim for a in layout.ragged_axes}
+    if len(dims) != 1 or shape[next(iter(dims))] % unit or layout.has_partial:
+        return None
+    (d,) = dims
+    if any(type(s) is Split and s.dim == d for s in layout.sbp):
+        return None
+    coord = None if rank is None else layout.placement.coord(rank)
+    return _unit_sizes(shape[d] // unit, unit, layout.placement, layout.ragged_axes, coord)
+
+
+def _runs_of_layout(layout: Layout, sizes: Sizes, shape: tuple, unit: int) -> bool:
+    return not layout.ragged_axes and not layout.has_partial or runs_sizes(layout, shape, unit) == sizes
+
+
+def _runs_of(x: GlobalTensor, unit: int) -> bool:
+    """Whether x is balanced (no Partial) or a reshape's runs in units of `unit`: every rank's block is known."""
+    if isinstance(x, RaggedTensor):
+        return x._unit == unit and _runs_of_layout(x._layout, x._sizes, tuple(x.shape), unit)
+    return not x._layout.has_partial
+
+
+def _box_at(layout: Layout, shape: tuple, unit: int, rank: int) -> Optional[tuple]:
+    """The block `rank` holds of a tensor balanced or cut in runs of `unit` rows (`runs_sizes`)."""
+    p = layout.placement
+    coord = p.coord(rank)
+    if coord is None:
+        return None
+    box = list(_balanced(layout).shard(shape, rank))
+    if layout.ragged_axes:
+        d = layout.sbp[layout.ragged_axes[0]].dim
+        sizes = _unit_sizes(shape[d] // unit, unit, p, layout.ragged_axes, coord)
+        for a in layout.ragged_axes:
+            start, _ = box[d]
+            box[d] = (start + sum(sizes[a][:coord[a]]), sizes[a][coord[a]])
+    return tuple(box)
+
+
+def _exchange_runs(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: int) -> GlobalTensor:
+    """x (balanced, or a reshape's runs) in `dst` (the same unit's runs, or balanced), where several mesh axes
+    change at once (the expert axis first on EP x DP: nested runs -> experts split and the runs re-cut over
+    the other axis): every rank's block on both sides follows from the structure, so each receives exactly
+    what its target block holds and its source block does not, point to point, from the rank that holds it
+    alike on the source's Broadcast axes."""
+    comm = context.current()
+    p, shape, rank = x.placement, tuple(x.shape), comm.rank
+    src, out = x._layout, dst
+    if p.coord(rank) is None:
+        return make(x._local, dst, shape, sizes if dst.ragged_axes else None)
+    whole = [a for a, s in enumerate(src.sbp) if isinstance(s, Broadcast)]
+
+    def alike(q: int) -> bool:
+        return all(p.coord(q)[a] == p.coord(rank)[a] for a in whole)
+    mine, want = _box_at(src, shape, unit, rank), _box_at(out, shape, unit, rank)
+    sends, recvs, pieces = {}, {}, []
+    for q in p.flat_ranks:
+        if q == rank:
+            continue
+        if alike(q):
+            give = intersect(mine, _box_at(out, shape, unit, q))
+            if numel(give):
+                sends[q] = slice_box(x._local, relative(give, mine)).contiguous()
+            take = intersect(_box_at(src, shape, unit, q), want)
+            if numel(take):
+                recvs[q] = (tuple(n for _, n in take), x._local.dtype)
+                pieces.append((q, take))
+    local = x._local.new_empty(tuple(n for _, n in want))
+    own = intersect(mine, want)
+    if numel(own):
+        slice_box(local, relative(own, want)).copy_(slice_box(x._local, relative(own, mine)))
+    key = zlib.crc32(repr((src, dst, shape, "runs")).encode()) or 1
+    got = comm.exchange(sends, recvs, None, x._local.device, key)
+    for q, box in pieces:
+        slice_box(local, relative(box, want)).copy_(got[q])
+    return make(local, dst, shape, sizes if dst.ragged_axes else None)
 
 
 def _balance(x: "RaggedTensor") -> GlobalTensor:
@@ -1129,7 +1272,8 @@ def _sum(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
     return make(local, layout, shape, tuple(sizes) if layout.ragged_axes else None, unit=x._unit)
 
 
-__all__ = ["RaggedTensor", "convert", "from_local", "distribute", "make", "check_sizes", "local_shape"]
+__all__ = ["RaggedTensor", "convert", "from_local", "distribute", "make", "check_sizes", "local_shape",
+           "boundary_cut", "runs_sizes"]
 
 
 _view.RAGGED_VIEW["run"] = merged_view
