@@ -335,10 +335,11 @@ class _StageForward:
         self.seen: dict = {}      # call key -> (output layout, shape, dtype, requires grad, gradient layouts)
         self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
         self.plain: Optional[bool] = None  # whether it runs on plain tensors (see `_runs_plain`)
-        self.leaves: Optional[dict] = None  # in a step, inside: parameter -> its plain leaf for the step
-        self.owed: Optional[dict] = None    # in a step, outside: parameter -> the layout its gradient takes
+        self.leaves: Optional[dict] = None  # in a step, inside: id(parameter) -> (it, its plain leaf for the step)
+        self.owed: Optional[dict] = None    # in a step, outside: id(parameter) -> (it, the layout its gradient takes)
         self._tables: Optional[list] = None  # (its modules' _parameters, _buffers) dicts: walked once, read each call
-        self._empties: dict = {}  # outside: parameter -> the empty gradient it takes at each step's end
+        self._empties: dict = {}  # outside: id(parameter) -> (it, the empty gradient it takes at each step's end)
+        self._whole = Layout(placement, (Broadcast(),) * placement.ndim)  # a plain stage's outputs
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -350,7 +351,7 @@ class _StageForward:
         if not flush or leaves is None:
             return
         with torch.no_grad():
-            for p, leaf in leaves.items():
+            for p, leaf in leaves.values():
                 g = leaf.grad
                 if g is not None:
                     lay = p._layout
@@ -359,15 +360,15 @@ class _StageForward:
                     else:
                         _accumulate(p, GlobalTensor(g, grad_layout(lay), tuple(p.shape)))
             empties = self._empties
-            for p, (lay, shape, dtype) in owed.items():
+            for p, (lay, shape, dtype) in owed.values():
                 if p.grad is not None:
                     _accumulate(p, None)
                     continue
                 # an empty shard holds nothing to change: the one made for the parameter serves every step
-                empty = empties.get(p)
-                if empty is None or empty._layout is not lay or empty.dtype is not dtype:
-                    empty = empties[p] = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay,
-                                                      shape)
+                had, empty = empties.get(id(p), (None, None))
+                if had is not p or empty._layout is not lay or empty.dtype is not dtype:
+                    empty = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay, shape)
+                    empties[id(p)] = (p, empty)
                 _accumulate(p, empty)
 
     def tables(self) -> list:
@@ -380,13 +381,10 @@ class _StageForward:
     def parameters(self) -> list:
         """`module.parameters()` (each once) from the cached dicts: a stage called per micro-batch on the
         ranks outside it asks twice per call."""
-        seen: set = set()
-        out = []
-        for params, _ in self.tables():
-            for t in params.values():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(t)
+        out = [t for params, _ in self.tables() for t in params.values() if t is not None]
+        if len({id(t) for t in out}) < len(out):  # a weight tied inside the module: once
+            seen: set = set()
+            out = [t for t in out if not (id(t) in seen or seen.add(id(t)))]
         return out
 
     def _runs_plain(self) -> bool:
@@ -438,7 +436,7 @@ class _StageForward:
         forward = type(self.module).forward
         if inside:
             if self._runs_plain():
-                return _plain_forward(self.module, forward, self.placement, args, kwargs, self.leaves, self.tables())
+                return _plain_forward(self.module, forward, self._whole, args, kwargs, self.leaves, self.tables())
             return forward(self.module, *args, **kwargs)
         ins = _tensors((args, kwargs))
         params = self.parameters()
@@ -457,11 +455,13 @@ class _StageForward:
         if meta[3] and targets and torch.is_grad_enabled():
             if self.owed is not None:  # the parameters' (empty) gradients come once, at the step's end
                 n_in = len(targets) - sum(1 for q in params if q.requires_grad)
-                wired = [i for i, t in enumerate(targets) if i < n_in or not t.is_leaf or meta[4][i] is None]
+                grads, owed, wired = meta[4], self.owed, []
                 for i, t in enumerate(targets):
-                    if i not in wired:
-                        self.owed[t] = meta[4][i]
-                meta = meta[:4] + (tuple(meta[4][i] for i in wired),)
+                    if i < n_in or not t.is_leaf or grads[i] is None:
+                        wired.append(i)
+                    else:
+                        owed[id(t)] = (t, grads[i])
+                meta = meta[:4] + (tuple(grads[i] for i in wired),)
                 targets = [targets[i] for i in wired]
             if targets:
                 return _Elsewhere.apply(meta, *targets)
@@ -477,33 +477,39 @@ class _StageForward:
         self.watching.clear()
 
 
-def _plain_forward(module: torch.nn.Module, forward: Any, placement: Placement, args: tuple, kwargs: dict,
+def _plain_forward(module: torch.nn.Module, forward: Any, layout: Layout, args: tuple, kwargs: dict,
                    leaves: Optional[dict] = None, tables: Optional[list] = None) -> Any:
     """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their
     local tensors while it runs (connected to them by autograd, or, given `leaves`, the step's plain
-    leaf per parameter, whose gradient the step hands on once), outputs wrapped back (Broadcast)."""
+    leaf per parameter, whose gradient the step hands on once), outputs wrapped back in `layout`."""
     swapped = []
     grad = torch.is_grad_enabled()
     for params, buffers in tables if tables is not None else [(m._parameters, m._buffers) for m in module.modules()]:
-        for table in (params, buffers):
-            for name, t in table.items():
-                if isinstance(t, GlobalTensor):
-                    swapped.append((table, name, t))
-                    if not (grad and t.requires_grad):
-                        table[name] = t._local
-                    elif leaves is None or table is not params or not t.is_leaf:
-                        table[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
-                    else:
-                        leaf = leaves.get(t)
-                        if leaf is None:
-                            leaf = leaves[t] = t._local.detach().requires_grad_()
-                        table[name] = leaf
+        for name, t in params.items():
+            if isinstance(t, GlobalTensor):
+                swapped.append((params, name, t))
+                if not (grad and t.requires_grad):
+                    params[name] = t._local
+                elif leaves is None or not t.is_leaf:
+                    params[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
+                else:
+                    entry = leaves.get(id(t))  # by id: a tensor's __hash__ is a Python call
+                    if entry is None:
+                        entry = leaves[id(t)] = (t, t._local.detach().requires_grad_())
+                    params[name] = entry[1]
+        for name, t in buffers.items():
+            if isinstance(t, GlobalTensor):
+                swapped.append((buffers, name, t))
+                buffers[name] = t.to_local() if grad and t.requires_grad else t._local
     try:
-        out = forward(module, *_as_local((args,), grad)[0], **_as_local(kwargs, grad))
+        if kwargs:
+            out = forward(module, *_as_local(args, grad), **_as_local(kwargs, grad))
+        else:
+            out = forward(module, *_as_local(args, grad))
     finally:
         for table, name, t in swapped:
             table[name] = t
-    return _as_global(out, Layout(placement, (Broadcast(),) * placement.ndim))
+    return _as_global(out, layout)
 
 
 def _accumulate(p: torch.Tensor, grad: Optional[GlobalTensor]) -> None:
@@ -609,18 +615,20 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
     """`obj`'s tensors sent to `placement`; with `side` (a pipeline fiber's crossing), marked so that
     the backward tells the fiber where the gradient crosses back (the receiving side sends it)."""
     if isinstance(obj, GlobalTensor):
-        if obj.placement == placement:
+        here = obj._layout.placement
+        if here is placement or here == placement:
             return obj
-        sbp = obj.sbp if obj.placement.shape == placement.shape else (Broadcast(),) * placement.ndim
+        sbp = obj.sbp if here.shape == placement.shape else (Broadcast(),) * placement.ndim
         moved = obj.to_global(placement, sbp)
         if side is not None and moved.requires_grad:
             # the gradient crosses back here: the sending side receives it (entering), the other leaves
             return _OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
         return moved
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_moved(o, placement, side) for o in obj)
+    if isinstance(obj, (tuple, list)):  # the same container where nothing moved
+        moved = [_moved(o, placement, side) for o in obj]
+        return obj if all(m is o for m, o in zip(moved, obj)) else type(obj)(moved)
     if isinstance(obj, dict):
-        return {k: _moved(v, placement, side) for k, v in obj.items()}
+        return {k: _moved(v, placement, side) for k, v in obj.items()} if obj else obj
     return obj
 
 

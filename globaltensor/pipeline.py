@@ -31,7 +31,7 @@ from .runtime import context
 from .sbp import Broadcast, Partial, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
-from .tensor import GlobalTensor, _wrap, distribute
+from .tensor import GlobalTensor, _wrap, distribute, grad_layout
 from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -249,7 +249,8 @@ class Pipeline:
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                     comm.p2p_tag = 2 * i + (act == "B")
                     comm.p2p_label = f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
-                    run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else losses[i].backward
+                    run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else \
+                        partial(losses[i].backward, _seed(losses[i]))
                     done, result = self._chunk(fibers, act, i, c, run)
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
@@ -329,6 +330,15 @@ class _Loss(torch.nn.Module):
 def _value(t: GlobalTensor) -> GlobalTensor:
     """t's value, out of autograd (`detach()` without a dispatch: the same shard, layout and key)."""
     return _wrap(type(t), t._local.detach(), t._layout, t._key.shape, t._key)
+
+
+def _seed(loss: GlobalTensor) -> GlobalTensor:
+    """The gradient a scalar loss's backward starts from, `backward()`'s ones, made on its shard (Broadcast
+    where the loss is Partial: the gradient's layout) rather than by a dispatched `ones_like`."""
+    lay = loss._layout
+    if lay.has_partial:
+        return GlobalTensor(torch.ones_like(loss._local), grad_layout(lay), tuple(loss.shape))
+    return _wrap(type(loss), torch.ones_like(loss._local), lay, loss._key.shape, loss._key)
 
 
 def _summed(losses: list) -> GlobalTensor:
