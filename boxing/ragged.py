@@ -51,18 +51,24 @@ def recut(local: torch.Tensor, dim: int, src: Sequence[int], dst: Sequence[int],
     return out.movedim(0, dim).contiguous() if dim else out
 
 
+def moves(src: Sequence[int], dst: Sequence[int]) -> bool:
+    """Whether `swap` between these sizes changes any rows' hands in the group."""
+    return any(src[i] and dst[j] for i in range(len(src)) for j in range(len(dst)) if i != j)
+
+
 def swap(local: torch.Tensor, src_dim: int, src: Sequence[int], dst_dim: int, dst: Sequence[int],
-         group: Sequence[int], comm: Any) -> torch.Tensor:
+         group: Sequence[int], comm: Any, run: bool | None = None) -> torch.Tensor:
     """This member's block re-cut from sizes `src` along `src_dim` (`dst_dim` whole) to sizes `dst` along
     `dst_dim` (`src_dim` whole): one all-to-all in which member i sends member j its rows of src_dim
     within j's range of dst_dim, so every member receives what its target block holds and its source
-    block does not (a ragged dim to a split of another and back: MoE's dispatch and combine)."""
+    block does not (a ragged dim to a split of another and back: MoE's dispatch and combine). `run`:
+    whether to run the collective (default: where anything changes hands in this group)."""
     me = group.index(comm.rank)
     off = [0]
     for n in dst:
         off.append(off[-1] + n)
-    if not any(src[i] and dst[j] for i in range(len(group)) for j in range(len(group)) if i != j):
-        return local.narrow(dst_dim, off[me], dst[me])   # nothing changes hands anywhere: no collective
+    if not (moves(src, dst) if run is None else run):
+        return local.narrow(dst_dim, off[me], dst[me])   # nothing changes hands: no collective
     pieces = [local.narrow(dst_dim, off[j], dst[j]) for j in range(len(group))]
     shapes = [tuple(src[i] if d == src_dim else dst[me] if d == dst_dim else n for d, n in enumerate(local.shape))
               for i in range(len(group))]
@@ -80,4 +86,4 @@ def take(full: torch.Tensor, dim: int, sizes: Sequence[int], index: int) -> torc
     return full.narrow(dim, sum(sizes[:index]), sizes[index])
 
 
-__all__ = ["overlaps", "recut", "swap", "gather", "take"]
+__all__ = ["overlaps", "recut", "moves", "swap", "gather", "take"]

@@ -8,11 +8,16 @@ one, and they run here, not in the dispatcher, whose decisions assume balanced s
 - pointwise ops (sizes pass through; a Broadcast operand is sliced to the rows each rank holds),
   `*_like` factories, unsqueeze/expand (a sum's backward), sums (over the ragged dim: Partial),
   conversions (`to_global`), and the grouped ops of `globaltensor/grouped.py`;
-- every other op refuses a ragged input naming the op and the input: a rule written for balanced
-  shards would compute wrong values silently.
+- generally, every op whose rule lets a split of the ragged dim pass through (it works along other
+  dims: softmax, topk, one_hot, cumsum and argsort along others, bmm over it as the batch):
+  `_by_rule`, on the shards, no data moved;
+- every other op refuses a ragged input naming the op and the input (or, a reshape's runs, gets
+  them balanced): a rule written for balanced shards would compute wrong values silently.
 
-A ragged tensor cuts its dim over exactly one mesh axis (no other axis splits that dim), which
-keeps every conversion a re-cut of contiguous ranges over one axis group (`boxing/ragged.py`).
+A user's ragged tensor cuts its dim over exactly one mesh axis (no other axis splits that dim),
+which keeps every conversion a re-cut of contiguous ranges over one axis group (`boxing/ragged.py`).
+A reshape's runs (`_unit`) may nest over several axes; their sizes follow from the unit on every
+rank, so conversions that change several axes at once exchange blocks point to point.
 """
 from __future__ import annotations
 
@@ -335,9 +340,15 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: Optional[int]
         s, t = x._layout.sbp[a], dst.sbp[a]
         local = x._local
         if p.coord(comm.rank) is not None:
-            src_sizes = x._sizes[a] if isinstance(s, Ragged) else split_sizes(shape[s.dim], p.shape[a])
-            dst_sizes = sizes[a] if isinstance(t, Ragged) else split_sizes(shape[t.dim], p.shape[a])
-            local = _recut.swap(local, s.dim, src_sizes, t.dim, dst_sizes, p.group(comm.rank, a), comm)
+            run = unit if unit is not None else getattr(x, "_unit", None)
+
+            def cuts(q: int) -> tuple:   # (source, target) sizes on axis a of rank q's group
+                return (_axis_sizes(x._layout, shape, getattr(x, "_sizes", None), run, q, a),
+                        _axis_sizes(dst, shape, sizes, run, q, a))
+            # as the planner does for balanced splits: no collective where nothing changes hands on any rank
+            moves = any(_recut.moves(*cuts(q)) for q in p.flat_ranks if p.coord(q)[a] == 0)
+            local = _recut.swap(local, s.dim, *cuts(comm.rank)[:1], t.dim, cuts(comm.rank)[1],
+                                p.group(comm.rank, a), comm, moves)
         return make(local, dst, shape, sizes if dst.ragged_axes else None)
     if unit is not None and (len(x._layout.ragged_axes) > 1 or len(dst.ragged_axes) > 1) and _runs_of(x, unit) \
             and _runs_of_layout(dst, sizes, tuple(x.shape), unit):
@@ -487,6 +498,17 @@ def _entry(src: Any, want: Any, layout: Layout, dst: Layout, axis: int) -> Any:
 def _alone(layout: Layout, axis: int, dim: int) -> bool:
     """Whether mesh `axis` is the only one of `layout` that cuts `dim`."""
     return all(a == axis or not isinstance(s, (Split, Ragged)) or s.dim != dim for a, s in enumerate(layout.sbp))
+
+
+def _axis_sizes(layout: Layout, shape: tuple, sizes: Sizes, unit: Optional[int], rank: int, axis: int) -> tuple:
+    """The sizes `axis` cuts its dim in for `rank`'s group: a balanced split's (the axis alone on its dim), a
+    reshape's runs' from their unit (nested runs differ between groups), else the tensor's own."""
+    s = layout.sbp[axis]
+    if type(s) is Split:
+        return tuple(split_sizes(shape[s.dim], layout.placement.shape[axis]))
+    if unit is not None and runs_sizes(layout, shape, unit) == sizes:
+        return runs_sizes(layout, shape, unit, rank)[axis]
+    return sizes[axis]
 
 
 def _inner_swap(src: Layout, src_sizes: Sizes, dst: Layout, dst_sizes: Sizes, shape: tuple) -> Optional[int]:

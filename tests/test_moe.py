@@ -257,6 +257,7 @@ SKEWS = [False, "equal", "hot"]
        mesh=st.sampled_from(MESHES), per_rank=st.integers(1, 2), short=st.sampled_from([0, 0, 1, 2, 3]),
        group=st.sampled_from([None, 4]), skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
 @example(k=1, factor=0.5, experts=1, mesh=((2, 2), 1), per_rank=1, short=2, group=4, skew=False, seed=0)  # dev: 0-byte all-to-alls
+@example(k=1, factor=0.5, experts=1, mesh=((2, 2), 1), per_rank=1, short=1, group=4, skew=False, seed=0)  # one group moves
 @example(k=2, factor=1.0, experts=4, mesh=((2,), 0), per_rank=2, short=1, group=4, skew=False, seed=0)  # G 4+2 groups
 @example(k=2, factor=1.25, experts=6, mesh=((2, 2), 1), per_rank=2, short=3, group=4, skew="hot", seed=1)  # 5 seqs, nested
 @example(k=2, factor=1.0, experts=5, mesh=((2, 2), 0), per_rank=2, short=2, group=4, skew=False, seed=0)  # expert axis first
