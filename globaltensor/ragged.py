@@ -41,7 +41,7 @@ from .ops.pointwise import cast_meta, elementwise_meta
 from .ops.registry import RULES, Ctx, Local, is_inplace
 from .placement import Placement
 from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes
+from .sbp import Broadcast, Partial, Ragged, Split, split_range, split_sizes
 from .tensor import GlobalTensor, _wrap, _tensor_key, device_for, grad_layout
 
 aten = torch.ops.aten

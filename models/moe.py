@@ -211,8 +211,9 @@ def ep_plan(expert_axis: int, ndim: int, tensor_axis: Optional[int] = None, drop
 
     Expert weights `[E, ...]` are `S(0)` on the expert axis and Broadcast elsewhere. The experts'
     input is converted to E-split (from the G-split the router leaves: the dispatch all-to-all) and
-    their output back to G-split (the combine all-to-all); the backward runs the duals, one
-    all-to-all each. Other mesh axes are left as the tokens arrive. Every other weight (router,
+    their output back to G cut as their input arrived (`gt.ragged(1)`: the combine all-to-all; G is
+    ragged where groups smaller than a sequence meet a batch that does not divide over the ranks);
+    the backward runs the duals, one all-to-all each. Other mesh axes are left as the tokens arrive. Every other weight (router,
     attention, embeddings) is Broadcast: data parallel.
 
     With `tensor_axis` (EP x TP), each expert is also split Megatron-style on that axis (w1 and b1
