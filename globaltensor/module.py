@@ -466,7 +466,8 @@ class _StageForward:
                 meta = meta[:4] + (tuple(grads[i] for i in wired),)
                 targets = [targets[i] for i in wired]
             if targets:
-                return _Elsewhere.apply(meta, *targets)
+                targets, grads = _past_elsewhere(targets, meta[4])
+                return _Elsewhere.apply(meta[:4] + (grads,), *targets)
         # requiring grad as on the ranks inside (its parameters do): the ops after it, a stage boundary's
         # among them, must record their backward here too (the boundary's sends the gradient across)
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ins[0].device if ins else None), meta[0],
@@ -598,19 +599,39 @@ def _tensors(obj: Any) -> list:
     return []
 
 
+def _past_elsewhere(targets: list, grads: tuple) -> tuple[list, tuple]:
+    """`_Elsewhere` outputs among the targets (an earlier stage outside this rank, its output as it came, taking
+    a gradient) replaced by that node's inputs and their gradients' layouts: every gradient on the way is
+    empty, and what reaches those inputs is the same, so a run of stages outside a rank is one node in its
+    backward, not one per stage."""
+    out_t, out_g = [], []
+    for t, g in zip(targets, grads):
+        node = t.grad_fn
+        if g is not None and type(node) is _ELSEWHERE and not t._backward_hooks and not t.retains_grad:
+            out_t.extend(node.inputs)
+            out_g.extend(node.grads)
+        else:
+            out_t.append(t)
+            out_g.append(g)
+    return out_t, tuple(out_g)
+
+
 class _Elsewhere(torch.autograd.Function):
     """A stage's output on a rank outside it: empty; its backward gives each input and parameter an
     empty gradient in the layout the ranks inside give it (None where they give none)."""
 
     @staticmethod
     def forward(ctx, meta: tuple, *inputs: GlobalTensor) -> GlobalTensor:  # type: ignore[override]
-        ctx.grads, ctx.device = meta[4], inputs[0]._local.device
+        ctx.grads, ctx.device, ctx.inputs = meta[4], inputs[0]._local.device, inputs
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ctx.device), meta[0], meta[1])
 
     @staticmethod
     def backward(ctx, grad: Any) -> tuple:  # type: ignore[override]
         return (None, *[None if g is None else GlobalTensor(torch.empty((0,), dtype=g[2], device=ctx.device), g[0],
                                                             g[1]) for g in ctx.grads])
+
+
+_ELSEWHERE = _Elsewhere._backward_cls
 
 
 def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
