@@ -96,10 +96,14 @@ def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: C
 
 
 def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
-                       ) -> Callable[[], list[torch.Tensor]]:
+                       ) -> Callable[..., list[torch.Tensor]]:
     """`execute_many` started now, finished by calling the result: its all-gather and reduce-scatter
     buckets may stay in flight meanwhile (a prefetch of the next module's parameters, a gradient
     bucket reduced while the backward goes on); everything else runs now.
+
+    The result takes `into`, optionally: per plan a tensor of the result's shape and dtype to fill (ZeRO-3's
+    freed parameters, gathered again into their own storage), or None; it returns those tensors. An
+    all-gather bucket of even rows copies out straight into them (one copy of the parameters, not two).
 
     What does not depend on the values (which plans share a bucket, each member's boxes and sizes,
     whether a bucket's pieces are even rows) is worked out once per list of plans and rank: ZeRO asks
@@ -153,10 +157,14 @@ def _compile_many(plans: Sequence[Plan], rank: int) -> Callable:
             for i, o in zip(members, run([locals_[i] for i in members], comm)):
                 out[i] = o
 
-        def finish() -> list[torch.Tensor]:
+        def finish(into: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[torch.Tensor]:
             for members, done in pending:
-                for i, o in zip(members, done()):
+                for i, o in zip(members, done(None if into is None else [into[i] for i in members])):
                     out[i] = o
+            if into is not None:
+                for i, t in enumerate(into):
+                    if t is not None and out[i] is not t:
+                        out[i] = t.copy_(out[i])
             return out
         return finish
     return start
@@ -189,11 +197,12 @@ def _all_gather_bucket(plans, group, op, rank) -> Callable:
     def begin(locals_, comm) -> Callable[[], list[torch.Tensor]]:
         done = comm.all_gather_start(torch.cat([t.reshape(-1) for t in locals_]), group, piece_shapes)
 
-        def finish() -> list[torch.Tensor]:
+        def finish(into: Optional[list] = None) -> list[torch.Tensor]:
             got = done()
             if even:  # the pieces lie back to back in the backend's buffer (gloo), or are put so (simulator)
                 rows = _cat(got, 0).view(m, row)  # a view where they lie back to back (gloo's buffer)
-                outs = [got[0].new_empty(f) for f in full]
+                outs = [got[0].new_empty(f) if o is None or not _fits(o, f, got[0]) else o
+                        for o, f in zip(into or [None] * len(full), full)]
                 torch.split_with_sizes_copy(rows, widths, dim=1, out=[o.view(m, -1) for o in outs])
                 return outs
             splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
@@ -201,6 +210,11 @@ def _all_gather_bucket(plans, group, op, rank) -> Callable:
                     for i in range(len(plans))]
         return finish
     return begin
+
+
+def _fits(t: torch.Tensor, shape: tuple, like: torch.Tensor) -> bool:
+    """Whether the all-gather's copy-out can write `t` as the result of that shape (contiguous, same kind)."""
+    return tuple(t.shape) == tuple(shape) and t.dtype == like.dtype and t.device == like.device and t.is_contiguous()
 
 
 def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
@@ -249,7 +263,7 @@ def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
                     at[j] += piece.numel()
         done = comm.reduce_scatter_start(chunks, group, op)
 
-        def finish() -> list[torch.Tensor]:
+        def finish(into: Optional[list] = None) -> list[torch.Tensor]:  # `execute_many_start` fills `into`
             return [piece.view(s) for s, piece in zip(mine, done().split(mine_numels))]
         return finish
     return begin

@@ -183,9 +183,9 @@ class _Call:
         """Start the gather now (a prefetch); `gather` finishes it."""
         self.pending = self._start()
 
-    def _gathered_locals(self) -> list:
+    def _gathered_locals(self, into: Optional[list] = None) -> list:
         pending, self.pending = self.pending, None
-        return pending() if pending is not None else self._start()()
+        return pending(into) if pending is not None else self._start()(into)
 
     def _start(self) -> Any:
         g = self.group
@@ -224,13 +224,17 @@ class _Call:
             self.pending = self._start()
 
     def regather(self) -> None:
-        """Gather again into the freed shards (ZeRO-3's backward all-gather)."""
+        """Gather again into the freed shards (ZeRO-3's backward all-gather): their storage is given back its
+        size and the all-gather copies out straight into it, as FSDP2's copy-out into its unsharded parameters
+        (not into new tensors copied over once more)."""
         if not self.freed:
             return
-        for t, new, owned in zip(self.locals, self._gathered_locals(), self.owned):
+        into = []
+        for t, owned in zip(self.locals, self.owned):
             if owned:
-                t.untyped_storage().resize_(new.numel() * new.element_size())
-                t.copy_(new)
+                t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
+            into.append(t if owned else None)
+        self._gathered_locals(into)  # the all-gather copies out straight into them
         self.freed = False
 
     def enter_scope(self) -> None:
