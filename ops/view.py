@@ -190,7 +190,7 @@ def _ragged_view(func, args, kwargs):
     return RAGGED_VIEW["run"](func, args, kwargs)
 
 
-# globaltensor/ragged.py puts its builder here when imported (the ops do not import the front door)
+# globaltensor/ragged_views.py puts its builder here when imported (the ops do not import the front door)
 RAGGED_VIEW: dict = {"run": None}
 RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
