@@ -83,11 +83,14 @@ def _reshape(func: Any, args: tuple, kwargs: dict) -> Any:
         if any(ins[k] != 1 for k in gi[:at]) or not big or any(
                 isinstance(s, Split) and s.dim in gi for s in x._layout.sbp):
             return _NOT_TAKEN
-        o = big[0]
         inner_in = int(np.prod([ins[k] for k in gi[at + 1:]]))
-        inner_out = int(np.prod([outs[k] for k in gj[gj.index(o) + 1:]]))
-        if (x._unit * inner_in) % inner_out:
+        # the outermost output dim whole units land on: a size-1 one too (a single group, [S, d] -> [1, S, d]:
+        # its one unit is that dim's one index, a balanced split of it, not S cut [S, 0, ...])
+        o = next((k for k in gj[:gj.index(big[0]) + 1]
+                  if (x._unit * inner_in) % int(np.prod([outs[j] for j in gj[gj.index(k) + 1:]])) == 0), None)
+        if o is None:
             return _NOT_TAKEN
+        inner_out = int(np.prod([outs[k] for k in gj[gj.index(o) + 1:]]))
         unit, length = x._unit * inner_in // inner_out, ins[d] // x._unit
         cut = Split(o) if _is_balanced(length, unit, x.placement, axes) else Ragged(o)
         sbp = tuple(cut if a in axes else Split(carried[s.dim]) if isinstance(s, Split) else s

@@ -63,6 +63,11 @@ def reshape_map(ins: Sequence[int], outs: Sequence[int], mesh: Sequence[int]) ->
         if all([s * inner_in for s in split_sizes(ins[gi[0]], n)] ==
                [s * inner_out for s in split_sizes(outs[gj[0]], n)] for n in set(mesh)):
             m[gi[0]] = gj[0]
+    # a split of a size-1 dim puts the whole tensor on the first rank of the axis and nothing elsewhere (a
+    # single group over an expert axis, [1, S, d] S(0)): any size-1 dim of the output says the same
+    one = next((k for k in range(len(outs)) if outs[k] == 1 and k not in m.values()), None)
+    if one is not None:
+        m.update({k: one for k in range(len(ins)) if ins[k] == 1 and k not in m})
     return m
 
 
@@ -107,6 +112,8 @@ def reshape_keeps_order(src: Layout, dst: Layout, ins: tuple, outs: tuple) -> bo
     groups = reshape_groups(ins, outs)
     for r in src.placement.flat_ranks:
         a, b = src.shard(ins, r), dst.shard(outs, r)
+        if not all(n for _, n in a) and not all(n for _, n in b):
+            continue  # empty on both sides: nothing to keep in order
         for gi, gj in groups:
             run = _run(a, gi, ins)
             if run is None or run != _run(b, gj, outs):

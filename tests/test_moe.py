@@ -131,9 +131,11 @@ def ideal_moe_bytes(cfg: MoEConfig, groups: int, group_size: int, mesh: tuple, e
 def without_aux_gather(events: list, groups: int, mesh: tuple, coord, unit: int = 1) -> list:
     """The forward's collectives less the aux loss's one small reduction where there are fewer groups than
     ranks: the planner then gathers the [G] per-group loss terms (at most 8 bytes for each this rank lacks)
-    rather than owe the all-reduce of a Partial scalar, which would receive more."""
+    rather than owe the all-reduce of a Partial scalar, which would receive more; a single group held by
+    one rank of a 2-D mesh is broadcast from it instead (the same 8 bytes)."""
     lo, hi = _cut(groups, mesh, list(range(len(mesh))), coord, unit)
-    small = [i for i, (kind, b) in enumerate(events) if kind == "all_gather" and b <= 8 * (groups - (hi - lo))]
+    small = [i for i, (kind, b) in enumerate(events)
+             if kind in ("all_gather", "broadcast") and b <= 8 * (groups - (hi - lo))]
     if groups >= int(np.prod(mesh)) or not small:
         return events
     return events[:small[-1]] + events[small[-1] + 1:]   # the last: a count exchange may read the same
@@ -261,6 +263,8 @@ SKEWS = [False, "equal", "hot"]
 @example(k=2, factor=1.0, experts=4, mesh=((2,), 0), per_rank=2, short=1, group=4, skew=False, seed=0)  # G 4+2 groups
 @example(k=2, factor=1.25, experts=6, mesh=((2, 2), 1), per_rank=2, short=3, group=4, skew="hot", seed=1)  # 5 seqs, nested
 @example(k=2, factor=1.0, experts=5, mesh=((2, 2), 0), per_rank=2, short=2, group=4, skew=False, seed=0)  # expert axis first
+@example(k=2, factor=1.25, experts=4, mesh=((2,), 0), per_rank=1, short=1, group=None, skew=False, seed=0)  # one group
+@example(k=1, factor=1.0, experts=3, mesh=((2, 2), 1), per_rank=1, short=3, group=None, skew="hot", seed=1)  # one, 2x2
 def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew, seed):
     """Top-1/2, capacity factors that drop and that pad (None: dropless by padding), E below / not a
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
@@ -271,11 +275,12 @@ def test_layer_hypothesis(k, factor, experts, mesh, per_rank, short, group, skew
     ranks (G ragged in units of a sequence's groups, which the router's ops keep: ideal_moe_bytes of that
     cut): values and routing equal one device, bytes exactly the ideal (check_layer, the whole layer; see
     test_groups_that_do_not_divide; with the expert axis first on 2x2 the experts' G cut on the other
-    axis is the sequences re-cut over that axis alone: one send/recv across both axes). Not drawn: a
-    single group (batch 1)."""
+    axis is the sequences re-cut over that axis alone: one send/recv across both axes), and a single group
+    (batch 1: its size-1 G dim split puts it on the first rank, and reshapes carry that split to a size-1
+    dim of their output, so the router runs there and the dispatch is the ideal all-to-all from it)."""
     mesh, expert_axis = mesh
     n = int(np.prod(mesh))
-    batch = max(2, n * per_rank - min(short, n - 1))   # (one group: a size-1 dim, kept whole)
+    batch = max(1, n * per_rank - min(short, n))
     k = min(k, experts)
     cfg = MoEConfig(**{**CFG.__dict__, "top_k": k, "capacity_factor": factor, "n_expert": experts,
                        "group_size": group})
@@ -705,11 +710,12 @@ def test_dropless_layer_equals_one_device_at_routed_bytes(mesh, expert_axis, k):
 
 
 @settings(max_examples=max(10, settings.default.max_examples * 5 // 9), deadline=None)   # 10 in CI
-@given(k=st.sampled_from([1, 2]), experts=st.integers(1, 6), mesh=st.sampled_from(MESHES), batch=st.integers(2, 6),
+@given(k=st.sampled_from([1, 2]), experts=st.integers(1, 6), mesh=st.sampled_from(MESHES), batch=st.integers(1, 6),
        group=st.sampled_from([None, 4]), skew=st.sampled_from(SKEWS), seed=st.integers(0, 3))
 @example(k=2, experts=4, mesh=((2,), 0), batch=3, group=4, skew=False, seed=0)           # G ragged: 4+2 groups
 @example(k=1, experts=3, mesh=((2, 2), 1), batch=5, group=4, skew="equal", seed=2)      # nested runs on 2x2
 @example(k=2, experts=4, mesh=((2, 2), 0), batch=6, group=4, skew=False, seed=1)         # the expert axis first
+@example(k=2, experts=5, mesh=((2, 2), 0), batch=1, group=None, skew=False, seed=0)      # a single group
 def test_dropless_layer_hypothesis(k, experts, mesh, batch, group, skew, seed):
     """Group counts that do not divide over the ranks (ranks with one group, or none), E below or not a
     multiple of the expert axis (uneven or empty expert shards), EP on 1-D meshes and EP x DP on 2x2 (the
@@ -719,7 +725,7 @@ def test_dropless_layer_hypothesis(k, experts, mesh, batch, group, skew, seed):
     batch that does not divide included: [B, T, d] -> [G, S, d] leaves G ragged, in units of a sequence's
     groups, which the router's ops keep and by_expert / by_group take as they are (dropless_bytes of that
     cut; with the expert axis first on 2x2 its peers hold runs of different outer pieces, whose sizes
-    follow from the unit). Not drawn: a single group (a size-1 dim, kept whole)."""
+    follow from the unit). A single group (batch 1) too, as in test_layer_hypothesis."""
     mesh, expert_axis = mesh
     cfg = _dropless(CFG, top_k=min(k, experts), n_expert=experts, group_size=group)
     check_dropless_layer(cfg, batch, mesh, expert_axis, seed=seed, skew=skew)

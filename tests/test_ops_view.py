@@ -67,3 +67,27 @@ def test_pad_keeps_the_splits_of_dims_it_does_not_pad():
         return [t.sbp for t in (y, z, w)], log.recv_bytes, y.full_tensor().shape
     sbps, received, shape = gt.launch(body, 4)[0]
     assert sbps == [(gt.split(0), gt.split(1))] * 3 and received == 0 and shape == (4, 5, 9)
+
+
+def _size_one_split(mesh: list, sbp: tuple, out_shape: tuple):
+    x = torch.arange(128.0).reshape(1, 8, 16)
+    p = gt.placement("cpu", mesh)
+    g = gt.to_global(x, p, sbp).requires_grad_()
+    with gt.comm_log() as log:
+        y = g.reshape(out_shape)
+        y.backward(gt.to_global(torch.ones(out_shape), p, y.sbp))
+    return y.sbp, log.recv_bytes, y.full_tensor(), g.grad.full_tensor()
+
+
+def test_a_split_size_one_dim_carries_to_a_size_one_dim_of_the_reshape():
+    """A split of a size-1 dim (a single routing group on an expert axis: the first rank holds all, the
+    others nothing) is the same placement on any size-1 dim: a reshape carries it there, moving nothing,
+    forward and backward (it was re-cut over a dim of real size, an all-to-all each way)."""
+    x = torch.arange(128.0).reshape(1, 8, 16)
+    for mesh, sbp, want in (([0, 1], (gt.split(0),), (gt.split(1),)),
+                            ([[0, 1], [2, 3]], (gt.split(0), gt.broadcast), (gt.split(1), gt.broadcast)),
+                            ([[0, 1], [2, 3]], (gt.split(0), gt.split(2)), (gt.split(1), gt.split(3)))):
+        n = len(sum(mesh, [])) if isinstance(mesh[0], list) else len(mesh)
+        for got, received, y, grad in gt.launch(_size_one_split, n, args=(mesh, sbp, (8, 1, 1, 16))):
+            assert got == want and received == 0
+            assert torch.equal(y, x.reshape(8, 1, 1, 16)) and torch.equal(grad, torch.ones(1, 8, 16))
