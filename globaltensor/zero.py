@@ -266,7 +266,7 @@ class _Call:
                    else g.params[i]._layout for i in which}
         locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
         for i in which:
-            gr, p = grads[i], g.params[i]
+            gr = grads[i]
             if not isinstance(gr, GlobalTensor):
                 raise TypeError(f"{g.where}: the gradient of a gathered parameter is a plain tensor; "
                                 "every op on a GlobalTensor should give GlobalTensors")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import slice_box
-from ..sbp import Broadcast, Partial
+from ..sbp import Partial
 from .registry import B, Ctx, Local, P, Rule, S, aten, register
 
 

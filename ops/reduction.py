@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..runtime import context
-from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, is_inplace, register
+from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, aten, is_inplace, register
 
 
 def reduced_dims(ctx: Ctx) -> tuple[list[int], bool]:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from ..layout import Layout, split_sizes
 from ..sbp import Broadcast, Split
-from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, register
+from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, aten, register
 
 
 def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:

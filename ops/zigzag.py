@@ -16,7 +16,6 @@ not cover is refused on a zigzag tensor: its result would land in a copy.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any, NamedTuple, Optional
 
 import torch

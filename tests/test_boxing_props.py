@@ -1,7 +1,6 @@
 """Property tests of the boxing engine on the simulator: values, bytes, lower bound, optimality."""
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
