@@ -36,7 +36,7 @@ from .placement import Placement
 from .runtime import context, fiber
 from .ragged import boundary_cut, convert as convert_ragged
 from .sbp import SBP_TYPES, Broadcast, Partial, Ragged
-from .tensor import GlobalTensor, _wrap, distribute, grad_layout
+from .tensor import GlobalTensor, _FromLocal, _wrap, distribute, grad_layout
 from .zero import ParamGroup, compute_layout, reinstall
 
 
@@ -547,22 +547,16 @@ def _as_global(obj: Any, layout: Layout) -> Any:
     return obj
 
 
-class _StageOutput(torch.autograd.Function):
-    """A plain stage's output as a GlobalTensor (as `_FromLocal`), remembering the plain tensor it wraps: a
-    stage that takes it as its input on the same rank runs on that tensor itself (`_plain_input`), so
-    consecutive plain stages form one plain autograd graph, with no unwrapping node, nor a backward through
-    the wrap and the unwrap, per boundary between them."""
+class _StageOutput(_FromLocal):
+    """A plain stage's output as a GlobalTensor (`_FromLocal`, whose backward it keeps), remembering the plain
+    tensor it wraps: a stage that takes it as its input on the same rank runs on that tensor itself
+    (`_plain_input`), so consecutive plain stages form one plain autograd graph, with no unwrapping node, nor
+    a backward through the wrap and the unwrap, per boundary between them."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple) -> GlobalTensor:  # type: ignore[override]
-        ctx.layout, ctx.local, ctx.version = grad_layout(layout), local, local._version
-        return GlobalTensor(local.view_as(local), layout, shape)
-
-    @staticmethod
-    def backward(ctx, grad: GlobalTensor):  # type: ignore[override]
-        if grad._layout != ctx.layout:
-            grad = grad.to_global(ctx.layout.placement, ctx.layout.sbp)
-        return grad._local, None, None
+        ctx.local, ctx.version = local, local._version
+        return _FromLocal.forward(ctx, local, layout, shape)
 
 
 _STAGE_OUTPUT = _StageOutput._backward_cls
