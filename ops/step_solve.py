@@ -55,7 +55,6 @@ from ..layout import Layout
 from .decide import conversion_cost, owed_by
 
 INF = (float("inf"), 0, 0)    # an impossible choice's score
-ZERO = ((), 0, 0)              # a bill of nothing (see `Cost.add`)
 MAX_SWEEPS = 20
 WAVE_LIMIT = 64         # calls a trial choice may move after it
 WORK_LIMIT = 4_000_000  # value costs weighed before the search stops improving (its choices stay valid).
@@ -119,37 +118,30 @@ class Graph:
             self.values[r.value].readers.append((k, r))
 
 
-def _term(bill: Optional[tuple]) -> tuple:
-    """A (bytes per rank, collectives) bill, or None (impossible), as (bytes per rank, collectives,
-    impossible): what `Cost.add` sums."""
+def _term(bill: Optional[tuple], world: int) -> tuple:
+    """A (bytes per rank, collectives) bill, or None (impossible), as (bytes of each of the `world`
+    global ranks, collectives, impossible): what `Cost.add` sums. A bill's vector stops at the highest
+    rank it names; the term runs to the step's highest rank, so that every term has one length."""
     if bill is None:
-        return (), 0, 1
+        return (0,) * world, 0, 1
     vec, n = bill
-    return tuple(vec), n, 0
+    return tuple(vec) + (0,) * (world - len(vec)), n, 0
 
 
 class Cost:
-    """Bills summed rank by rank: bytes each global rank receives, collectives, and how many of the bills
-    are impossible. `score`: (the busiest rank's bytes, all ranks' bytes, collectives)."""
+    """Bills summed rank by rank: bytes each of the `world` global ranks receives, collectives, and how
+    many of the bills are impossible. `score`: (the busiest rank's bytes, all ranks' bytes, collectives)."""
 
     __slots__ = ("vec", "n", "bad")
 
-    def __init__(self) -> None:
-        self.vec: list = []
+    def __init__(self, world: int) -> None:
+        self.vec: list = [0] * world
         self.n = 0
         self.bad = 0
 
     def add(self, term: tuple, sign: int = 1) -> None:
         vec, n, bad = term
-        if vec:
-            mine = self.vec
-            if len(mine) < len(vec):
-                mine += [0] * (len(vec) - len(mine))
-            if len(mine) == len(vec):
-                self.vec = list(map(operator.add if sign > 0 else operator.sub, mine, vec))
-            else:
-                for r, b in enumerate(vec):
-                    mine[r] += sign * b
+        self.vec = list(map(operator.add if sign > 0 else operator.sub, self.vec, vec))
         self.n += sign * n
         self.bad += sign * bad
 
@@ -157,7 +149,7 @@ class Cost:
         self.add((other.vec, other.n, other.bad), sign)
 
     def copy(self) -> "Cost":
-        c = Cost()
+        c = Cost(0)
         c.vec, c.n, c.bad = list(self.vec), self.n, self.bad
         return c
 
@@ -180,7 +172,6 @@ class _Search:
     def __init__(self, g: Graph) -> None:
         self.g = g
         self.choice = [c.chosen for c in g.calls]
-        self.own = [[_term(b) for b in c.bills] or [ZERO] for c in g.calls]  # a decomposition: nothing own
         ids: dict = {}
         self.layouts: list = []
 
@@ -201,6 +192,11 @@ class _Search:
                         + [(-1, num(lay), ("outside", i)) for i, lay in enumerate(v.outside)]
                         for v in g.values]
         self.partial = [lay.has_partial for lay in self.layouts]
+        # every bill as a vector over the ranks up to the highest any layout or call's bill names
+        self.world = max([max(lay.placement.flat_ranks) + 1 for lay in self.layouts]
+                         + [len(b[0]) for c in g.calls for b in c.bills if b is not None] + [0])
+        nothing = _term(((), 0), self.world)  # a decomposition's own bill
+        self.own = [[_term(b, self.world) for b in c.bills] or [nothing] for c in g.calls]
         self._bills: dict = {}
         self.work = 0
         self.step = self.total()
@@ -219,7 +215,8 @@ class _Search:
         if got is None:
             lay = self.layouts[src]
             got = self._bills[key] = _term(owed_by(lay, val.shape, val.dtype) if dst < 0 else
-                                           conversion_cost(lay, self.layouts[dst], val.shape, val.dtype))
+                                           conversion_cost(lay, self.layouts[dst], val.shape, val.dtype),
+                                           self.world)
         return got
 
     def value_cost(self, v: int, into: Cost) -> None:
@@ -255,7 +252,7 @@ class _Search:
         return vs
 
     def local(self, calls: tuple, values: set) -> Cost:
-        total = Cost()
+        total = Cost(self.world)
         for k in calls:
             total.add(self.own[k][self.choice[k]])
         for v in values:
