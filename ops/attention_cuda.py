@@ -73,17 +73,21 @@ def _out_sbp(name: str, shape: tuple, q: tuple, full: tuple, d: int):
     return S(d) if len(shape) == 3 else pointwise_dims(shape, full, d)
 
 
-def _local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
+def _local_for(op: Any):
     """The kernel on this rank's rows; on a shard with no rows (an uneven batch or heads split) the
-    outputs' shapes from the meta kernel, zero-filled: a CUDA kernel is not asked to launch on nothing."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    q = tensors[1] if where.ctx.func._schema.arguments[0].name.startswith("grad") else tensors[0]
-    if q.numel() or q.device.type == "meta":
-        return func(*args, **kwargs)
-    to_meta = lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
-    out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
-    return type(out)(torch.zeros(o.shape, dtype=o.dtype, device=q.device) if isinstance(o, torch.Tensor) else o
-                     for o in out)
+    outputs' shapes from the meta kernel, zero-filled: a CUDA kernel is not asked to launch on nothing.
+    Whether q is the first tensor or follows the incoming gradient (a backward) is the op's schema."""
+    at = 1 if op._schema.arguments[0].name.startswith("grad") else 0
+
+    def local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
+        q = [a for a in args if isinstance(a, torch.Tensor)][at]
+        if q.numel() or q.device.type == "meta":
+            return func(*args, **kwargs)
+        to_meta = lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+        out = func(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
+        return type(out)(torch.zeros(o.shape, dtype=o.dtype, device=q.device) if isinstance(o, torch.Tensor) else o
+                         for o in out)
+    return local
 
 
 def _dropout_key(op: Any):
@@ -95,4 +99,4 @@ def _dropout_key(op: Any):
 for _packet in overloads("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
                          "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
                          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
-    register([_packet.default], Rule(_signatures, local=_local, scalar_key=_dropout_key(_packet.default)))
+    register([_packet.default], Rule(_signatures, local=_local_for(_packet.default), scalar_key=_dropout_key(_packet.default)))
