@@ -94,7 +94,6 @@ def scan_signatures(ctx: Ctx) -> list:
     """A split of another dim passes; a split of the scanned dim stays split, the kernel exchanging
     the shards' totals (`scan_local`, charged by `scan_cost`). Linear (cumsum): P passes too."""
     n = len(ctx.shapes[0])
-    dim = _scan_dim(ctx)
     dtype = ctx.kwargs.get("dtype")
     linear = SCANS[ctx.func] == "sum" and (dtype is None or dtype.is_floating_point or dtype.is_complex)
     # (an int cast of P would truncate; a product of partial sums is no partial product)
