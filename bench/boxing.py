@@ -300,7 +300,7 @@ def calls_per_timing(fn: Callable[[], object], target_s: float = 2e-3) -> int:
 
 
 def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     dtype = torch.float32
     rows = max(4 * n, int((mib * 2 ** 20 / 4) ** 0.5) // (4 * n) * (4 * n))
     shape = (rows, int(mib * 2 ** 20 / 4) // rows // (4 * n) * (4 * n))

@@ -133,7 +133,7 @@ class TorchLayer(LocalShards):
 
     def __init__(self, cfg: MoEConfig, tokens_per_rank: int, seed: int, kind: str) -> None:
         super().__init__(cfg, tokens_per_rank, seed, kind)
-        g_r, x, item = self.x.shape[0], self.x, self.item
+        g_r, item = self.x.shape[0], self.item
         c = capacity(cfg, cfg.block_size)
         if kind == "a2a floor":   # [E, G/n, C, d] local, (n-1)/n of it per all-to-all, 2 forward + 2 backward
             self.bytes = 4 * (self.n - 1) * cfg.n_expert * g_r * c * cfg.n_embd * item // self.n

@@ -4,8 +4,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import torch
-
 import globaltensor as gt
 from globaltensor.layout import Layout
 from globaltensor.ops import decide, dispatch

@@ -9,7 +9,6 @@ import torch
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor import boxing
 import dispatch_probe
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (1, 2), (2, 1), (3, 1), (1, 3)]

@@ -22,7 +22,6 @@ import torch
 from hypothesis import given, strategies as st
 
 from globaltensor.ops.matrix import product_meta
-from globaltensor.ops.pointwise import elementwise_meta
 from globaltensor.ops.registry import RULES
 
 aten = torch.ops.aten

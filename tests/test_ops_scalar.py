@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
-from ops_support import check, meshes, mesh_placement, sbps_for
+from ops_support import check, meshes, sbps_for
 
 D = torch.float64
 
@@ -121,7 +121,7 @@ def test_variance_over_a_split_dim_moves_only_reductions():
         mesh = gt.placement("cpu", [0, 1])
         x = gt.to_global(torch.randn(64, 8), mesh, gt.split(0))
         with gt.comm_log() as log:
-            v = x.var(0).full_tensor()
+            x.var(0).full_tensor()
         return log.recv_bytes
     for received in _no_fallback_on(fn):
         assert received <= 4 * 8 * 4  # [8]-sized reductions, never the [64, 8] input
