@@ -6,6 +6,13 @@ the simulator with every tensor on the `meta` device (shapes only: no memory, no
 the simulator's collectives pass meta tensors (they cost nothing), and `gt.comm_report()`
 records what each collective would receive on real ranks. A program that reads values (`.item()`,
 printing a loss, data-dependent shapes) cannot run this way; everything else does unchanged.
+
+One exception to "every tensor on meta": inside an optimizer's `step()`, tensors made without a
+device are host tensors, as in a real run. torch's optimizers keep their step counter as a host
+scalar made on the default device and read it with `.item()` (Adam's `_get_value`); torch 2.13's
+Adam names `device="cpu"`, but 2.11's Adam and still 2.13's RAdam, NAdam and Adamax leave it to
+the default device, which a dry run's `torch.device("meta")` would make meta. (Adagrad makes its
+counter in its constructor, outside any step: it is meta and Adagrad cannot run dry.)
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import tensor as _tensor
 from .report import CommReport, comm_report
@@ -20,6 +28,7 @@ from .runtime import context
 from .runtime.sim import SimCommunicator, SimWorld
 
 _LOCK = threading.Lock()
+_STEP = threading.local()  # per dry-run rank: `open`, the host-device contexts its optimizer steps entered
 
 
 def _meta_device(device_type: str) -> torch.device:
@@ -43,6 +52,22 @@ def _wrap_on_placement_device(cls: type, local: torch.Tensor, layout: Any, shape
     return r
 
 
+def _step_on_host(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer pre-step hook: on a dry-run rank, the step makes device-less tensors on the host."""
+    entered = getattr(_STEP, "open", None)
+    if entered is not None:  # None: a thread that is not a dry-run rank
+        host = torch.device("cpu")
+        host.__enter__()
+        entered.append(host)
+
+
+def _step_done(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Global optimizer post-step hook: back to meta."""
+    entered = getattr(_STEP, "open", None)
+    if entered:
+        entered.pop().__exit__(None, None, None)
+
+
 def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float | None = None) -> list[CommReport]:
     """Run `fn(*args)` on `world_size` simulated ranks with meta tensors inside `gt.comm_report()`;
     returns each rank's report (`print(reports[0])` is rank 0's tree).
@@ -62,17 +87,26 @@ def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float |
     def body(comm: SimCommunicator) -> CommReport:
         comm.device_for = _meta_device  # type: ignore[method-assign]  # every placement's shards on meta
         context.set_thread(comm)
+        _STEP.open = []
         try:
             with torch.device("meta"), comm_report() as report:
-                fn(*args)
+                try:
+                    fn(*args)
+                finally:  # a step that raised never ran its post hook
+                    while _STEP.open:
+                        _step_done(None, None, None)
             return report
         finally:
+            _STEP.open = None
             context.set_thread(None)
 
-    with _LOCK:  # one dry run at a time: the swap below is process-wide
+    with _LOCK:  # one dry run at a time: the swap and the hooks below are process-wide
         real = _tensor._wrap
         _tensor._wrap = _wrap_on_placement_device
+        hooks = (register_optimizer_step_pre_hook(_step_on_host), register_optimizer_step_post_hook(_step_done))
         try:
             return world.run(body)
         finally:
             _tensor._wrap = real
+            for hook in hooks:
+                hook.remove()

@@ -11,21 +11,22 @@ import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan, zero_plan
 
 
-def _step(cfg, mesh, plan, batch):
+def _step(cfg, mesh, plan, batch, optimizer=torch.optim.AdamW):
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = GPT(cfg)
     p = gt.placement("cpu", np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
     gt.to_global(model, p, plan)
     idx = gt.to_global(torch.randint(0, cfg.vocab_size, (batch, cfg.block_size)), p, dp_batch(0, 2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = optimizer(model.parameters(), lr=1e-2)
     model(idx, idx)[1].backward()
     opt.step()
+    return opt
 
 
-def _real(cfg, mesh, plan, batch):
+def _real(*args):
     with gt.comm_report() as rep:
-        _step(cfg, mesh, plan, batch)
+        _step(*args)
     return rep
 
 
@@ -44,6 +45,30 @@ def test_dry_run_equals_real_run(plan):
     dry = gt.explain(_step, 4, args=args)
     assert [_rows(r) for r in dry] == [_rows(r) for r in real]
     assert dry[0].recv_bytes > 0
+
+
+def _state_stays_meta(optimizer):
+    opt = _step(SMALL, (2, 2), tp_plan(1, 2), 8, optimizer)
+    for state in opt.state.values():
+        assert state["step"].item() == 1
+        for name, v in state.items():  # the moments meta, the scalars (step, NAdam's mu_product) on the host
+            if isinstance(v, gt.GlobalTensor):
+                assert v.to_local().is_meta, name
+            else:
+                assert v.dim() == 0 and not v.is_meta, name
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.RAdam, torch.optim.NAdam, torch.optim.Adamax],
+                         ids=lambda o: o.__name__)
+def test_dry_run_of_an_optimizer_whose_step_counter_takes_the_default_device(optimizer):
+    """These optimizers (and torch 2.11's Adam and AdamW) make their step counter on the default device and
+    read it with `.item()`: inside `step()` a dry run makes such tensors on the host, as a real run does;
+    the moments stay meta, and the bytes are the real run's."""
+    args = (SMALL, (2, 2), tp_plan(1, 2), 8, optimizer)
+    real = gt.launch(_real, 4, args=args)
+    dry = gt.explain(_step, 4, args=args)
+    assert [_rows(r) for r in dry] == [_rows(r) for r in real]
+    gt.explain(_state_stays_meta, 4, args=(optimizer,))
 
 
 def _shapes_only():
