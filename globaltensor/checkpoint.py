@@ -198,10 +198,11 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike, *, async_save: boo
     Returns DCP's metadata (keys, shapes, chunks; where each chunk went, `storage_data`, is only
     certain in the written file, `read_metadata(path)`: torch 2.11's writer fills it in on a copy),
     or with `async_save` a Future: wait on it (`.result()`) before the next save and before exiting.
-    Under a process group the upload runs in DCP's background thread on a gloo group of its own (`dist.new_group`, made once, on every rank), so its
-    collectives never interleave with the training's on the default group; staging copies the
-    state first, so training may go on and change the parameters at once. The simulator saves
-    synchronously (DCP's background thread would be no simulated rank) and returns a done Future.
+    Under a process group the upload runs in DCP's background thread on a gloo group of its own
+    (`dist.new_group`, made once, on every rank), so its collectives never interleave with the
+    training's on the default group; staging copies the state first, so training may go on and
+    change the parameters at once. The simulator saves synchronously (DCP's background thread
+    would be no simulated rank) and returns a done Future.
     """
     path = os.fspath(path)
     kwargs: dict[str, Any] = dict(checkpoint_id=path, planner=SavePlanner(), storage_writer=FileSystemWriter(path))
