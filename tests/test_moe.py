@@ -18,6 +18,7 @@ from hypothesis import example, given, settings, strategies as st
 
 import globaltensor as gt
 from globaltensor.models.moe import MoE, MoEConfig, MoEGPT, capacity, ep_batch, ep_plan, moe_gpt_plan
+from thirdparty.torch_test_transformer import ModelArgs, Transformer, requires_experts
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 CFG = MoEConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, expert_hidden=32, n_expert=4,
@@ -364,7 +365,6 @@ TRANSFORMER_STEPS = 3
 def _torch_transformer(n, steps=TRANSFORMER_STEPS):
     """torch's test Transformer (experts S(0) on n ranks, tokens S(0); n = 0: one device): AdamW steps on
     the sum of its logits; the first step's output and gradients, each step's loss, the parameters after."""
-    from thirdparty.torch_test_transformer import ModelArgs, Transformer
     torch.manual_seed(0)
     model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0,
                                   num_experts=4)).double()
@@ -393,6 +393,7 @@ def transformer_reference():
     return _torch_transformer(0)
 
 
+@requires_experts
 @pytest.mark.parametrize("n", [2, 4])
 def test_torch_test_transformer_experts_by_plan_alone(transformer_reference, n):
     """torch's test Transformer with num_experts (every token through every expert, summed: no
@@ -419,7 +420,6 @@ def test_torch_test_transformer_experts_by_plan_alone(transformer_reference, n):
 def _torch_transformer_steered(n):
     """The model of the test above, forward and backward twice under one step plan: the second run's
     bytes, and both runs' outputs and gradients."""
-    from thirdparty.torch_test_transformer import ModelArgs, Transformer
     torch.manual_seed(0)
     model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0,
                                   num_experts=4)).double()
@@ -438,6 +438,7 @@ def _torch_transformer_steered(n):
     return runs
 
 
+@requires_experts
 @pytest.mark.parametrize("n", [2, 4])
 def test_torch_test_transformer_experts_steered_is_dtensor_expert_parallel(transformer_reference, n):
     """Under a step plan the same model moves exactly DTensor's ExpertParallel pattern: per MoE layer
