@@ -11,10 +11,15 @@ Sizes in the arguments are global; kernels that take sizes get this rank's.
 from __future__ import annotations
 
 import math
+import zlib
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..layout import Layout, split_sizes
+import torch
+
+from ..boxing.boxes import Box, intersect, numel, relative, sizes
+from ..layout import Layout, slice_box, split_sizes
+from ..runtime import context
 from ..sbp import Broadcast, Split
 from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, aten, register
 
@@ -304,11 +309,89 @@ def pad_signatures(ctx: Ctx) -> list:
 
 
 def flip_signatures(ctx: Ctx) -> list:
+    """Every split passes. A split of a dim that is not flipped holds the same rows flipped: nothing
+    moves. A split of a flipped dim stays that split: each rank flips its shard, which is then the
+    rows of the result at the mirror image of its place, and the ranks exchange those rows
+    (`flip_local`, charged by `flip_cost`: each rank receives exactly what it lacks); where a
+    conversion first costs less (an all-to-all to another dim's split), the dispatcher takes that.
+    A flip only moves elements, so every Partial passes."""
+    return [((S(d),), (S(d),)) for d in range(len(ctx.shapes[0]))] + [((p,), (p,)) for p in (P, PMAX, PMIN)]
+
+
+def _flipped(ctx: Ctx) -> frozenset:
     n = len(ctx.shapes[0])
-    flipped = {_d(d, n) for d in ctx.arg(1, "dims")}
-    return [((S(d),), (S(d),)) for d in range(n) if d not in flipped] + [((p,), (p,)) for p in (P, PMAX, PMIN)]
+    return frozenset(_d(d, n) for d in ctx.arg(1, "dims"))
+
+
+def _mirror(box: Box, shape: tuple, flipped: frozenset) -> Box:
+    """Where `box` lands in the flipped tensor."""
+    return tuple((n - start - size, size) if d in flipped else (start, size)
+                 for d, ((start, size), n) in enumerate(zip(box, shape)))
+
+
+@lru_cache(maxsize=4096)
+def flip_takes(layout: Layout, shape: tuple, flipped: frozenset, rank: int) -> tuple:
+    """What `rank` gathers for its shard of the flipped tensor: (peer, box in global coordinates) per
+    peer whose flipped shard overlaps it, `rank` itself included. Its peers are the ranks that differ
+    from it only on mesh axes splitting a flipped dim: on every other axis (B, P, a split of another
+    dim) they hold the same rows, or the same Partial term, as it does."""
+    pl = layout.placement
+    axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim in flipped}
+    here, mine = pl.coord(rank), layout.shard(shape, rank)
+    takes = []
+    for q in pl.flat_ranks:
+        if all(a in axes or x == y for a, (x, y) in enumerate(zip(pl.coord(q), here))):
+            piece = intersect(mine, _mirror(layout.shard(shape, q), shape, flipped))
+            if numel(piece):
+                takes.append((q, piece))
+    return tuple(takes)
+
+
+_FLIP_KEY = zlib.crc32(b"flip")  # its messages' key (`Communicator.exchange`), the same in every process
+
+
+def flip_local(func: Any, args: tuple, kwargs: dict, where: Local) -> torch.Tensor:
+    """The shard flipped, then exchanged with the mirror ranks (`flip_takes`) where a flipped dim is split."""
+    out = func(*args, **kwargs)
+    layout, shape, flipped, rank = where.in_layouts[0], where.ctx.shapes[0], _flipped(where.ctx), where.rank
+    if where.checking or not any(isinstance(s, Split) and s.dim in flipped for s in layout.sbp):
+        return out
+    mine = layout.shard(shape, rank)      # its shard of the input, and of the result (the same layout)
+    held = _mirror(mine, shape, flipped)  # the rows of the result this rank's flipped shard holds
+    result, sends, recvs, places = torch.empty_like(out), {}, {}, {}
+    for q, piece in flip_takes(layout, shape, flipped, rank):
+        if q == rank:
+            slice_box(result, relative(piece, mine)).copy_(slice_box(out, relative(piece, held)))
+        else:
+            recvs[q], places[q] = (sizes(piece), out.dtype), relative(piece, mine)
+    for q in layout.placement.flat_ranks:
+        if q != rank:
+            given = [b for p, b in flip_takes(layout, shape, flipped, q) if p == rank]
+            if given:
+                sends[q] = slice_box(out, relative(given[0], held))
+    if sends or recvs:
+        for q, got in context.current().exchange(sends, recvs, device=out.device, key=_FLIP_KEY).items():
+            slice_box(result, places[q]).copy_(got)
+    return result
+
+
+def flip_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    """What `flip_local` receives per global rank, and its latency terms: as a point-to-point
+    conversion's (`boxing/exchange.py`), the most peers a rank receives from or sends to."""
+    layout, shape, flipped = targets[0], ctx.shapes[0], _flipped(ctx)
+    ranks = layout.placement.flat_ranks
+    recv, hears, tells = [0] * (max(ranks) + 1), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+    for r in ranks:
+        for q, piece in flip_takes(layout, shape, flipped, r):
+            if q != r:
+                recv[r] += numel(piece) * ctx.args[0].dtype.itemsize
+                hears[r] += 1  # peers r receives from
+                tells[q] += 1  # peers q sends to
+    if not any(recv):
+        return (), 0
+    return tuple(recv), max(max(hears.values()), max(tells.values()))
 
 
 register([aten.constant_pad_nd.default],
          Rule(pad_signatures, scalar_key=lambda args, kwargs: _pad_value(args, kwargs) == 0))
-register([aten.flip.default], Rule(flip_signatures))
+register([aten.flip.default], Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost))

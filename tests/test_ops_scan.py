@@ -141,11 +141,12 @@ def test_in_place_scans_keep_the_split():
 
 
 def test_cumsum_backward_along_a_split_dim():
-    """torch's cumsum backward is flip, cumsum, flip of the gradient. flip has no rule for a flipped
-    split dim, so the first flip moves the gradient's split to another dim (one all-to-all), where the
-    reverse scan and the second flip are local; with no other dim to move to, the gradient's shards
-    become Partial (zero-filled to the whole size, free now) and the input's gradient is Partial: its
-    reduction, a gather's bytes, is owed to whoever reads it."""
+    """torch's cumsum backward is flip, cumsum, flip of the gradient. A flip of a split dim may keep
+    the split (the ranks exchange mirror rows, 24 B here) or convert first: the first flip moves the
+    gradient's split to another dim (one all-to-all, 12 B), where the reverse scan and the second flip
+    are local; with no other dim to move to, the gradient's shards become Partial (zero-filled to the
+    whole size, free now; the mirror exchange's 12 B tie with its reduction, and the later communication
+    wins) and the input's gradient is Partial: its reduction, a gather's bytes, is owed to whoever reads it."""
     def body():
         p = mesh_placement(Mesh((2,)))
         out = []

@@ -1,12 +1,15 @@
 """View ops: splits travel through dim maps (reshape groups included); what cannot travel is boxed and counted."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import globaltensor as gt
-from ops_support import check, meshes, mesh_placement, sbps_for
+from globaltensor.ops import decide
+from ops_support import Mesh, check, meshes, mesh_placement, sbps_for, world_of
 
 D = torch.float64
 VIEWS = {
@@ -91,3 +94,66 @@ def test_a_split_size_one_dim_carries_to_a_size_one_dim_of_the_reshape():
         for got, received, y, grad in gt.launch(_size_one_split, n, args=(mesh, sbp, (8, 1, 1, 16))):
             assert got == want and received == 0
             assert torch.equal(y, x.reshape(8, 1, 1, 16)) and torch.equal(grad, torch.ones(1, 8, 16))
+
+
+def _mirror_lacks(layout: gt.Layout, shape: tuple, dims: set, rank: int) -> int:
+    """Elements of its shard a rank lacks after flipping it: those of its place's mirror image it does not hold."""
+    box = layout.shard(shape, rank)
+    if box is None:
+        return 0
+    mirror = [(n - s - k, k) if d in dims else (s, k) for d, ((s, k), n) in enumerate(zip(box, shape))]
+    held = math.prod(max(min(s + k, m + j) - max(s, m), 0) for (s, k), (m, j) in zip(box, mirror))
+    return math.prod(k for _, k in box) - held
+
+
+def _flip_on(mesh, shape, sbp, dims):
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(torch.arange(float(math.prod(shape)), dtype=D).reshape(shape), p, sbp).requires_grad_()
+        with gt.comm_log() as log:
+            y = x.flip(dims)
+        y.backward(gt.to_global(torch.arange(float(math.prod(shape)), dtype=D).reshape(shape) ** 2, p, y.sbp))
+        return y.full_tensor(), x.grad.full_tensor(), log.recv_bytes, y.sbp, gt.rank() in p.flat_ranks
+    return gt.launch(body, world_of(mesh))
+
+
+@st.composite
+def flips(draw):
+    """(mesh, shape, nd-SBP, dims to flip): uneven and empty dims, Partial, worlds larger than the mesh."""
+    mesh = draw(meshes())
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)))
+    dims = draw(st.lists(st.integers(-len(shape), len(shape) - 1), min_size=1, max_size=len(shape),
+                         unique_by=lambda d: d % len(shape)))
+    return mesh, shape, draw(sbps_for(mesh, shape, partial=True)), dims
+
+
+@given(flips())
+@example((Mesh((4,)), (7,), (gt.split(0),), [0]))
+@example((Mesh((2, 2)), (5, 3), (gt.split(0), gt.split(0)), [-2]))
+def test_flip_matches_one_device_and_moves_at_most_the_mirror_rows(case):
+    """Values and gradients equal one device's for any layout. Flipping dims no mesh axis splits moves
+    nothing and keeps the layout; flipping a split dim moves at most what the busiest rank lacks of
+    its shard after flipping it (the mirror exchange; the dispatcher may find a cheaper conversion,
+    an all-to-all to another dim's split). A Partial input may be reduced on the way, when that is no
+    dearer than what it owes (its cheapest reduction)."""
+    mesh, shape, sbp, dims = case
+    flipped = {d % len(shape) for d in dims}
+    t = torch.arange(float(math.prod(shape)), dtype=D).reshape(shape)
+    results = _flip_on(mesh, shape, sbp, dims)
+    for y, grad, _, _, inside in results:
+        if inside:
+            assert torch.equal(y, t.flip(dims)) and torch.equal(grad, (t ** 2).flip(dims))
+    received = [r for _, _, r, _, _ in results]
+    layout = gt.Layout(mesh_placement(mesh), sbp)
+    owed = max(decide.owed_by(layout, shape, D)[0], default=0)
+    lacks = max(_mirror_lacks(layout, shape, flipped, r) for r in range(len(results)))
+    assert max(received) <= 8 * lacks + owed
+    if lacks == owed == 0:
+        assert received == [0] * len(results) and results[0][3] == sbp
+
+
+def test_flip_of_a_split_dim_swaps_mirror_rows_and_keeps_the_split():
+    """1-D, 8 rows over 4 ranks, S(0): rank i takes rank 3-i's two rows (point to point, 16 B), where
+    converting (a gather, or Partial and its reduction) would move 48 B to each rank."""
+    for y, grad, received, sbp, _ in _flip_on(Mesh((4,)), (8,), (gt.split(0),), [0]):
+        assert torch.equal(y, torch.arange(8.0, dtype=D).flip(0)) and sbp == (gt.split(0),) and received == 16
