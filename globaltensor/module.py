@@ -33,6 +33,7 @@ from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .ops.scope import enter_named_here
 from .placement import Placement
+from .plain import PlainRegion
 from .runtime import context, fiber
 from .ragged import boundary_cut, convert as convert_ragged
 from .sbp import SBP_TYPES, Broadcast, Partial, Ragged
@@ -679,6 +680,18 @@ def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
     return out
 
 
+def _plain_candidates(groups: dict, stages: dict, hooks: dict) -> list:
+    """The modules that may run their later calls on plain tensors (`globaltensor/plain.py`): each gathering
+    module with nothing inside it that gathers, lays out or is a stage of its own (their hooks need
+    GlobalTensors), and that is not a stage itself (whose forward is the stage's)."""
+    out = []
+    for mod in groups:
+        inner = [m for m in mod.modules() if m is not mod]
+        if mod not in stages and not any(m in groups or m in stages or m in hooks for m in inner):
+            out.append(mod)
+    return out
+
+
 def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
     names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
@@ -722,12 +735,14 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
         mod.__dict__.pop("_gt_gathers_onto", None)
-        if isinstance(mod.__dict__.get("forward"), _StageForward):
+        if isinstance(mod.__dict__.get("forward"), (_StageForward, PlainRegion)):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
     stages = _stage_hooks(module, groups)
     for mod, where in stages.items():
         mod.__dict__["forward"] = _StageForward(mod, where)
+    for mod in _plain_candidates(groups, stages, hooks):
+        mod.__dict__["forward"] = PlainRegion(mod)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []

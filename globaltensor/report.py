@@ -461,7 +461,8 @@ def comm_report(*modules: torch.nn.Module) -> Iterator[CommReport]:
         if _GLOBAL["count"] == 0:
             _GLOBAL["handle"] = torch.nn.modules.module.register_module_forward_pre_hook(_global_pre_hook)
         _GLOBAL["count"] += 1
-        FLAGS.on = True
+        FLAGS.reports += 1
+        FLAGS.refresh()
     _ACTIVE[me] = hooks
     STATE.reporting += 1
     comm._logs.append(report)
@@ -480,4 +481,5 @@ def comm_report(*modules: torch.nn.Module) -> Iterator[CommReport]:
             _GLOBAL["count"] -= 1
             if _GLOBAL["count"] == 0:
                 _GLOBAL["handle"].remove()
-                FLAGS.on = False
+            FLAGS.reports -= 1
+            FLAGS.refresh()

@@ -60,7 +60,7 @@ import torch
 
 from ..layout import Layout
 from ..sbp import Split
-from .registry import B, P, Ctx, Local, S, Rule, aten, pointwise_dims, register
+from .registry import B, P, Ctx, Local, S, Rule, aten, pointwise_dims, register, split_on
 from .ring_attention import ring_axes, ring_backward, ring_forward, ring_recv_bytes
 
 METHODS = ("auto", "ring", "ulysses", "allgather")
@@ -268,6 +268,12 @@ def _ulysses_divides(ctx: Ctx, sources: tuple, off: int) -> Optional[str]:
     return None
 
 
+def _rows_whole(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    """The hook is the kernel itself where no input is split on the sequence (dim 2): no ring, every rank's
+    queries start at row 0; and without dropout, whose mask is drawn per shard (`Rule.plain_when`)."""
+    return not ctx.named("dropout_p", 0.0) and not any(lay is not None and split_on(lay, 2) for lay in ins)
+
+
 def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
     """Forced Ulysses with heads the sequence's axis does not divide: say so, and what works."""
     why = _ulysses_divides(ctx, sources, off)
@@ -280,4 +286,4 @@ for _backward, _op in ((False, aten._scaled_dot_product_flash_attention_for_cpu.
                        (True, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)):
     register([_op], Rule(attention_signatures(_backward), local=_local(_backward),
                          scalar_key=_scalar_key(_backward), kernel_cost=_sequence_cost(_backward),
-                         keep_converted_inputs=not _backward))
+                         keep_converted_inputs=not _backward, plain_when=_rows_whole))

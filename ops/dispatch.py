@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
-from ..runtime.trace import FLAGS as _TRACING, pop_op, push_op
+from ..runtime.trace import FLAGS as _TRACING, STATE as _TRACE_STATE, pop_op, push_op
 from .decide import Decision, decide, map_tensors, options
 from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
@@ -45,8 +45,13 @@ def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     push_op(func, args)
     try:
         if _STEP.plan is not None:
+            for watch in _TRACE_STATE.watchers:
+                watch(func, args, kwargs, None)
             return _planned(func, args, kwargs, cls)
-        return _program_for(func, args, kwargs, cls)(args, kwargs)
+        program = _program_for(func, args, kwargs, cls)
+        for watch in _TRACE_STATE.watchers:
+            watch(func, args, kwargs, getattr(program, "decision", None))  # a foreach decomposition has none
+        return program(args, kwargs)
     finally:
         pop_op()
 

@@ -105,6 +105,12 @@ class Rule:
     # key/value blocks between ranks): kernel_cost(ctx, sources, targets, out_layouts) -> (bytes received per
     # global rank, collectives), added to the choice's cost; None: this choice is not to be taken
     kernel_cost: Optional[Callable[[Ctx, tuple, tuple, tuple], Optional[tuple]]] = None
+    # for a rule with a `local` hook: whether, under these layouts, the hook computes what the op itself computes on
+    # the shards when the sizes in its arguments are read off them (a view's: the hook only restates sizes for the
+    # shard). A module whose ops are all so may run on its plain local tensors (`globaltensor/plain.py`); a hook
+    # that must know where its shard sits (vocab offsets, a global count, causal rows) says False or leaves None.
+    # plain_when(ctx, input layouts, output layouts) -> bool
+    plain_when: Optional[Callable[[Ctx, tuple, tuple], bool]] = None
 
 
 RULES: dict[Any, Rule] = {}
@@ -151,9 +157,13 @@ def split_on(layout: Any, dim: int) -> bool:
     return any(isinstance(s, Split) and s.dim == dim for s in layout.sbp)
 
 
+def always(*_: Any) -> bool:
+    return True
+
+
 def no_signatures(ctx: Ctx) -> list:
     return []
 
 
 __all__ = ["Ctx", "Local", "Rule", "RULES", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
-           "B", "P", "PMAX", "PMIN", "S", "aten", "field", "no_signatures", "reduce_partial", "split_on"]
+           "B", "P", "PMAX", "PMIN", "S", "aten", "always", "field", "no_signatures", "reduce_partial", "split_on"]

@@ -21,7 +21,7 @@ from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
 from ..sbp import Broadcast, Split
-from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, aten, register
+from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, always, aten, register
 
 
 def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:
@@ -30,7 +30,7 @@ def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) 
         sigs = [((S(d),) * n_in, (S(o),) * n_out) for d, o in dim_map(ctx).items()]
         sigs.append(((P,) * n_in, (P,) * n_out))
         return sigs
-    return Rule(signatures, local=local)
+    return Rule(signatures, local=local, plain_when=None if local is None else always)  # hooks that size views
 
 
 def _d(d: int, n: int) -> int:
@@ -204,7 +204,8 @@ def _ragged_view(func, args, kwargs):
 
 # globaltensor/ragged_views.py puts its builder here when imported (the ops do not import the front door)
 RAGGED_VIEW: dict = {"run": None}
-RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when)
+RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when,
+               plain_when=always)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
           aten.flatten.using_ints, aten.view_as.default], RESHAPE)
@@ -394,4 +395,10 @@ def flip_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> t
 
 register([aten.constant_pad_nd.default],
          Rule(pad_signatures, scalar_key=lambda args, kwargs: _pad_value(args, kwargs) == 0))
-register([aten.flip.default], Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost))
+def _flips_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    """`flip_local` is the plain flip where no flipped dim is split (no mirror exchange: `Rule.plain_when`)."""
+    flipped = _flipped(ctx)
+    return not any(isinstance(s, Split) and s.dim in flipped for s in ins[0].sbp)
+
+
+register([aten.flip.default], Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))

@@ -8,16 +8,24 @@ that asks for it (a report's). State is per thread, because a simulated rank is 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Callable, Iterator
 
 
 class _Flags:
-    """`on`: some thread has a report open; the hot paths test this one attribute and nothing else."""
+    """`on`: some thread has a report open or watches its ops (`watching`); the hot paths test this one
+    attribute and nothing else."""
     on = False
+    reports = 0   # reports open, over all threads
+    watchers = 0  # op watchers open, over all threads
+
+    def refresh(self) -> None:
+        self.on = self.reports > 0 or self.watchers > 0
 
 
 FLAGS = _Flags()
+_FLAGS_LOCK = threading.Lock()
 
 
 class _State(threading.local):
@@ -27,9 +35,27 @@ class _State(threading.local):
         self.why: list = []        # free-form reasons pushed by their owners ("gradient bucket of 12")
         self.frames: list = []     # module frames pushed by the report's hooks (globaltensor/report.py)
         self.reporting = 0         # reports open on this thread
+        self.watchers: list = []   # watch(func, args, kwargs, decision or None) of `watching()` blocks open here
 
 
 STATE = _State()
+
+
+@contextlib.contextmanager
+def watching(watch: Callable[[Any, tuple, dict, Any], None]) -> Iterator[None]:
+    """Call `watch(func, args, kwargs, decision)` for every op this thread dispatches in the block, before it
+    runs (decision None where a step plan steers it). What `globaltensor/plain.py` verifies a module by."""
+    with _FLAGS_LOCK:
+        FLAGS.watchers += 1
+        FLAGS.refresh()
+    STATE.watchers.append(watch)
+    try:
+        yield
+    finally:
+        STATE.watchers.remove(watch)
+        with _FLAGS_LOCK:
+            FLAGS.watchers -= 1
+            FLAGS.refresh()
 
 
 def push_op(op: Any, args: tuple) -> None:

@@ -1,0 +1,405 @@
+"""Plain regions: a module whose every op is local runs its later calls on plain local tensors.
+
+Why: the dispatcher costs tens of microseconds per op (a key, a cached program, a wrap), which a small
+model's ~250 ops per step pay where FSDP2 and DDP compute on plain tensors. When a module's layouts make
+every one of its ops a kernel on the local shards (a ZeRO block: the batch split, the gathered parameters
+Broadcast), the dispatcher decides nothing that a plain run would not do: the same kernels on the same
+shards. So the first call with a given key (the layouts, shapes and dtypes of its inputs and parameters)
+runs through the dispatcher while its decisions are watched; if they were all local, later calls swap the
+module's parameters and inputs for their local tensors, run the module's own forward in plain torch, and
+wrap the outputs in the layouts the dispatcher gave them. That is DTensor's `to_local` / `from_local`
+around a region, and FSDP2's compute on unsharded plain parameters, decided by the rules instead of by
+a wrapper class.
+
+What makes a call local (`_judge`), from its dispatcher decisions, the same on every rank:
+
+- every op a kernel (no fallback, no decomposition), no input converted, no collective in the forward;
+- no op that draws random numbers (the dispatcher gives each shard its part of one global stream: their
+  rules' hooks say so, as attention's does with dropout on);
+- a rule's `local` hook only where the rule says it computes what the plain op would (`Rule.plain_when`:
+  a view's sizes; attention without a sequence split);
+- no rank holds an empty shard of an input (a plain kernel on an empty shard may fail where the dispatcher
+  skips it);
+- per mesh axis, the outputs are all split/partial (each rank computed its own part) or all Broadcast with
+  every input Broadcast (every rank computed the same); that says the gradients' layouts (`_grad_layout`);
+- the forward, run once more on fake tensors (shapes, no data) of one rank's local shapes, makes the same
+  calls with the same arguments as the watched run made with the global ones (a view's sizes excepted,
+  which must match the shard's shape; copies that only strides ask for aside). This catches a forward that reads a global size into a value (`x / x.size(0)`): in
+  the plain run it would read the local one. (That run is on fake tensors: it changes no tensor, but a
+  forward with Python side effects, a call counter, sees one call more.)
+
+A call runs through the dispatcher while a hook would see the region's tensors (a submodule's hook, a
+global module hook, an open `gt.comm_report()`): hooks see GlobalTensors. So does a rank outside the
+placement (it holds empty shards, and takes no part in the placement's collectives). The ranks of the
+placement must take the same path, as they run the same program: the forward moves nothing either way,
+but the dispatcher's backward may convert inside the module where the plain one converts only at its
+boundary (a Partial output's gradient: the plain backward moves less, never more; tests/test_plain_regions.py).
+
+Gradients: an input split on an axis takes its gradient split alike; a Broadcast input (a parameter) used
+on an axis where the outputs are split takes a Partial gradient there, each rank's own contribution, as
+the dispatcher's rules give it (ZeRO's reduce-scatter or the gradient bucket reduces it); an output's
+gradient is converted to its forward layout's dual before the plain backward reads it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .layout import Layout
+from .runtime import context
+from .runtime.trace import watching
+from .sbp import Broadcast, Partial, Split
+from .tensor import GlobalTensor, grad_layout
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What the watched call showed: `plain`, and for a plain one the outputs' (layout, shape) per flattened
+    output leaf, the gradient layout per input leaf and per parameter/buffer slot; else `why` not."""
+    plain: bool
+    why: str = ""
+    members: frozenset = frozenset()
+    outs: tuple = ()
+    in_grads: tuple = ()
+    slot_grads: tuple = ()
+
+
+_NOT_KEYED = object()
+MAX_KEYS = 64  # keys watched per module; later new ones run through the dispatcher
+_M = torch.nn.modules.module
+
+
+def _global_hooks() -> tuple:
+    return (_M._global_forward_pre_hooks, _M._global_forward_hooks, _M._global_backward_pre_hooks,
+            _M._global_backward_hooks)
+
+
+class PlainRegion:
+    """Installed as a module's `forward` attribute (the class's is untouched): the first call per key is
+    watched through the dispatcher, later ones run plain where the watch allowed it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.verdicts: dict = {}
+        self._slots: Optional[list] = None
+        self._inner: Optional[list] = None
+
+    def slots(self) -> list:
+        """(table, name) of every parameter and buffer of the module's modules (the dicts are the modules'
+        own for their lives; their entries are read at each call: a ZeRO gather swaps them)."""
+        if self._slots is None:
+            self._slots = [(table, name) for m in self.module.modules() for table in (m._parameters, m._buffers)
+                           for name in table]
+        return self._slots
+
+    def __getstate__(self) -> dict:  # a pickled or deep-copied module watches its calls afresh
+        return {"module": self.module, "verdicts": {}, "_slots": None, "_inner": None}
+
+    def why(self) -> dict:
+        """Per key seen, why the call is not plain ('' where it is)."""
+        return {k: v.why for k, v in self.verdicts.items()}
+
+    def hooked(self) -> bool:
+        """Whether a hook would see the region's tensors: a submodule's, or a global module hook (an open
+        `gt.comm_report()`'s among them). Hooks see GlobalTensors, so such a call runs through the dispatcher."""
+        if self._inner is None:
+            self._inner = [m for m in self.module.modules() if m is not self.module]
+        return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
+                   for m in self._inner) or any(_global_hooks())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.module).forward
+        if self.hooked():
+            return forward(self.module, *args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        slot_tensors = [table[name] for table, name in self.slots()]
+        key = _key(leaves, spec, slot_tensors, self.module.training)
+        verdict = self.verdicts.get(key) if key is not _NOT_KEYED else _Verdict(False, "an argument is not hashable")
+        if verdict is None:
+            if len(self.verdicts) >= MAX_KEYS:  # shapes that change every call: watching would cost each one
+                return forward(self.module, *args, **kwargs)
+            out, verdict = _watched(self.module, forward, args, kwargs, leaves, spec, self.slots(), slot_tensors)
+            self.verdicts[key] = verdict
+            return out
+        if not verdict.plain or context.current().rank not in verdict.members:  # outside: empty shards
+            return forward(self.module, *args, **kwargs)
+        return self._plain(verdict, forward, leaves, spec, slot_tensors)
+
+    def _plain(self, v: _Verdict, forward: Any, leaves: list, spec: Any, slot_tensors: list) -> Any:
+        grad = torch.is_grad_enabled()
+        ins = [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
+        slots = self.slots()
+        local_leaves = list(leaves)
+        locals_: list = [t._local if isinstance(t, GlobalTensor) else t for t in slot_tensors]
+        if grad:  # the tensors that take gradients become plain through one autograd node
+            tracked = [(x, g) for x, g in ((leaves[i], v.in_grads[k]) for k, i in enumerate(ins))
+                       if x.requires_grad] + \
+                      [(t, g) for t, g in zip(slot_tensors, v.slot_grads) if isinstance(t, GlobalTensor) and t.requires_grad]
+            plain = iter(_ToPlain.apply(tuple(g for _, g in tracked), *(t for t, _ in tracked)) if tracked else ())
+            for i in ins:
+                local_leaves[i] = next(plain) if leaves[i].requires_grad else leaves[i]._local
+            for s, t in enumerate(slot_tensors):
+                if isinstance(t, GlobalTensor) and t.requires_grad:
+                    locals_[s] = next(plain)
+        else:
+            for i in ins:
+                local_leaves[i] = leaves[i]._local
+        for (table, name), local in zip(slots, locals_):
+            table[name] = local
+        try:
+            args, kwargs = pytree.tree_unflatten(local_leaves, spec)
+            out = forward(self.module, *args, **kwargs)
+        finally:
+            for (table, name), t in zip(slots, slot_tensors):
+                table[name] = t
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        if grad and any(out_leaves[i].requires_grad for i in at):
+            wrapped = _FromPlain.apply(v.outs, *(out_leaves[i] for i in at))
+        else:
+            wrapped = [GlobalTensor(out_leaves[i], lay, shape) for i, (lay, shape) in zip(at, v.outs)]
+        for i, w in zip(at, wrapped):
+            out_leaves[i] = w
+        return pytree.tree_unflatten(out_leaves, out_spec)
+
+
+def _key(leaves: list, spec: Any, slot_tensors: list, training: bool) -> Any:
+    parts: list = [spec, training, torch.is_grad_enabled()]
+    for x in leaves:
+        if isinstance(x, GlobalTensor):
+            parts.append((x._key, x.requires_grad))
+        elif isinstance(x, torch.Tensor):
+            parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+        else:
+            try:
+                hash(x)
+            except TypeError:
+                return _NOT_KEYED
+            parts.append((type(x), x))
+    for t in slot_tensors:
+        parts.append((t._key, t.requires_grad) if isinstance(t, GlobalTensor) else
+                     None if t is None else (tuple(t.shape), t.dtype, t.requires_grad))
+    try:
+        return tuple(parts)
+    except TypeError:
+        return _NOT_KEYED
+
+
+class _ToPlain(torch.autograd.Function):
+    """GlobalTensors -> their local tensors; backward: each plain gradient as a GlobalTensor in its layout."""
+
+    @staticmethod
+    def forward(ctx, grads: tuple, *tensors: GlobalTensor) -> tuple:  # type: ignore[override]
+        ctx.grads, ctx.shapes = grads, [tuple(t.shape) for t in tensors]
+        return tuple(_alias(t._local) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        return (None, *[None if g is None else GlobalTensor(g, lay, shape)
+                        for g, lay, shape in zip(grads, ctx.grads, ctx.shapes)])
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s storage with a version counter of its own, as the dispatcher's kernels see a shard
+    (under autograd): ZeRO-3 refills a freed gathered parameter in place before the backward reads what
+    autograd saved of it, which a view of it would take for a modification."""
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                   t.size(), t.stride())
+
+
+class _FromPlain(torch.autograd.Function):
+    """Plain outputs -> GlobalTensors in the watched layouts; backward: each gradient converted to the dual
+    layout, then its local tensor."""
+
+    @staticmethod
+    def forward(ctx, outs: tuple, *locals_: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.duals = [grad_layout(lay) for lay, _ in outs]
+        return tuple(GlobalTensor(t.view_as(t), lay, shape) for t, (lay, shape) in zip(locals_, outs))
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        out: list = [None]
+        for g, dual in zip(grads, ctx.duals):
+            if isinstance(g, GlobalTensor):
+                if g._layout != dual:
+                    g = g.to_global(dual.placement, dual.sbp)
+                g = g._local
+            out.append(g)
+        return tuple(out)
+
+
+# -- the watch -----------------------------------------------------------------------------------------------
+class _Watch:
+    """What the dispatcher decided for each op of the watched call: the calls and the first reason not."""
+
+    def __init__(self) -> None:
+        self.calls: list = []  # (func, non-tensor arguments, global output shapes, output layouts, view-like)
+        self.why = ""
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict, dec: Any) -> None:
+        if self.why:
+            return
+        self.why = _not_local(func, dec)
+        if not self.why:
+            rule = dec.rule
+            sized = rule is not None and rule.local is not None  # its sizes are the shard's: compared by shape
+            self.calls.append((func, None if sized else _values(args, kwargs), dec.out_shapes, dec.out_layouts))
+
+
+def _not_local(func: Any, dec: Any) -> str:
+    name = str(func)
+    if dec is None:
+        return f"{name} is steered by a step plan"
+    if dec.kind != "kernel":
+        return f"{name} is a {dec.kind}"
+    if dec.boxes or dec.writeback:
+        return f"{name} converts an input ({dec.sources} -> {dec.targets})"
+    rule = dec.rule
+    if rule is not None and rule.local is not None and (
+            rule.plain_when is None or not rule.plain_when(dec.ctx, dec.targets, dec.out_layouts)):
+        return f"{name}'s local kernel must know where its shard sits"
+    if dec.out_shapes is None:
+        return f"{name}'s output shape depends on the values"
+    return ""
+
+
+def _values(args: tuple, kwargs: dict) -> tuple:
+    """The non-tensor arguments (tensors and devices as their place: the check runs on fakes), comparable."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (spec, tuple(None if isinstance(x, (torch.Tensor, torch.device)) else x for x in leaves))
+
+
+def _watched(module: torch.nn.Module, forward: Any, args: tuple, kwargs: dict, leaves: list, spec: Any,
+             slots: list, slot_tensors: list) -> tuple:
+    """The call through the dispatcher, watched; and the verdict."""
+    watch = _Watch()
+    with context.comm_log() as log, watching(watch):
+        out = forward(module, *args, **kwargs)
+    return out, _judge(module, forward, watch, log, leaves, spec, slots, slot_tensors, out)
+
+
+def _judge(module: torch.nn.Module, forward: Any, watch: _Watch, log: Any, leaves: list, spec: Any, slots: list,
+           slot_tensors: list, out: Any) -> _Verdict:
+    if watch.why:
+        return _Verdict(False, watch.why)
+    if log.events:
+        return _Verdict(False, f"it communicates ({log.events[0].kind})")
+    out_leaves = pytree.tree_leaves(out)
+    outs = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+    if not outs or not all(isinstance(o, GlobalTensor) for o in outs):
+        return _Verdict(False, "an output is not a GlobalTensor")
+    ins = [x for x in leaves if isinstance(x, GlobalTensor)]
+    tensors = ins + [t for t in slot_tensors if isinstance(t, GlobalTensor)] + outs
+    placement = outs[0].placement
+    if any(t.placement != placement for t in tensors) or any(t._layout.zigzag_axes for t in tensors):
+        return _Verdict(False, "its tensors are not all on one placement in plain splits")
+    if any(math.prod(s) == 0 for x in ins for s in x._layout.local_shapes(tuple(x.shape))) and \
+            any(x.numel() for x in ins):
+        return _Verdict(False, "a rank holds an empty shard of an input")
+    split_axes = []
+    for a in range(placement.ndim):
+        kinds = {type(o._layout.sbp[a]) for o in outs}
+        if kinds <= {Split, Partial}:
+            split_axes.append(True)
+        elif kinds == {Broadcast} and all(isinstance(x._layout.sbp[a], Broadcast) for x in tensors):
+            split_axes.append(False)
+        else:
+            return _Verdict(False, f"its outputs and inputs mix layouts on mesh axis {a}")
+    why = _shape_check(module, forward, watch, leaves, spec, slots, slot_tensors, placement)
+    if why:
+        return _Verdict(False, why)
+    return _Verdict(True, "", frozenset(placement.flat_ranks), tuple((o._layout, tuple(o.shape)) for o in outs),
+                    tuple(_grad_layout(x._layout, split_axes) for x in ins),
+                    tuple(_grad_layout(t._layout, split_axes) if isinstance(t, GlobalTensor) else None
+                          for t in slot_tensors))
+
+
+def _grad_layout(lay: Layout, split_axes: list) -> Layout:
+    """A split stays, a Partial's gradient is Broadcast, a Broadcast's is Partial where the outputs are split."""
+    return Layout(lay.placement, tuple(
+        s if isinstance(s, Split) else Broadcast() if isinstance(s, Partial) else Partial() if split else s
+        for s, split in zip(lay.sbp, split_axes)))
+
+
+_aten = torch.ops.aten
+# calls that copy values or not as strides ask: a plain tensor is made contiguous where a GlobalTensor already
+# is (its strides are always contiguous), so `.contiguous()` and `reshape` call a clone on one and not the other
+_COPIES = frozenset({_aten.clone.default, _aten.detach.default, _aten.alias.default, _aten.lift_fresh.default})
+_VIEWS = {_aten._unsafe_view.default: _aten.view.default, _aten._reshape_alias.default: _aten.view.default,
+          _aten.reshape.default: _aten.view.default}
+
+
+# -- the shape check-------------------------------------------------------------------------------------------
+class _Calls(TorchDispatchMode):
+    """The calls on tensors that stand for GlobalTensors (`derived`) and on what is computed from them: the
+    calls the dispatcher would see (one on plain tensors alone it never sees)."""
+
+    def __init__(self, derived: set) -> None:
+        super().__init__()
+        self.derived = derived  # ids of such tensors (kept alive by `keep`)
+        self.keep: list = []
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":  # the fake tensors' own queries (prim.device)
+            return out
+        if any(id(t) in self.derived for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            self.derived.update(id(o) for o in outs)
+            self.keep.append(outs)
+            self.calls.append((func, args, kwargs, [tuple(o.shape) for o in outs]))
+        return out
+
+
+def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: list, spec: Any, slots: list,
+                slot_tensors: list, placement: Any) -> str:
+    """The forward on fake tensors (shapes only) of one rank's local shapes: the same calls as watched, the same arguments
+    (sizes excepted, which must be the shard's). The rank: the one whose shards differ most from the whole,
+    the same on every rank."""
+    gts = [t for t in leaves + slot_tensors if isinstance(t, GlobalTensor)]
+
+    def differ(r: int) -> int:
+        return sum(a != b for t in gts for a, b in zip(t._layout.local_shape(tuple(t.shape), r), t.shape))
+    rank = max(placement.flat_ranks, key=lambda r: (differ(r), -r))
+
+    def fake(t: Any) -> Any:
+        shape = t._layout.local_shape(tuple(t.shape), rank) if isinstance(t, GlobalTensor) else tuple(t.shape)
+        f = torch.empty(shape, dtype=t.dtype, device=t.device)
+        return f.requires_grad_() if t.requires_grad and t.is_floating_point() else f
+    fakes = FakeTensorMode(allow_non_fake_inputs=False)
+    try:
+        with fakes:  # on the tensors' device (a composite op picks its kernel by device), allocating nothing
+            fakes_of = {id(t): fake(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
+        mode = _Calls({id(fakes_of[id(t)]) for t in gts})
+        for (table, name), t in zip(slots, slot_tensors):
+            table[name] = fakes_of.get(id(t), t)
+        args, kwargs = pytree.tree_unflatten([fakes_of.get(id(x), x) for x in leaves], spec)
+        with fakes, mode:
+            forward(module, *args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - any failure only means: not plain
+        return f"its forward on one rank's shard shapes raised {type(e).__name__}: {e}"
+    finally:
+        for (table, name), t in zip(slots, slot_tensors):
+            table[name] = t
+    mode.calls = [c for c in mode.calls if c[0] not in _COPIES]
+    watch.calls = [c for c in watch.calls if c[0] not in _COPIES]
+    if len(mode.calls) != len(watch.calls):
+        return f"its forward on one rank's shard shapes made {len(mode.calls)} calls, not {len(watch.calls)}"
+    for (func, args, kwargs, shapes), (wfunc, values, out_shapes, out_layouts) in zip(mode.calls, watch.calls):
+        if _VIEWS.get(func, func) is not _VIEWS.get(wfunc, wfunc):
+            return f"its forward on one rank's shard shapes called {func} where the watched one called {wfunc}"
+        if values is not None and _values(args, kwargs) != values:
+            return f"{func}'s arguments depend on the sizes of split dims (a global size read into a value)"
+        want = [lay.local_shape(shape, rank) for lay, shape in zip(out_layouts, out_shapes)
+                if lay is not None and shape is not None]
+        if [tuple(s) for s in shapes] != [tuple(s) for s in want]:
+            return f"{func} makes shard shapes {shapes}, not its layout's {want}"
+    return ""
