@@ -96,7 +96,14 @@ def _dropout_key(op: Any):
     return lambda args, kwargs: bool(args[at] if len(args) > at else kwargs.get("dropout_p", 0.0))
 
 
+def _no_dropout(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    """The hook is the kernel itself on a shard with rows; with dropout off no rank's draw differs (`Rule.plain_when`:
+    a plain region excludes empty shards itself)."""
+    return not ctx.named("dropout_p", 0.0)
+
+
 for _packet in overloads("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
                          "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
                          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
-    register([_packet.default], Rule(_signatures, local=_local_for(_packet.default), scalar_key=_dropout_key(_packet.default)))
+    register([_packet.default], Rule(_signatures, local=_local_for(_packet.default), scalar_key=_dropout_key(_packet.default),
+                                     plain_when=_no_dropout))

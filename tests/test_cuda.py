@@ -229,13 +229,17 @@ def _zero3(device: str, steps: int = 3):
         losses.append(loss.full_tensor().item())
         logs.append(_events(log))
     devices = {q.to_local().device.type for q in model.parameters()}
+    plain = sorted({w for b in model.blocks for w in b.forward.why().values()})  # globaltensor/plain.py
     return losses, {n: q.full_tensor().detach().cpu() for n, q in model.named_parameters()}, logs, devices, \
-        zero.in_flight(torch.device(device))
+        zero.in_flight(torch.device(device)), plain
 
 
 def test_sim_zero3_on_cuda_keeps_a_reduction_in_flight_and_matches_cpu():
+    """Also: the blocks run as plain regions on either device (the fused CUDA attention kernels' hooks are the
+    kernel itself without dropout), after a first step through the dispatcher, with the same collectives."""
     cuda, cpu = gt.launch(_zero3, 2, args=("cuda",)), gt.launch(_zero3, 2, args=("cpu",))
     for r in range(2):
+        assert cuda[r][5] == cpu[r][5] == [""], (cuda[r][5], cpu[r][5])
         assert cuda[r][3] == {"cuda"} and (cuda[r][4], cpu[r][4]) == (1, 0)
         assert cuda[r][2] == cpu[r][2], f"rank {r}: the collectives differ between cuda and cpu"
         _assert_same_training(cuda[r], cpu[r], atol=1e-5)
