@@ -87,54 +87,51 @@ class PlainRegion:
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.verdicts: dict = {}
-        self._slots: Optional[list] = None
-        self._inner: Optional[list] = None
-
-    def slots(self) -> list:
-        """(table, name) of every parameter and buffer of the module's modules (the dicts are the modules'
-        own for their lives; their entries are read at each call: a ZeRO gather swaps them)."""
-        if self._slots is None:
-            self._slots = [(table, name) for m in self.module.modules() for table in (m._parameters, m._buffers)
-                           for name in table]
-        return self._slots
 
     def __getstate__(self) -> dict:  # a pickled or deep-copied module watches its calls afresh
-        return {"module": self.module, "verdicts": {}, "_slots": None, "_inner": None}
+        return {"module": self.module, "verdicts": {}}
 
     def why(self) -> dict:
         """Per key seen, why the call is not plain ('' where it is)."""
         return {k: v.why for k, v in self.verdicts.items()}
 
-    def hooked(self) -> bool:
-        """Whether a hook would see the region's tensors: a submodule's, or a global module hook (an open
-        `gt.comm_report()`'s among them). Hooks see GlobalTensors, so such a call runs through the dispatcher."""
-        if self._inner is None:
-            self._inner = [m for m in self.module.modules() if m is not self.module]
-        return any(m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
-                   for m in self._inner) or any(_global_hooks())
+    def _walk(self) -> Optional[list]:
+        """(table, name) of every parameter and buffer of the module's modules, read afresh at each call (a
+        submodule or parameter may be replaced or added; a ZeRO gather swaps the entries); None where a hook
+        would see the region's tensors: a submodule's, or a global module hook (an open `gt.comm_report()`'s
+        among them). Hooks see GlobalTensors, so such a call runs through the dispatcher."""
+        slots = []
+        for m in self.module.modules():
+            if m is not self.module and (m._forward_pre_hooks or m._forward_hooks or m._backward_hooks
+                                         or m._backward_pre_hooks):
+                return None
+            for table in (m._parameters, m._buffers):
+                for name in table:
+                    slots.append((table, name))
+        return None if any(_global_hooks()) else slots
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = type(self.module).forward
-        if self.hooked():
+        slots = self._walk()
+        if slots is None:
             return forward(self.module, *args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        slot_tensors = [table[name] for table, name in self.slots()]
-        key = _key(leaves, spec, slot_tensors, self.module.training)
+        slot_tensors = [table[name] for table, name in slots]
+        key = _key(leaves, spec, slots, slot_tensors, self.module.training)
         verdict = self.verdicts.get(key) if key is not _NOT_KEYED else _Verdict(False, "an argument is not hashable")
         if verdict is None:
             if len(self.verdicts) >= MAX_KEYS:  # shapes that change every call: watching would cost each one
                 return forward(self.module, *args, **kwargs)
-            out, verdict = _watched(self.module, forward, args, kwargs, leaves, spec, self.slots(), slot_tensors)
+            out, verdict = _watched(self.module, forward, args, kwargs, leaves, spec, slots, slot_tensors)
             self.verdicts[key] = verdict
             return out
         if not verdict.plain or context.current().rank not in verdict.members:  # outside: empty shards
             return forward(self.module, *args, **kwargs)
-        return self._plain(verdict, forward, leaves, spec, slot_tensors)
+        return self._plain(verdict, forward, leaves, spec, slots, slot_tensors)
 
-    def _plain(self, v: _Verdict, forward: Any, leaves: list, spec: Any, slot_tensors: list) -> Any:
+    def _plain(self, v: _Verdict, forward: Any, leaves: list, spec: Any, slots: list, slot_tensors: list) -> Any:
         grad = torch.is_grad_enabled()
         ins = [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
-        slots = self.slots()
         local_leaves = list(leaves)
         locals_: list = [t._local if isinstance(t, GlobalTensor) else t for t in slot_tensors]
         if grad:  # the tensors that take gradients become plain through one autograd node
@@ -160,6 +157,10 @@ class PlainRegion:
                 table[name] = t
         out_leaves, out_spec = pytree.tree_flatten(out)
         at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        if len(at) != len(v.outs):
+            raise RuntimeError(f"{type(self.module).__name__}.forward returned {len(at)} tensors where its watched call "
+                               f"with the same inputs returned {len(v.outs)}: a forward whose outputs depend on values "
+                               "cannot run as a plain region")
         if grad and any(out_leaves[i].requires_grad for i in at):
             wrapped = _FromPlain.apply(v.outs, *(out_leaves[i] for i in at))
         else:
@@ -169,8 +170,8 @@ class PlainRegion:
         return pytree.tree_unflatten(out_leaves, out_spec)
 
 
-def _key(leaves: list, spec: Any, slot_tensors: list, training: bool) -> Any:
-    parts: list = [spec, training, torch.is_grad_enabled()]
+def _key(leaves: list, spec: Any, slots: list, slot_tensors: list, training: bool) -> Any:
+    parts: list = [spec, training, torch.is_grad_enabled(), tuple(name for _, name in slots)]
     for x in leaves:
         if isinstance(x, GlobalTensor):
             parts.append((x._key, x.requires_grad))
