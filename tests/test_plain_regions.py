@@ -190,8 +190,10 @@ LAYOUTS = {1: [(gt.split(0),), (gt.split(1),)], 2: [(gt.split(0), gt.split(1)), 
                                                       (gt.split(1), gt.split(0))]}
 
 
-def _probe_run(mesh: tuple, layout: tuple, ops: tuple, batch: int, seq: int, d: int, steps: int):
-    p = gt.placement("cpu", np.arange(math.prod(mesh)).reshape(mesh).tolist())
+def _probe_run(mesh: tuple, layout: tuple, ops: tuple, batch: int, seq: int, d: int, steps: int, outside: int = 0):
+    """The mesh on ranks outside .. outside + n (rank 0 outside it where outside is 1)."""
+    p = gt.placement("cpu", (np.arange(math.prod(mesh)) + outside).reshape(mesh).tolist())
+    inside = gt.rank() in p
     torch.manual_seed(0)
     stored = (gt.split(0),) + (gt.broadcast,) * (len(mesh) - 1)
     model = gt.to_global(_Outer(d, ops).double(), p, {
@@ -203,8 +205,9 @@ def _probe_run(mesh: tuple, layout: tuple, ops: tuple, batch: int, seq: int, d: 
         with gt.comm_log() as log:
             y = model(x)
             (y * y).sum().backward()
-        outs.append(y.full_tensor().detach())
-        grads.append((x.grad.full_tensor(), {k: q.grad.full_tensor() for k, q in model.named_parameters()}))
+        if inside:
+            outs.append(y.full_tensor().detach())
+            grads.append((x.grad.full_tensor(), {k: q.grad.full_tensor() for k, q in model.named_parameters()}))
         for q in model.parameters():
             q.grad = None
         moved.append([(e.kind, e.recv_bytes) for e in log.events])
@@ -212,17 +215,18 @@ def _probe_run(mesh: tuple, layout: tuple, ops: tuple, batch: int, seq: int, d: 
 
 
 @given(mesh=st.sampled_from([(2,), (3,), (4,), (2, 2)]), ops=OPS, batch=st.integers(1, 6), seq=st.integers(2, 5),
-       pick=st.integers(0, 2))
-@example(mesh=(2,), ops=("heads", "softmax"), batch=4, seq=3, pick=0)
-@example(mesh=(2,), ops=("global_size",), batch=4, seq=3, pick=0)
-@example(mesh=(2, 2), ops=("sum_batch", "heads"), batch=4, seq=4, pick=1)
-@example(mesh=(2,), ops=("global_size",), batch=2, seq=4, pick=1)
-def test_plain_region_values_and_bytes_equal_the_dispatcher_hypothesis(mesh, ops, batch, seq, pick):
-    """Over meshes, input layouts (batch or sequence split, an axis Broadcast), uneven and empty shards, and
-    forwards that read a global size into a value or sum over the split batch (a Partial output): the
-    outputs and gradients of the input and parameters equal one device's on every call, the watched first
-    call and the plain later ones move the same bytes; a forward that reads the size of a split dim into a
-    value, an input whose split leaves some rank empty, are not plain; an even batch split of the others is."""
+       pick=st.integers(0, 2), outside=st.integers(0, 1))
+@example(mesh=(2,), ops=("heads", "softmax"), batch=4, seq=3, pick=0, outside=1)
+@example(mesh=(2,), ops=("global_size",), batch=4, seq=3, pick=0, outside=0)
+@example(mesh=(2, 2), ops=("sum_batch", "heads"), batch=4, seq=4, pick=1, outside=0)
+@example(mesh=(2,), ops=("global_size",), batch=2, seq=4, pick=1, outside=0)
+def test_plain_region_values_and_bytes_equal_the_dispatcher_hypothesis(mesh, ops, batch, seq, pick, outside):
+    """Over meshes, input layouts (batch or sequence split, an axis Broadcast), uneven and empty shards, a world
+    larger than the mesh, and forwards that read a global size into a value or sum over the split batch (a
+    Partial output): the outputs and gradients of the input and parameters equal one device's on every call,
+    a plain call moves no more than the watched first one (the same where not plain); a forward that reads
+    the size of a split dim into a value, an input whose split leaves some rank empty, are not plain; an even
+    batch split of the others is. A rank outside the mesh moves nothing."""
     layout = LAYOUTS[len(mesh)][pick % len(LAYOUTS[len(mesh)])]
     d, steps = 4, 2
     torch.manual_seed(0)
@@ -235,8 +239,11 @@ def test_plain_region_values_and_bytes_equal_the_dispatcher_hypothesis(mesh, ops
         (y * y).sum().backward()
         want.append((y.detach(), x.grad, {k: q.grad for k, q in ref.named_parameters()}))
         ref.zero_grad(set_to_none=True)
-    for outs, grads, moved, whys in gt.launch(_probe_run, math.prod(mesh),
-                                              args=(mesh, layout, ops, batch, seq, d, steps)):
+    results = gt.launch(_probe_run, math.prod(mesh) + outside, args=(mesh, layout, ops, batch, seq, d, steps, outside))
+    for rank, (outs, grads, moved, whys) in enumerate(results):
+        if rank < outside:
+            assert outs == [] and moved == [[]] * steps
+            continue
         for (y, (gx, gp)), (wy, wgx, wgp) in zip(zip(outs, grads), want):
             torch.testing.assert_close(y, wy, rtol=0, atol=1e-12)
             torch.testing.assert_close(gx, wgx, rtol=0, atol=1e-12)
