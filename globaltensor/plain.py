@@ -14,7 +14,7 @@ a wrapper class.
 What makes a call local (`_judge`), from its dispatcher decisions, the same on every rank:
 
 - every op a kernel (no fallback, no decomposition), no input converted, no collective in the forward;
-- no op that draws random numbers (the dispatcher gives each shard its part of one global stream: their
+- no op that writes in place, none that draws random numbers (the dispatcher gives each shard its part of one global stream: their
   rules' hooks say so, as attention's does with dropout on);
 - a rule's `local` hook only where the rule says it computes what the plain op would (`Rule.plain_when`:
   a view's sizes; attention without a sequence split);
@@ -22,11 +22,12 @@ What makes a call local (`_judge`), from its dispatcher decisions, the same on e
   skips it);
 - per mesh axis, the outputs are all split/partial (each rank computed its own part) or all Broadcast with
   every input Broadcast (every rank computed the same); that says the gradients' layouts (`_grad_layout`);
-- the forward, run once more on fake tensors (shapes, no data) of one rank's local shapes, makes the same
-  calls with the same arguments as the watched run made with the global ones (a view's sizes excepted,
-  which must match the shard's shape; copies that only strides ask for aside). This catches a forward that reads a global size into a value (`x / x.size(0)`): in
-  the plain run it would read the local one. (That run is on fake tensors: it changes no tensor, but a
-  forward with Python side effects, a call counter, sees one call more.)
+- the forward, run once more in plain torch on one rank's local shapes (zeros, without autograd), makes
+  the same calls with the same arguments as the watched run made with the global ones (a view's sizes
+  excepted, which must match the shard's shape; copies that only strides ask for aside). This catches a
+  forward that reads a global size into a value (`x / x.size(0)`): in the plain run it would read the
+  local one. (That run writes into no real tensor, but a forward with Python side effects, a call
+  counter, sees one call more.)
 
 A call runs through the dispatcher while a hook would see the region's tensors (a submodule's hook, a
 global module hook, an open `gt.comm_report()`): hooks see GlobalTensors. So does a rank outside the
@@ -47,7 +48,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -72,6 +72,7 @@ class _Verdict:
 
 _NOT_KEYED = object()
 MAX_KEYS = 64  # keys watched per module; later new ones run through the dispatcher
+ENABLED = True  # False: every call through the dispatcher (A/B measurements, debugging a region)
 _M = torch.nn.modules.module
 
 
@@ -112,7 +113,7 @@ class PlainRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = type(self.module).forward
-        slots = self._walk()
+        slots = self._walk() if ENABLED else None
         if slots is None:
             return forward(self.module, *args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -261,6 +262,8 @@ def _not_local(func: Any, dec: Any) -> str:
         return f"{name} is a {dec.kind}"
     if dec.boxes or dec.writeback:
         return f"{name} converts an input ({dec.sources} -> {dec.targets})"
+    if dec.inplace:  # (the shape check runs the forward on real shards: it must not write into them)
+        return f"{name} writes in place"
     rule = dec.rule
     if rule is not None and rule.local is not None and (
             rule.plain_when is None or not rule.plain_when(dec.ctx, dec.targets, dec.out_layouts)):
@@ -271,7 +274,7 @@ def _not_local(func: Any, dec: Any) -> str:
 
 
 def _values(args: tuple, kwargs: dict) -> tuple:
-    """The non-tensor arguments (tensors and devices as their place: the check runs on fakes), comparable."""
+    """The non-tensor arguments (tensors and devices as their place), comparable."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (spec, tuple(None if isinstance(x, (torch.Tensor, torch.device)) else x for x in leaves))
 
@@ -350,7 +353,7 @@ class _Calls(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace == "prim":  # the fake tensors' own queries (prim.device)
+        if func.namespace == "prim":  # a tensor subclass's own queries (prim.device)
             return out
         if any(id(t) in self.derived for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -362,28 +365,36 @@ class _Calls(TorchDispatchMode):
 
 def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: list, spec: Any, slots: list,
                 slot_tensors: list, placement: Any) -> str:
-    """The forward on fake tensors (shapes only) of one rank's local shapes: the same calls as watched, the same arguments
+    """The forward in plain torch on one rank's local shapes: the same calls as watched, the same arguments
     (sizes excepted, which must be the shard's). The rank: the one whose shards differ most from the whole,
-    the same on every rank."""
+    the same on every rank. Its inputs and parameters are this rank's own shards where they have that rank's
+    shapes (an even split: nothing allocated but the forward's intermediates, freed as it goes, without
+    autograd), else zeros; real, contiguous tensors on the real device, because a composite op picks its
+    kernels by device and strides (attention's fused CPU kernel, not meta's math path; a Linear's addmm on a
+    contiguous input, mm and add on a broadcast one). torch's FakeTensorMode would allocate nothing, but its
+    first use imports 67 MiB and 1.2 s of compiler modules. The forward writes in place into nothing that
+    existed before (`_not_local`), and the random state is put back after it."""
     gts = [t for t in leaves + slot_tensors if isinstance(t, GlobalTensor)]
 
     def differ(r: int) -> int:
         return sum(a != b for t in gts for a, b in zip(t._layout.local_shape(tuple(t.shape), r), t.shape))
     rank = max(placement.flat_ranks, key=lambda r: (differ(r), -r))
 
-    def fake(t: Any) -> Any:
-        shape = t._layout.local_shape(tuple(t.shape), rank) if isinstance(t, GlobalTensor) else tuple(t.shape)
-        f = torch.empty(shape, dtype=t.dtype, device=t.device)
-        return f.requires_grad_() if t.requires_grad and t.is_floating_point() else f
-    fakes = FakeTensorMode(allow_non_fake_inputs=False)
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, GlobalTensor):
+            return t
+        shape, local = t._layout.local_shape(tuple(t.shape), rank), t._local
+        if tuple(local.shape) == shape and local.is_contiguous():
+            return local  # this rank's own shard has the shape (an even split): no copy
+        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+    stand_ins = {id(t): stand_in(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
+    mode = _Calls({id(stand_ins[id(t)]) for t in gts})
+    cuda = sorted({t.device.index or 0 for t in gts if t.device.type == "cuda"})
     try:
-        with fakes:  # on the tensors' device (a composite op picks its kernel by device), allocating nothing
-            fakes_of = {id(t): fake(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
-        mode = _Calls({id(fakes_of[id(t)]) for t in gts})
         for (table, name), t in zip(slots, slot_tensors):
-            table[name] = fakes_of.get(id(t), t)
-        args, kwargs = pytree.tree_unflatten([fakes_of.get(id(x), x) for x in leaves], spec)
-        with fakes, mode:
+            table[name] = stand_ins.get(id(t), t)
+        args, kwargs = pytree.tree_unflatten([stand_ins.get(id(x), x) for x in leaves], spec)
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), mode:
             forward(module, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure only means: not plain
         return f"its forward on one rank's shard shapes raised {type(e).__name__}: {e}"
