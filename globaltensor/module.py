@@ -341,16 +341,21 @@ class _StageForward:
         self.leaves: Optional[dict] = None  # in a step, inside: id(parameter) -> (it, its plain leaf for the step)
         self.owed: Optional[dict] = None    # in a step, outside: id(parameter) -> (it, the layout its gradient takes)
         self._tables: Optional[list] = None  # (its modules' _parameters, _buffers) dicts: walked once, read each call
+        self._step_params: Optional[tuple] = None  # in a step, outside: (parameters, those taking a gradient)
+        self._step_splits: dict = {}  # ... and per call key, how their gradients split (`_owed_split`)
+        self._step_swaps: Optional[list] = None  # in a step, inside, plain: the swaps its first call made (`_swap_in`)
         self._empties: dict = {}  # outside: id(parameter) -> (it, the empty gradient it takes at each step's end)
         self._whole = Layout(placement, (Broadcast(),) * placement.ndim)  # a plain stage's outputs
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
+        self._step_params, self._step_splits, self._step_swaps = None, {}, None
 
     def close_step(self, flush: bool = True) -> None:
         """The step's gradients into the parameters' `.grad`, as autograd's accumulation would have
         left them (post-accumulate hooks included, once); `flush=False` drops them (a failed step)."""
         leaves, owed, self.leaves, self.owed = self.leaves, self.owed, None, None
+        self._step_params, self._step_splits, self._step_swaps = None, {}, None
         if not flush or leaves is None:
             return
         with torch.no_grad():
@@ -390,6 +395,31 @@ class _StageForward:
             out = [t for t in out if not (id(t) in seen or seen.add(id(t)))]
         return out
 
+    def _parameters_now(self) -> tuple:
+        """(its parameters, those of them taking a gradient) as this call sees them: in a step, read once where
+        its slots hold the stored parameters (a gathering module around or inside it puts a gathered copy, no
+        `nn.Parameter`, in them at each call: read at each call there)."""
+        got = self._step_params
+        if got is None:
+            params = self.parameters()
+            got = (params, [q for q in params if isinstance(q, GlobalTensor) and q.requires_grad])
+            if self.owed is not None and all(isinstance(q, torch.nn.Parameter) for q in params):
+                self._step_params = got
+        return got
+
+    def _swaps(self) -> list:
+        """This call's swaps of its parameters and buffers for plain tensors (`_swap_in`). In a step: the step's
+        first call's, read again as long as each slot still holds the tensor it held then; made afresh at
+        each call where a gathering module puts its gathered copies (no `nn.Parameter`) in the slots."""
+        swaps = self._step_swaps
+        if swaps is not None and all(table.get(name) is t for table, name, t, _ in swaps):
+            return swaps
+        grad = torch.is_grad_enabled()
+        swaps, stored = _swap_in(self.tables(), grad, self.leaves)
+        if self.leaves is not None and grad and stored:
+            self._step_swaps = swaps
+        return swaps
+
     def _runs_plain(self) -> bool:
         """On a one-rank placement a GlobalTensor is its local tensor, whatever its SBP: a module whose
         parameters all live there and that names no layouts inside (no hints, no gathering) computes
@@ -409,10 +439,16 @@ class _StageForward:
         if not fiber.in_fiber():
             return None
         rank = context.current().rank
-        inside = rank in self.placement
-        if any(isinstance(t, GlobalTensor) and t.placement != self.placement and (inside or rank in t.placement)
-               for t in _tensors((args, kwargs))):
-            return inside
+        here = self.placement
+        inside = rank in here
+        found = _tensors(args)
+        if kwargs:
+            _tensors(kwargs, found)
+        for t in found:
+            if isinstance(t, GlobalTensor):
+                there = t._layout.placement
+                if there is not here and there != here and (inside or rank in there):
+                    return inside
         return None
 
     def stop_on_entry(self) -> None:
@@ -435,19 +471,24 @@ class _StageForward:
         rank = context.current().rank
         inside = rank in self.placement
         side = self._side(args, kwargs)  # marks the crossing for the backward's stops
-        args, kwargs = _moved(args, self.placement, side), _moved(kwargs, self.placement, side)
+        args = _moved(args, self.placement, side)
+        if kwargs:
+            kwargs = _moved(kwargs, self.placement, side)
         forward = type(self.module).forward
         if inside:
             if self._runs_plain():
-                return _plain_forward(self.module, forward, self._whole, args, kwargs, self.leaves, self.tables())
+                return _plain_forward(self.module, forward, self._whole, args, kwargs, self._swaps())
             return forward(self.module, *args, **kwargs)
-        ins = _tensors((args, kwargs))
-        params = self.parameters()
-        targets = [t for t in ins + params if isinstance(t, GlobalTensor) and t.requires_grad]
+        ins = _tensors(args)
+        if kwargs:
+            _tensors(kwargs, ins)
+        params, wanting = self._parameters_now()
+        from_ins = [t for t in ins if isinstance(t, GlobalTensor) and t.requires_grad]
         key = tuple((t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
-                    for t in ins) + (torch.is_grad_enabled(), len(targets))
+                    for t in ins) + (torch.is_grad_enabled(), len(from_ins) + len(wanting))
         meta = self.seen.get(key)
         if meta is None:
+            targets = from_ins + wanting
             out = forward(self.module, *args, **kwargs)
             if isinstance(out, GlobalTensor) and key not in self.watching:
                 layouts: list = [None] * len(targets)
@@ -455,19 +496,21 @@ class _StageForward:
                 for i, t in enumerate(targets):
                     t.register_hook(_GradLayout(layouts, i))
             return out
-        if meta[3] and targets and torch.is_grad_enabled():
-            if self.owed is not None:  # the parameters' (empty) gradients come once, at the step's end
-                n_in = len(targets) - sum(1 for q in params if q.requires_grad)
-                grads, owed, wired = meta[4], self.owed, []
-                for i, t in enumerate(targets):
-                    if i < n_in or not t.is_leaf or grads[i] is None:
-                        wired.append(i)
-                    else:
-                        owed[id(t)] = (t, grads[i])
-                meta = meta[:4] + (tuple(grads[i] for i in wired),)
-                targets = [targets[i] for i in wired]
+        if meta[3] and (from_ins or wanting) and torch.is_grad_enabled():
+            grads = meta[4]
+            if self.owed is None:
+                targets = from_ins + wanting
+            else:  # the parameters' (empty) gradients come once, at the step's end
+                n_in = len(from_ins)
+                split = self._step_splits.get(key) if self._step_params is not None else None
+                if split is None:
+                    split = _owed_split(wanting, grads[n_in:])
+                    if self._step_params is not None:  # the same parameters at each call of this step
+                        self._step_splits[key] = split
+                self.owed.update(split[2])
+                targets, grads = from_ins + split[0], grads[:n_in] + split[1]
             if targets:
-                targets, grads = _past_elsewhere(targets, meta[4])
+                targets, grads = _past_elsewhere(targets, grads)
                 return _Elsewhere.apply(meta[:4] + (grads,), *targets)
         # requiring grad as on the ranks inside (its parameters do): the ops after it, a stage boundary's
         # among them, must record their backward here too (the boundary's sends the gradient across)
@@ -481,37 +524,47 @@ class _StageForward:
         self.watching.clear()
 
 
-def _plain_forward(module: torch.nn.Module, forward: Any, layout: Layout, args: tuple, kwargs: dict,
-                   leaves: Optional[dict] = None, tables: Optional[list] = None) -> Any:
-    """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their
-    local tensors while it runs (connected to them by autograd, or, given `leaves`, the step's plain
-    leaf per parameter, whose gradient the step hands on once), outputs wrapped back in `layout`."""
-    swapped = []
-    grad = torch.is_grad_enabled()
-    for params, buffers in tables if tables is not None else [(m._parameters, m._buffers) for m in module.modules()]:
+def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bool]:
+    """(table, name, GlobalTensor, the plain tensor it is swapped for while a one-rank stage runs, or None for
+    its `to_local()` made at each call) per GlobalTensor parameter and buffer in the module's (parameters,
+    buffers) `tables`; and whether every parameter is a stored one (an `nn.Parameter`). The plain tensor: the
+    local tensor where no gradient is taken; a gathered copy's `to_local()`, whose gradient goes back
+    through its gather; given `leaves` (a pipeline step), the step's plain leaf per parameter, whose
+    gradient the step hands on once."""
+    swaps, stored = [], True
+    for params, buffers in tables:
         for name, t in params.items():
             if isinstance(t, GlobalTensor):
-                swapped.append((params, name, t))
+                stored = stored and isinstance(t, torch.nn.Parameter)
                 if not (grad and t.requires_grad):
-                    params[name] = t._local
+                    swaps.append((params, name, t, t._local))
                 elif leaves is None or not t.is_leaf:
-                    params[name] = t.to_local()  # a gathered copy's gradient goes back through its gather
+                    swaps.append((params, name, t, None))
                 else:
                     entry = leaves.get(id(t))  # by id: a tensor's __hash__ is a Python call
                     if entry is None:
                         entry = leaves[id(t)] = (t, t._local.detach().requires_grad_())
-                    params[name] = entry[1]
+                    swaps.append((params, name, t, entry[1]))
         for name, t in buffers.items():
             if isinstance(t, GlobalTensor):
-                swapped.append((buffers, name, t))
-                buffers[name] = t.to_local() if grad and t.requires_grad else t._local
+                swaps.append((buffers, name, t, None if grad and t.requires_grad else t._local))
+    return swaps, stored
+
+
+def _plain_forward(module: torch.nn.Module, forward: Any, layout: Layout, args: tuple, kwargs: dict,
+                   swaps: list) -> Any:
+    """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their plain
+    tensors while it runs (`swaps`, from `_swap_in`), outputs wrapped back in `layout`."""
+    grad = torch.is_grad_enabled()
+    for table, name, t, plain in swaps:
+        table[name] = t.to_local() if plain is None else plain
     try:
         if kwargs:
             out = forward(module, *_as_local(args, grad), **_as_local(kwargs, grad))
         else:
             out = forward(module, *_as_local(args, grad))
     finally:
-        for table, name, t in swapped:
+        for table, name, t, _ in swaps:
             table[name] = t
     return _as_global(out, layout)
 
@@ -584,14 +637,33 @@ class _GradLayout:
             self.into[self.index] = (grad._layout, tuple(grad.shape), grad.dtype)
 
 
-def _tensors(obj: Any) -> list:
+def _tensors(obj: Any, into: Optional[list] = None) -> list:
+    """The tensors in `obj` (nested tuples, lists, dicts), in order, appended to `into`."""
+    out = [] if into is None else into
     if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out)
+    return out
+
+
+def _owed_split(wanting: list, grads: tuple) -> tuple:
+    """A rank outside a stage, in a step: of the parameters taking a gradient (`wanting`, their gradients'
+    layouts `grads`), those whose empty gradient is given at the step's end ({id: (parameter, layout)}) and
+    the others, wired into the output's backward (a gathered copy's gradient goes back through its gather):
+    (wired, their layouts, owed)."""
+    wired, layouts, owed = [], [], {}
+    for q, g in zip(wanting, grads):
+        if not q.is_leaf or g is None:
+            wired.append(q)
+            layouts.append(g)
+        else:
+            owed[id(q)] = (q, g)
+    return wired, tuple(layouts), owed
 
 
 def _past_elsewhere(targets: list, grads: tuple) -> tuple[list, tuple]:
@@ -644,7 +716,10 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
         return moved
     if isinstance(obj, (tuple, list)):  # the same container where nothing moved
         moved = [_moved(o, placement, side) for o in obj]
-        return obj if all(m is o for m, o in zip(moved, obj)) else type(obj)(moved)
+        for m, o in zip(moved, obj):
+            if m is not o:
+                return type(obj)(moved)
+        return obj
     if isinstance(obj, dict):
         return {k: _moved(v, placement, side) for k, v in obj.items()} if obj else obj
     return obj
