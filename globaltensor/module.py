@@ -346,6 +346,7 @@ class _StageForward:
         self._step_swaps: Optional[list] = None  # in a step, inside, plain: the swaps its first call made (`_swap_in`)
         self._empties: dict = {}  # outside: id(parameter) -> (it, the empty gradient it takes at each step's end)
         self._whole = Layout(placement, (Broadcast(),) * placement.ndim)  # a plain stage's outputs
+        self._ranks: dict = {}  # rank -> whether the placement holds it
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -412,8 +413,12 @@ class _StageForward:
         first call's, read again as long as each slot still holds the tensor it held then; made afresh at
         each call where a gathering module puts its gathered copies (no `nn.Parameter`) in the slots."""
         swaps = self._step_swaps
-        if swaps is not None and all(table.get(name) is t for table, name, t, _ in swaps):
-            return swaps
+        if swaps is not None:
+            for table, name, t, _ in swaps:
+                if table.get(name) is not t:
+                    break
+            else:
+                return swaps
         grad = torch.is_grad_enabled()
         swaps, stored = _swap_in(self.tables(), grad, self.leaves)
         if self.leaves is not None and grad and stored:
@@ -433,14 +438,13 @@ class _StageForward:
                 for m in self.module.modules())
         return self.plain
 
-    def _side(self, args: tuple, kwargs: dict) -> Optional[bool]:
-        """In a pipeline fiber, whether this rank receives (True) or sends (False) the inputs here; None
-        where nothing crosses to or from it (or outside a fiber)."""
+    def _side(self, args: tuple, kwargs: dict, rank: int) -> Optional[bool]:
+        """In a pipeline fiber, whether `rank` receives (True) or sends (False) the inputs here; None where
+        nothing crosses to or from it (or outside a fiber)."""
         if not fiber.in_fiber():
             return None
-        rank = context.current().rank
         here = self.placement
-        inside = rank in here
+        inside = self._holds(rank)
         found = _tensors(args)
         if kwargs:
             _tensors(kwargs, found)
@@ -450,6 +454,13 @@ class _StageForward:
                 if there is not here and there != here and (inside or rank in there):
                     return inside
         return None
+
+    def _holds(self, rank: int) -> bool:
+        """`rank in self.placement`, remembered per rank."""
+        inside = self._ranks.get(rank)
+        if inside is None:
+            inside = self._ranks[rank] = rank in self.placement
+        return inside
 
     def stop_on_entry(self) -> None:
         """Install `enter` as the module's first forward pre-hook (a pipeline that runs its micro-batches as
@@ -462,15 +473,15 @@ class _StageForward:
         """Forward pre-hook, run before the module's other hooks (a ZeRO gather, a boundary's conversion,
         which belong to the chunk): a pipeline fiber entering this rank's chunk may stop here, its
         schedule running the chunk later."""
-        side = self._side(args, kwargs)
+        side = self._side(args, kwargs, context.current().rank)
         if side is not None:
             fiber.cross(entering=side)
             reinstall()  # other fibers may have run the modules this one is inside (their slots are shared)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rank = context.current().rank
-        inside = rank in self.placement
-        side = self._side(args, kwargs)  # marks the crossing for the backward's stops
+        inside = self._holds(rank)
+        side = self._side(args, kwargs, rank)  # marks the crossing for the backward's stops
         args = _moved(args, self.placement, side)
         if kwargs:
             kwargs = _moved(kwargs, self.placement, side)
@@ -484,8 +495,8 @@ class _StageForward:
             _tensors(kwargs, ins)
         params, wanting = self._parameters_now()
         from_ins = [t for t in ins if isinstance(t, GlobalTensor) and t.requires_grad]
-        key = tuple((t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
-                    for t in ins) + (torch.is_grad_enabled(), len(from_ins) + len(wanting))
+        key = tuple([(t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
+                     for t in ins] + [torch.is_grad_enabled(), len(from_ins) + len(wanting)])
         meta = self.seen.get(key)
         if meta is None:
             targets = from_ins + wanting

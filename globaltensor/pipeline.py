@@ -217,6 +217,7 @@ class Pipeline:
         # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
         # skipped (after a first step) on the ranks outside it, as the model's stage modules are
         self._losses: dict[Placement, _StageForward] = {}
+        self._target_layouts: dict = {}  # (output layout, target dims) -> the layout targets take there
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
         if self.chunks > 1:  # fibers: each stops where it enters one of its rank's chunks
@@ -293,11 +294,15 @@ class Pipeline:
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
             out = self.model(distribute(x, self.input_layout))
-            where = (out[0] if isinstance(out, (tuple, list)) else out).placement
-            loss = self._losses.get(where)
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            loss = self._losses.get(o.placement)
             if loss is None:
-                loss = self._losses[where] = _StageForward(_Loss(self.loss_fn), where)
-            return loss(out, _target_on(target, out, self.target_sbp), weight)
+                loss = self._losses[o.placement] = _StageForward(_Loss(self.loss_fn), o.placement)
+            key = (o._layout, target.dim())  # the target's layout: worked out once per output layout
+            lay = self._target_layouts.get(key)
+            if lay is None:
+                lay = self._target_layouts[key] = _target_layout(target, o, self.target_sbp)
+            return loss(out, distribute(target, lay), weight)
 
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
@@ -382,12 +387,10 @@ def _split(target: Any, m: int) -> Sequence:
     raise TypeError(f"Pipeline.step(target=): expected a tensor, got {type(target).__name__}")
 
 
-def _target_on(t: torch.Tensor, out: Any, sbp: Any) -> GlobalTensor:
-    """The micro-batch's target laid out where the output is (the last stage): as given, or as the
+def _target_layout(t: torch.Tensor, o: GlobalTensor, sbp: Any) -> Layout:
+    """Where a micro-batch's target goes: the output `o`'s placement (the last stage), as given, or as the
     output's SBP where it splits a dim the target has (the batch), else Broadcast."""
-    o = out[0] if isinstance(out, (tuple, list)) else out
     p = o.placement
     if sbp is not None:
-        return distribute(t, Layout(p, normalize_sbp(sbp, p.ndim, "Pipeline(target_sbp=)")))
-    return distribute(t, Layout(p, tuple(s if isinstance(s, Split) and s.dim < t.dim() else Broadcast()
-                                         for s in o.sbp)))
+        return Layout(p, normalize_sbp(sbp, p.ndim, "Pipeline(target_sbp=)"))
+    return Layout(p, tuple(s if isinstance(s, Split) and s.dim < t.dim() else Broadcast() for s in o.sbp))
