@@ -22,7 +22,7 @@ What makes a call local (`_judge`), from its dispatcher decisions, the same on e
   skips it);
 - per mesh axis, the outputs are all split/partial (each rank computed its own part) or all Broadcast with
   every input Broadcast (every rank computed the same); that says the gradients' layouts (`_grad_layout`);
-- the forward, run once more in plain torch on one rank's local shapes (zeros, without autograd), makes
+- the forward, run once more in plain torch on one rank's local shapes (its own shards or zeros), makes
   the same calls with the same arguments as the watched run made with the global ones (a view's sizes
   excepted, which must match the shard's shape; copies that only strides ask for aside). This catches a
   forward that reads a global size into a value (`x / x.size(0)`): in the plain run it would read the
@@ -368,10 +368,11 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
     """The forward in plain torch on one rank's local shapes: the same calls as watched, the same arguments
     (sizes excepted, which must be the shard's). The rank: the one whose shards differ most from the whole,
     the same on every rank. Its inputs and parameters are this rank's own shards where they have that rank's
-    shapes (an even split: nothing allocated but the forward's intermediates, freed as it goes, without
-    autograd), else zeros; real, contiguous tensors on the real device, because a composite op picks its
-    kernels by device and strides (attention's fused CPU kernel, not meta's math path; a Linear's addmm on a
-    contiguous input, mm and add on a broadcast one). torch's FakeTensorMode would allocate nothing, but its
+    shapes (an even split: nothing allocated but the forward's intermediates and what autograd saves of
+    them, dropped when it returns), else zeros; real, contiguous tensors on the real device taking gradients
+    where the real ones do, because a composite op picks its kernels by device, strides and grad mode
+    (attention's fused CPU kernel, not meta's math path; a Linear's addmm on a contiguous input, mm and add
+    on a broadcast one; CUDA's efficient attention computes its log-sum-exp only under autograd). torch's FakeTensorMode would allocate nothing, but its
     first use imports 67 MiB and 1.2 s of compiler modules. The forward writes in place into nothing that
     existed before (`_not_local`), and the random state is put back after it."""
     gts = [t for t in leaves + slot_tensors if isinstance(t, GlobalTensor)]
@@ -385,8 +386,11 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
             return t
         shape, local = t._layout.local_shape(tuple(t.shape), rank), t._local
         if tuple(local.shape) == shape and local.is_contiguous():
-            return local  # this rank's own shard has the shape (an even split): no copy
-        return torch.zeros(shape, dtype=t.dtype, device=t.device)
+            x = local.detach()  # this rank's own shard has the shape (an even split): no copy
+        else:
+            x = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        # taking a gradient where the real one does: composites read it (attention computes its log-sum-exp)
+        return x.requires_grad_() if t.requires_grad and x.is_floating_point() else x
     stand_ins = {id(t): stand_in(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
     mode = _Calls({id(stand_ins[id(t)]) for t in gts})
     cuda = sorted({t.device.index or 0 for t in gts if t.device.type == "cuda"})
@@ -394,7 +398,7 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
         for (table, name), t in zip(slots, slot_tensors):
             table[name] = stand_ins.get(id(t), t)
         args, kwargs = pytree.tree_unflatten([stand_ins.get(id(x), x) for x in leaves], spec)
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), mode:
+        with torch.random.fork_rng(devices=cuda), mode:  # in the call's grad mode; the graph is dropped after
             forward(module, *args, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure only means: not plain
         return f"its forward on one rank's shard shapes raised {type(e).__name__}: {e}"
