@@ -14,14 +14,15 @@ a wrapper class.
 What makes a call local (`_judge`), from its dispatcher decisions, the same on every rank:
 
 - every op a kernel (no fallback, no decomposition), no input converted, no collective in the forward;
-- no op that writes in place, none that draws random numbers (the dispatcher gives each shard its part of one global stream: their
-  rules' hooks say so, as attention's does with dropout on);
+- no op that writes in place, none that draws random numbers (the dispatcher gives each shard its part
+  of one global stream: their rules' hooks say so, as attention's does with dropout on);
 - a rule's `local` hook only where the rule says it computes what the plain op would (`Rule.plain_when`:
   a view's sizes; attention without a sequence split);
 - no rank holds an empty shard of an input (a plain kernel on an empty shard may fail where the dispatcher
   skips it);
 - per mesh axis, the outputs are all split/partial (each rank computed its own part) or all Broadcast with
-  every input Broadcast (every rank computed the same); that says the gradients' layouts (`_grad_layout`);
+  every input Broadcast (every rank computed the same); that says the gradients' layouts
+  (`_plain_grad_layout`);
 - the forward, run once more in plain torch on one rank's local shapes (its own shards or zeros), makes
   the same calls with the same arguments as the watched run made with the global ones (a view's sizes
   excepted, which must match the shard's shape; copies that only strides ask for aside). This catches a
@@ -50,6 +51,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .layout import Layout
 from .runtime import context
@@ -138,7 +140,8 @@ class PlainRegion:
         if grad:  # the tensors that take gradients become plain through one autograd node
             tracked = [(x, g) for x, g in ((leaves[i], v.in_grads[k]) for k, i in enumerate(ins))
                        if x.requires_grad] + \
-                      [(t, g) for t, g in zip(slot_tensors, v.slot_grads) if isinstance(t, GlobalTensor) and t.requires_grad]
+                      [(t, g) for t, g in zip(slot_tensors, v.slot_grads)
+                       if isinstance(t, GlobalTensor) and t.requires_grad]
             plain = iter(_ToPlain.apply(tuple(g for _, g in tracked), *(t for t, _ in tracked)) if tracked else ())
             for i in ins:
                 local_leaves[i] = next(plain) if leaves[i].requires_grad else leaves[i]._local
@@ -159,9 +162,9 @@ class PlainRegion:
         out_leaves, out_spec = pytree.tree_flatten(out)
         at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
         if len(at) != len(v.outs):
-            raise RuntimeError(f"{type(self.module).__name__}.forward returned {len(at)} tensors where its watched call "
-                               f"with the same inputs returned {len(v.outs)}: a forward whose outputs depend on values "
-                               "cannot run as a plain region")
+            raise RuntimeError(f"{type(self.module).__name__}.forward returned {len(at)} tensors where its watched "
+                               f"call with the same inputs returned {len(v.outs)}: a forward whose outputs depend on "
+                               "values cannot run as a plain region")
         if grad and any(out_leaves[i].requires_grad for i in at):
             wrapped = _FromPlain.apply(v.outs, *(out_leaves[i] for i in at))
         else:
@@ -241,7 +244,8 @@ class _Watch:
     """What the dispatcher decided for each op of the watched call: the calls and the first reason not."""
 
     def __init__(self) -> None:
-        self.calls: list = []  # (func, non-tensor arguments, global output shapes, output layouts, view-like)
+        self.calls: list = []  # (func, non-tensor arguments or None where sized by a hook, global output
+        #                        shapes, output layouts)
         self.why = ""
 
     def __call__(self, func: Any, args: tuple, kwargs: dict, dec: Any) -> None:
@@ -319,12 +323,12 @@ def _judge(module: torch.nn.Module, forward: Any, watch: _Watch, log: Any, leave
     if why:
         return _Verdict(False, why)
     return _Verdict(True, "", frozenset(placement.flat_ranks), tuple((o._layout, tuple(o.shape)) for o in outs),
-                    tuple(_grad_layout(x._layout, split_axes) for x in ins),
-                    tuple(_grad_layout(t._layout, split_axes) if isinstance(t, GlobalTensor) else None
+                    tuple(_plain_grad_layout(x._layout, split_axes) for x in ins),
+                    tuple(_plain_grad_layout(t._layout, split_axes) if isinstance(t, GlobalTensor) else None
                           for t in slot_tensors))
 
 
-def _grad_layout(lay: Layout, split_axes: list) -> Layout:
+def _plain_grad_layout(lay: Layout, split_axes: list) -> Layout:
     """A split stays, a Partial's gradient is Broadcast, a Broadcast's is Partial where the outputs are split."""
     return Layout(lay.placement, tuple(
         s if isinstance(s, Split) else Broadcast() if isinstance(s, Partial) else Partial() if split else s
@@ -344,10 +348,9 @@ class _Calls(TorchDispatchMode):
     """The calls on tensors that stand for GlobalTensors (`derived`) and on what is computed from them: the
     calls the dispatcher would see (one on plain tensors alone it never sees)."""
 
-    def __init__(self, derived: set) -> None:
+    def __init__(self, stand_ins: list) -> None:
         super().__init__()
-        self.derived = derived  # ids of such tensors (kept alive by `keep`)
-        self.keep: list = []
+        self.derived = WeakIdKeyDictionary({t: True for t in stand_ins})  # weak: intermediates freed as it goes
         self.calls: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
@@ -355,10 +358,10 @@ class _Calls(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.namespace == "prim":  # a tensor subclass's own queries (prim.device)
             return out
-        if any(id(t) in self.derived for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+        if any(t in self.derived for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
             outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-            self.derived.update(id(o) for o in outs)
-            self.keep.append(outs)
+            for o in outs:
+                self.derived[o] = True
             self.calls.append((func, args, kwargs, [tuple(o.shape) for o in outs]))
         return out
 
@@ -372,9 +375,9 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
     them, dropped when it returns), else zeros; real, contiguous tensors on the real device taking gradients
     where the real ones do, because a composite op picks its kernels by device, strides and grad mode
     (attention's fused CPU kernel, not meta's math path; a Linear's addmm on a contiguous input, mm and add
-    on a broadcast one; CUDA's efficient attention computes its log-sum-exp only under autograd). torch's FakeTensorMode would allocate nothing, but its
-    first use imports 67 MiB and 1.2 s of compiler modules. The forward writes in place into nothing that
-    existed before (`_not_local`), and the random state is put back after it."""
+    on a broadcast one; CUDA's efficient attention computes its log-sum-exp only under autograd). torch's
+    FakeTensorMode would allocate nothing, but its first use imports 67 MiB and 1.2 s of compiler modules.
+    The forward writes in place into nothing (`_not_local`), and the random state is put back after it."""
     gts = [t for t in leaves + slot_tensors if isinstance(t, GlobalTensor)]
 
     def differ(r: int) -> int:
@@ -392,7 +395,7 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
         # taking a gradient where the real one does: composites read it (attention computes its log-sum-exp)
         return x.requires_grad_() if t.requires_grad and x.is_floating_point() else x
     stand_ins = {id(t): stand_in(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
-    mode = _Calls({id(stand_ins[id(t)]) for t in gts})
+    mode = _Calls([stand_ins[id(t)] for t in gts])
     cuda = sorted({t.device.index or 0 for t in gts if t.device.type == "cuda"})
     try:
         for (table, name), t in zip(slots, slot_tensors):

@@ -401,4 +401,5 @@ def _flips_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
     return not any(isinstance(s, Split) and s.dim in flipped for s in ins[0].sbp)
 
 
-register([aten.flip.default], Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))
+register([aten.flip.default],
+         Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))
