@@ -188,10 +188,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--size", choices=["small", "wide"], default="small",
                     help="wide: n_embd 512 (compute per op large against the dispatch of each op)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="blocks (default: 2 per stage, so that interleaved's two chunks per stage hold one each)")
+    ap.add_argument("--micro", default="4,8", help="micro-batch counts, comma-separated")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     args = ap.parse_args()
     n_embd = 128 if args.size == "small" else 512
-    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=n_embd)
-    micros = [4, 8]
+    cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers or 2 * args.ranks, n_head=4, n_embd=n_embd)
+    micros = [int(m) for m in args.micro.split(",")]
     if args.quick:
         args.reps, args.warmup, micros = 3, 1, [4]
     p = args.ranks
@@ -203,7 +207,8 @@ def main() -> None:
              "gt micro-batches in flight per stage | gt peak saved activations per stage (KiB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     data = []
-    for kind in ("gpipe", "1f1b", "interleaved"):
+    name = f"pipeline_{args.size}" + (f"_p{p}" if p != 2 else "")
+    for kind in args.schedules.split(","):
         for m in micros:
             times, cpu, got = gt.launch(timed, p, backend="gloo", timeout=1800,
                                         args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
@@ -211,7 +216,7 @@ def main() -> None:
             torch_bubbles = [round(g[4], 2) for g in got]
             v = VIRTUAL if kind == "interleaved" else 1
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"pipeline_{args.size}_{kind}_m{m}.svg"), "w") as f:
+            with open(os.path.join(args.out, f"{name}_{kind}_m{m}.svg"), "w") as f:
                 f.write(timeline_svg([g[2] for g in got]))
             med = {k: statistics.median(v) for k, v in times.items()}
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
@@ -229,7 +234,7 @@ def main() -> None:
                          "timelines": [g[2] for g in got]})
     table = "\n".join(lines)
     print(table)
-    write_results(args.out, f"pipeline_{args.size}", table, data)
+    write_results(args.out, name, table, data)
 
 
 if __name__ == "__main__":

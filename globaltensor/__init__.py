@@ -10,6 +10,7 @@ from .grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor, ZigzagTensor
 from .factory import empty, ones, rand, randn, zeros
 from .pipeline import Pipeline
+from . import optim_skip as _optim_skip  # noqa: F401  (its optimizer step hooks)
 from .ops import attention_method, check_replicated, reset_stats, stats
 from .ops.step_plan import StepPlan, step_plan
 from .report import comm_report
