@@ -11,8 +11,10 @@ then every backward; 1F1B (PipeDream-flush) starts the backward of a micro-batch
 stage has it, so a stage holds at most `stages - stage` micro-batches' activations instead of all.
 
 Messages never wait for their receiver (sends are buffered on the simulator and asynchronous on
-gloo) and are matched by (micro-batch, direction) tags in program order, never by arrival; so the
-stages' different orders cannot cross-match. Gradients accumulate over micro-batches as autograd
+gloo) and are matched by (step, micro-batch, direction) tags in program order, never by arrival; so the
+stages' different orders cannot cross-match. Receives are posted ahead: once two steps showed a rank
+which messages each of its actions receives, it posts those of its next actions while it computes
+(a transfer starts only when its receive is posted). Gradients accumulate over micro-batches as autograd
 accumulates them; each micro-batch's loss is weighted by its share of the batch, so the step equals
 one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, included).
 """
@@ -179,11 +181,17 @@ class Pipeline:
     returns the batch's loss (a GlobalTensor on the last stage; every rank calls it).
 
     `measure_activations=True` counts the bytes autograd saves for the backward on this rank
-    (`.activations`, an `ActivationMeter`: its `.peak` is what a schedule's memory claim is about)."""
+    (`.activations`, an `ActivationMeter`: its `.peak` is what a schedule's memory claim is about).
+
+    `post_receives` (default on): once two steps of equal inputs made the same messages, each rank posts
+    the receives of its next `stages x chunks` actions while it runs the current one (`Communicator.
+    post_receive`), as torch.pipelining's runtime schedules do; off for a program whose stage boundaries
+    carry tensors of data-dependent shapes (a changed message is an error then, never a wrong match)."""
 
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
-                 input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False) -> None:
+                 input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False,
+                 post_receives: bool = True) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
@@ -218,6 +226,10 @@ class Pipeline:
         # skipped (after a first step) on the ranks outside it, as the model's stage modules are
         self._losses: dict[Placement, _StageForward] = {}
         self._target_layouts: dict = {}  # (output layout, target dims) -> the layout targets take there
+        self.post_receives = post_receives
+        self._heard: Optional[tuple] = None   # (inputs' signature, receives per action) of the last step
+        self._learnt: Optional[tuple] = None  # the same, once two steps in a row agreed: posted ahead
+        self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
         if self.chunks > 1:  # fibers: each stops where it enters one of its rank's chunks
@@ -243,22 +255,37 @@ class Pipeline:
         stage_forwards = self._stage_forwards
         for f in stage_forwards:  # the parameters take the step's gradients once, at its end
             f.open_step()
+        signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
+        learnt = self._learnt[1] if self.post_receives and self._learnt and self._learnt[0] == signature else None
+        heard: list = [[] for _ in mine]
+        posted = 0  # actions whose receives are posted
+        ahead = len(self.stages) * self.chunks
+        # tags: per micro-batch and direction, and per step (every rank steps as often), so that a message left
+        # over from a step that failed cannot match one of a later step
+        base = (self._steps % 1024) * (2 * self.microbatches + 1)
+        self._steps += 1
         flushed = False
         try:
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
-                for act, i, c in mine:
+                for k, (act, i, c) in enumerate(mine):
+                    if learnt is not None:
+                        posted = _post_ahead(comm, mine, learnt, posted, k + 1 + ahead, base)
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
-                    comm.p2p_tag = 2 * i + (act == "B")
-                    comm.p2p_label = f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
+                    comm.p2p_tag = base + 2 * i + (act == "B")
+                    comm.p2p_label = _describe(act, i)
                     run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else \
                         partial(losses[i].backward, _seed(losses[i]))
-                    done, result = self._chunk(fibers, act, i, c, run)
+                    comm.p2p_heard = heard[k]
+                    try:
+                        done, result = self._chunk(fibers, act, i, c, run)
+                    finally:
+                        comm.p2p_heard = None
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
                     if done:
                         losses[i] = result if act == "F" else _value(losses[i])
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
-                comm.p2p_tag = 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
+                comm.p2p_tag = base + 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
                 comm.p2p_label = "the step's deferred reductions"
             for f in stage_forwards:
                 f.close_step()
@@ -271,8 +298,16 @@ class Pipeline:
             if not flushed:
                 for f in stage_forwards:
                     f.close_step(flush=False)
+            left = comm.posted_left()
             comm.flush_sends()
             comm.p2p_tag, comm.p2p_async, comm.p2p_label = old
+        if left:
+            self._learnt = self._heard = None
+            raise RuntimeError(f"Pipeline.step: rank {comm.rank} posted receives its program did not ask for "
+                               f"(source rank, tag): {left[:4]}; the messages of this step differ from the two "
+                               f"before it, whose inputs were the same. Pass gt.Pipeline(post_receives=False) for a "
+                               f"program whose stage boundaries depend on data")
+        self._learn(signature, heard)
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         total = time.perf_counter() - start
         # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
@@ -283,6 +318,13 @@ class Pipeline:
         for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
             f.settle()                                             # skip their ops from now on
         return _summed([losses[i] for i in range(self.microbatches)])
+
+    def _learn(self, signature: tuple, heard: list) -> None:
+        """The step's receives per action: posted ahead from the next step on, once two steps in a row with
+        the same inputs made the same ones (a first step also runs the ops the later ones skip)."""
+        now = (signature, heard)
+        self._learnt = now if self._heard == now else None
+        self._heard = now
 
     @property
     def chunks(self) -> int:
@@ -319,6 +361,26 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
+
+
+def _describe(act: str, i: int) -> str:
+    return f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
+
+
+def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int) -> int:
+    """Post the receives the actions from index `posted` to `upto` made in the learnt steps, under the tags
+    those actions will use; returns the new `posted`. Each is labelled with its own action, so one that
+    never comes names what it was for."""
+    tag, label = comm.p2p_tag, comm.p2p_label
+    try:
+        for k in range(posted, min(upto, len(actions))):
+            act, i, _ = actions[k]
+            comm.p2p_tag, comm.p2p_label = base + 2 * i + (act == "B"), _describe(act, i)
+            for src, key, shape, dtype, device in learnt[k]:
+                comm.post_receive(src, shape, dtype, key, device)
+    finally:
+        comm.p2p_tag, comm.p2p_label = tag, label
+    return max(posted, min(upto, len(actions)))
 
 
 class _Loss(torch.nn.Module):

@@ -76,6 +76,10 @@ class Communicator:
         # what the point-to-point messages now exchanged are for (a pipeline names the action and micro-batch),
         # so that a stalled one is named by it: two stages whose schedules disagree say which message each awaits
         self.p2p_label = ""
+        # receives posted ahead of the exchange that asks for them (`post_receive`), by (source, tag); and,
+        # where a list, each point-to-point receive made is noted in it (a pipeline learns its steps' messages)
+        self._posted: dict[tuple[int, int], list[tuple[Callable[[], Any], torch.Tensor]]] = {}  # in posting order
+        self.p2p_heard: list | None = None
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
@@ -234,16 +238,75 @@ class Communicator:
         if not sends and not recvs:
             self._receive_buffers("exchange", sends, recvs, into, device)  # checks the peers
             return {}
-        bufs = self._receive_buffers("exchange", sends, recvs, into, device)
         tag = self._tag(key)
+        posted = self._claim(recvs, tag) if self._posted else None
+        rest = {r: v for r, v in recvs.items() if r not in posted} if posted else recvs
+        bufs = self._receive_buffers("exchange", sends, rest, into, device)
+        if self.p2p_heard is not None:
+            self.p2p_heard.extend((r, key, tuple(shape), dtype, device) for r, (shape, dtype) in recvs.items())
         if self.p2p_async:  # a pipeline: the time spent here is time this rank waits on another stage
             t0 = time.perf_counter()
-            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+            self._exchange_with(sends, bufs, tag, posted, into)
             self.p2p_wait_s += time.perf_counter() - t0
         else:
-            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+            self._exchange_with(sends, bufs, tag, posted, into)
         self._record_send_recv(sends, recvs)
         return bufs
+
+    def _exchange_with(self, sends: dict, bufs: dict, tag: int, posted: dict | None, into: dict | None) -> None:
+        """`_exchange` of what was not posted ahead, then the posted receives' waits (into `bufs`)."""
+        if sends or bufs:
+            self._exchange({r: t.contiguous() for r, t in sends.items()}, bufs, tag)
+        for r, (finish, buf) in (posted or {}).items():
+            finish()
+            target = (into or {}).get(r)
+            if target is not None:
+                target.copy_(buf)
+                buf = target
+            bufs[r] = buf
+
+    def post_receive(self, src: int, shape: Sequence[int], dtype: torch.dtype, key: int = 0,
+                     device: torch.device | None = None) -> None:
+        """Receive now what `src` will send to the `exchange` of this `key` under the current `p2p_tag`; that
+        exchange waits on this receive instead of posting its own.
+
+        Why: a send and its receive are matched only once both are posted (gloo's tcp pairs move the data
+        when the receiver asks), so a receive posted when its stage's action starts waits a round trip
+        behind a sender that finished long before. A pipeline, whose steps repeat, posts the receives of
+        its next actions while it computes the current one, as torch.pipelining's runtime schedules do.
+        Every posted receive must be asked for (`posted_left` names those that were not). Receives under one
+        source and tag are matched in the order they are posted, as messages under one tag are sent."""
+        buf = torch.empty(tuple(shape), dtype=dtype, device=device or self.device)
+        tag = self._tag(key)
+        self._posted.setdefault((src, tag), []).append((self._exchange_start({}, {src: buf}, tag), buf))
+
+    def posted_left(self) -> list[tuple[int, int]]:
+        """The (source, tag) of receives posted and not yet asked for; forgotten (their messages are lost to
+        this rank's program: a caller raises)."""
+        left = [k for k, q in self._posted.items() for _ in q]
+        self._posted = {}
+        return left
+
+    def _claim(self, recvs: dict, tag: int) -> dict:
+        """The posted receives among `recvs` (by source and tag), taken out; one whose shape or dtype is not the
+        exchange's means the program's messages changed since they were learnt: an error, not a wrong match."""
+        got = {}
+        for r, (shape, dtype) in recvs.items():
+            queue = self._posted.get((r, tag))
+            if not queue:
+                continue
+            hit = queue.pop(0)
+            if not queue:
+                del self._posted[(r, tag)]
+            if tuple(hit[1].shape) != tuple(shape) or hit[1].dtype != dtype:
+                raise RuntimeError(
+                    f"rank {self.rank}: a receive from rank {r} posted ahead (tag {tag}) holds "
+                    f"{tuple(hit[1].shape)} {hit[1].dtype}, but the program now receives {tuple(shape)} {dtype} "
+                    f"there ({self.p2p_label or 'point-to-point'}): its messages changed between steps of equal "
+                    f"inputs. Pass gt.Pipeline(post_receives=False) for a program whose message shapes depend "
+                    f"on data")
+            got[r] = hit
+        return got
 
     def send_recv_start(self, sends: dict[int, torch.Tensor],
                         recvs: dict[int, tuple[Sequence[int], torch.dtype]], key: int = 0,
