@@ -186,7 +186,8 @@ class Pipeline:
     `post_receives` (default on): once two steps of equal inputs made the same messages, each rank posts
     the receives of its next `stages x chunks` actions while it runs the current one (`Communicator.
     post_receive`), as torch.pipelining's runtime schedules do; off for a program whose stage boundaries
-    carry tensors of data-dependent shapes (a changed message is an error then, never a wrong match)."""
+    carry tensors of data-dependent shapes (a changed message is an error then, never a wrong match). Not
+    on nccl, whose in-order stream would hold a rank's later sends behind a receive posted early."""
 
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
@@ -256,7 +257,8 @@ class Pipeline:
         for f in stage_forwards:  # the parameters take the step's gradients once, at its end
             f.open_step()
         signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
-        learnt = self._learnt[1] if self.post_receives and self._learnt and self._learnt[0] == signature else None
+        learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
+                                     and self._learnt[0] == signature) else None
         heard: list = [[] for _ in mine]
         posted = 0  # actions whose receives are posted
         ahead = len(self.stages) * self.chunks

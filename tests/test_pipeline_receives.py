@@ -31,7 +31,7 @@ def _counting_posts():
     return calls
 
 
-def _posted_per_step(kind: str, batches: list, virtual: int = 1):
+def _posted_per_step(kind: str, batches: list, virtual: int = 1, ahead: bool = True):
     """A 2-stage GPT trained one step per batch size; per step, how many receives were posted ahead, how
     many its actions received (the tied weight's gradient, sent at the step's end, is no action's) and its
     comm log."""
@@ -43,6 +43,7 @@ def _posted_per_step(kind: str, batches: list, virtual: int = 1):
     pipe = gt.Pipeline(model, microbatches=2, schedule=kind, loss_fn=loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     calls = _counting_posts()
+    context.current().posts_receives_ahead = ahead
     out = []
     for b in batches:
         x, t = _data(b)
@@ -69,6 +70,12 @@ def test_receives_are_posted_ahead_from_the_third_step_of_equal_inputs(kind, vir
         logs = [log for _, _, log in rank_steps]
         assert logs[2] == logs[3] == logs[1] == logs[7]  # the same messages and bytes as without posting
         assert logs[6] == logs[5]
+
+
+def test_a_communicator_whose_receives_would_hold_its_sends_back_posts_none_ahead():
+    """nccl runs a rank's point-to-point kernels in order on one stream: there the receives wait for their turn."""
+    for rank_steps in gt.launch(_posted_per_step, 2, args=("1f1b", [4] * 4, 1, False)):
+        assert [p for p, _, _ in rank_steps] == [0] * 4
 
 
 def test_posted_receives_train_as_one_device():

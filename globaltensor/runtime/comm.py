@@ -79,6 +79,10 @@ class Communicator:
         # receives posted ahead of the exchange that asks for them (`post_receive`), by (source, tag); and,
         # where a list, each point-to-point receive made is noted in it (a pipeline learns its steps' messages)
         self._posted: dict[tuple[int, int], list[tuple[Callable[[], Any], torch.Tensor]]] = {}  # in posting order
+        # whether a receive posted ahead leaves the sends posted after it free to go (gloo, the simulator); not
+        # on nccl, whose point-to-point kernels run in order on one stream: a receive posted early would hold
+        # back this rank's later sends, on which its sender may be waiting
+        self.posts_receives_ahead = True
         self.p2p_heard: list | None = None
 
     # -- accounting -------------------------------------------------------

@@ -54,6 +54,7 @@ class TorchDistCommunicator(Communicator):
         super().__init__()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.backend = dist.get_backend()
+        self.posts_receives_ahead = self.backend != "nccl"
         if self.backend == "nccl":
             local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
             torch.cuda.set_device(local)
