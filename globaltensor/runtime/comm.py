@@ -76,13 +76,15 @@ class Communicator:
         # what the point-to-point messages now exchanged are for (a pipeline names the action and micro-batch),
         # so that a stalled one is named by it: two stages whose schedules disagree say which message each awaits
         self.p2p_label = ""
-        # receives posted ahead of the exchange that asks for them (`post_receive`), by (source, tag); and,
-        # where a list, each point-to-point receive made is noted in it (a pipeline learns its steps' messages)
-        self._posted: dict[tuple[int, int], list[tuple[Callable[[], Any], torch.Tensor]]] = {}  # in posting order
+        # receives posted ahead of the exchange that asks for them (`post_receive`), by (source, tag), in
+        # posting order
+        self._posted: dict[tuple[int, int], list[tuple[Callable[[], Any], torch.Tensor]]] = {}
         # whether a receive posted ahead leaves the sends posted after it free to go (gloo, the simulator); not
         # on nccl, whose point-to-point kernels run in order on one stream: a receive posted early would hold
         # back this rank's later sends, on which its sender may be waiting
         self.posts_receives_ahead = True
+        # where a list, each receive `exchange` makes is noted in it: (source, key, shape, dtype, device), so a
+        # pipeline learns which messages each of its actions receives
         self.p2p_heard: list | None = None
 
     # -- accounting -------------------------------------------------------
