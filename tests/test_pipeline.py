@@ -548,14 +548,15 @@ def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layer
     """Uneven layer counts per stage (earlier stages take the extra blocks), micro-batch counts that do
     not divide the batch (tensor_split's sizes, differing by one; each micro-batch's loss is weighted
     by its share of the batch, so the step equals one pass over the whole batch), every schedule
-    (interleaved: two chunks per stage, micro-batches a multiple of the stages)."""
+    (interleaved: two chunks per stage, micro-batches a multiple of the stages). Three steps: the third posts
+    its receives ahead (`Pipeline(post_receives=)`), micro-batches of two sizes among them."""
     micro = min(micro, batch)
     virtual = 1
     if kind == "interleaved":
         virtual, micro = 2, max(n_stages, micro - micro % n_stages)
     n_layer = n_stages * virtual + extra_layers
-    want_losses, want_state = reference(n_layer, batch, 2)
-    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 2, "none", (1,), virtual))
+    want_losses, want_state = reference(n_layer, batch, 3)
+    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 3, "none", (1,), virtual))
     _check_values(results, want_losses, want_state)
 
 
