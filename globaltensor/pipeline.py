@@ -259,19 +259,20 @@ class Pipeline:
         signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
         learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
                                      and self._learnt[0] == signature) else None
-        heard: list = [[] for _ in mine]
+        heard: list = [[] for _ in range(len(mine) + 1)]  # per action, and the step's deferred reductions
         posted = 0  # actions whose receives are posted
         ahead = len(self.stages) * self.chunks
         # tags: per micro-batch and direction, and per step (every rank steps as often), so that a message left
         # over from a step that failed cannot match one of a later step
         base = (self._steps % 1024) * (2 * self.microbatches + 1)
+        deferred = base + 2 * self.microbatches
         self._steps += 1
         flushed = False
         try:
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for k, (act, i, c) in enumerate(mine):
                     if learnt is not None:
-                        posted = _post_ahead(comm, mine, learnt, posted, k + 1 + ahead, base)
+                        posted = _post_ahead(comm, mine, learnt, posted, k + 1 + ahead, base, deferred)
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                     comm.p2p_tag = base + 2 * i + (act == "B")
                     comm.p2p_label = _describe(act, i)
@@ -287,16 +288,19 @@ class Pipeline:
                     if done:
                         losses[i] = result if act == "F" else _value(losses[i])
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
-                comm.p2p_tag = base + 2 * self.microbatches  # the step's deferred reductions: a tag no action uses
-                comm.p2p_label = "the step's deferred reductions"
+                comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
+                comm.p2p_label = _DEFERRED
+                comm.p2p_heard = heard[-1]
             for f in stage_forwards:
                 f.close_step()
+            comm.p2p_heard = None
             flushed = True
         except BaseException:
             for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
                 f.cancel()
             raise
         finally:
+            comm.p2p_heard = None
             if not flushed:
                 for f in stage_forwards:
                     f.close_step(flush=False)
@@ -369,20 +373,28 @@ def _describe(act: str, i: int) -> str:
     return f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
 
 
-def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int) -> int:
+_DEFERRED = "the step's deferred reductions"
+
+
+def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int, deferred: int) -> int:
     """Post the receives the actions from index `posted` to `upto` made in the learnt steps, under the tags
-    those actions will use; returns the new `posted`. Each is labelled with its own action, so one that
+    those actions will use (index len(actions): the step's deferred reductions under tag `deferred`, after its
+    actions: the tied weight's summed gradient); returns the new `posted`. Each is labelled with its own action, so one that
     never comes names what it was for."""
     tag, label = comm.p2p_tag, comm.p2p_label
+    end = min(upto, len(learnt))
     try:
-        for k in range(posted, min(upto, len(actions))):
-            act, i, _ = actions[k]
-            comm.p2p_tag, comm.p2p_label = base + 2 * i + (act == "B"), _describe(act, i)
+        for k in range(posted, end):
+            if k < len(actions):
+                act, i, _ = actions[k]
+                comm.p2p_tag, comm.p2p_label = base + 2 * i + (act == "B"), _describe(act, i)
+            else:
+                comm.p2p_tag, comm.p2p_label = deferred, _DEFERRED
             for src, key, shape, dtype, device in learnt[k]:
                 comm.post_receive(src, shape, dtype, key, device)
     finally:
         comm.p2p_tag, comm.p2p_label = tag, label
-    return max(posted, min(upto, len(actions)))
+    return max(posted, end)
 
 
 class _Loss(torch.nn.Module):
