@@ -11,12 +11,12 @@ What the skipped step would have changed is put right by hand, so each rank's op
 the full step leaves: an empty shard's moments stay empty either way, and the per-parameter step
 counter (a plain number or tensor, the same on every rank) is advanced. That is all that changes only
 for optimizers whose per-parameter state is shards plus that counter: the allow-list below. Others
-(NAdam's `mu_product`, ASGD's `eta`, LBFGS's flat view of every parameter, Rprop's masked writes) step as
-before. A parameter
-is skipped only once it has state (its first step makes it on every rank, so checkpoints hold the same
-keys everywhere). Nothing crosses parameters inside these optimizers' steps and their ops are elementwise, so
-a rank skipping one leaves no collective unmatched: such ops on a tensor involve only the ranks of its
-placement (a data-dependent op would not: the ranks outside learn its output's shape from the ranks inside).
+(NAdam's `mu_product`, ASGD's `eta`, LBFGS's flat view of every parameter, Rprop's masked writes) step
+as before. A parameter is skipped only once it has state (its first step makes it on every rank, so
+checkpoints hold the same keys everywhere). Nothing crosses parameters inside these optimizers' steps
+and their ops are elementwise, so a rank skipping one leaves no collective unmatched: such ops on a
+tensor involve only the ranks of its placement (a data-dependent op would not: the ranks outside learn
+its output's shape from the ranks inside).
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from .tensor import GlobalTensor
 
 ENABLED = True  # tests turn it off to compare the states a full step leaves
 
-# per-parameter state: shards and the `step` counter only, and only elementwise ops on them (torch 2.4-2.13;
-# each checked against a full step in tests/test_optim_skip.py, for-loop and foreach). Rprop is not: its
+# per-parameter state: shards and the `step` counter only, and only elementwise ops on them (read in torch
+# 2.13's sources; each checked against a full step in tests/test_optim_skip.py, for-loop and foreach). Rprop is not: its
 # `grad[sign.eq(etaminus)] = 0` is a data-dependent op, whose output shape the ranks outside the placement
 # learn from the ranks inside (a collective they must join).
 PER_PARAMETER = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.RAdam, torch.optim.SGD,

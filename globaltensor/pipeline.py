@@ -378,9 +378,9 @@ _DEFERRED = "the step's deferred reductions"
 
 def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int, deferred: int) -> int:
     """Post the receives the actions from index `posted` to `upto` made in the learnt steps, under the tags
-    those actions will use (index len(actions): the step's deferred reductions under tag `deferred`, after its
-    actions: the tied weight's summed gradient); returns the new `posted`. Each is labelled with its own action, so one that
-    never comes names what it was for."""
+    those actions will use (index len(actions): the step's deferred reductions under tag `deferred`, after
+    its actions: the tied weight's summed gradient); returns the new `posted`. Each is labelled with its
+    own action, so one that never comes names what it was for."""
     tag, label = comm.p2p_tag, comm.p2p_label
     end = min(upto, len(learnt))
     try:
