@@ -16,14 +16,15 @@ D = torch.float64
 
 
 def _no_fallback_on(fn, world=2):
-    """fn() on every rank with warnings as errors; returns per-rank (result, fallbacks)."""
+    """fn() on every rank with warnings as errors; returns per-rank (result, fallbacks). The filter is set around
+    the launch, in this thread: `catch_warnings` swaps the process-wide filter list, so the simulated ranks'
+    threads entering it at once could each restore another's list and leave "error" behind."""
     def body():
         gt.reset_stats()
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            out = fn()
-        return out, gt.stats()["fallback"]
-    results = gt.launch(body, world)
+        return fn(), gt.stats()["fallback"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = gt.launch(body, world)
     for _, fallbacks in results:
         assert fallbacks == {}, fallbacks
     return [r for r, _ in results]
