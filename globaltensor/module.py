@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from . import early_exit
 from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .ops.scope import enter_named_here
@@ -347,6 +348,7 @@ class _StageForward:
         self._empties: dict = {}  # outside: id(parameter) -> (it, the empty gradient it takes at each step's end)
         self._whole = Layout(placement, (Broadcast(),) * placement.ndim)  # a plain stage's outputs
         self._ranks: dict = {}  # rank -> whether the placement holds it
+        self._owed_before: dict = {}  # outside: the empty gradients its parameters took at the last step's end
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -368,6 +370,8 @@ class _StageForward:
                         _accumulate(p, _wrap(GlobalTensor, g, lay, p._key.shape, p._key))
                     else:
                         _accumulate(p, GlobalTensor(g, grad_layout(lay), tuple(p.shape)))
+            if owed:
+                self._owed_before = dict(owed)
             empties = self._empties
             for p, (lay, shape, dtype) in owed.values():
                 if p.grad is not None:
@@ -379,6 +383,12 @@ class _StageForward:
                     empty = GlobalTensor(torch.empty((0,), dtype=dtype, device=p._local.device), lay, shape)
                     empties[id(p)] = (p, empty)
                 _accumulate(p, empty)
+
+    def owe_as_before(self) -> None:
+        """A rank outside that left the forward before calling this stage (`early_exit`): its parameters take
+        the empty gradients they took at the last step's end, as if it had called it."""
+        if self.owed is not None and self._owed_before:
+            self.owed.update(self._owed_before)
 
     def tables(self) -> list:
         """Each of the module's modules' parameter and buffer dicts (the same dict objects for the module's
@@ -481,6 +491,7 @@ class _StageForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rank = context.current().rank
         inside = self._holds(rank)
+        leave = early_exit.CALLS.on and early_exit.note(self, inside)  # a pipeline's micro-batch forward
         side = self._side(args, kwargs, rank)  # marks the crossing for the backward's stops
         args = _moved(args, self.placement, side)
         if kwargs:
@@ -498,6 +509,9 @@ class _StageForward:
         key = tuple([(t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
                      for t in ins] + [torch.is_grad_enabled(), len(from_ins) + len(wanting)])
         meta = self.seen.get(key)
+        if meta is None and leave:  # never seen whole: this call must run
+            early_exit.missed()
+            leave = False
         if meta is None:
             targets = from_ins + wanting
             out = forward(self.module, *args, **kwargs)
@@ -522,7 +536,11 @@ class _StageForward:
                 targets, grads = from_ins + split[0], grads[:n_in] + split[1]
             if targets:
                 targets, grads = _past_elsewhere(targets, grads)
+                if leave and any(g is not None for g in grads):  # the micro-batch's backward starts here
+                    raise early_exit.LeftForward(targets, grads)
                 return _Elsewhere.apply(meta[:4] + (grads,), *targets)
+        if leave:  # no backward would start from here: the forward runs on
+            early_exit.missed()
         # requiring grad as on the ranks inside (its parameters do): the ops after it, a stage boundary's
         # among them, must record their backward here too (the boundary's sends the gradient across)
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=ins[0].device if ins else None), meta[0],

@@ -10,6 +10,10 @@ forward (F) and backward (B) actions, and each rank runs its stage's list. GPipe
 then every backward; 1F1B (PipeDream-flush) starts the backward of a micro-batch as soon as the last
 stage has it, so a stage holds at most `stages - stage` micro-batches' activations instead of all.
 
+A rank leaves a micro-batch's forward once the rest of it has nothing of its own (`early_exit.py`): every
+rank runs the one global program, so without it the first stage would call every later stage's modules on
+empty shards.
+
 Messages never wait for their receiver (sends are buffered on the simulator and asynchronous on
 gloo) and are matched by (step, micro-batch, direction) tags in program order, never by arrival; so the
 stages' different orders cannot cross-match. Receives are posted ahead: once two steps showed a rank
@@ -27,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import early_exit
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
@@ -187,12 +192,17 @@ class Pipeline:
     the receives of its next `stages x chunks` actions while it runs the current one (`Communicator.
     post_receive`), as torch.pipelining's runtime schedules do; off for a program whose stage boundaries
     carry tensors of data-dependent shapes (a changed message is an error then, never a wrong match). Not
-    on nccl, whose in-order stream would hold a rank's later sends behind a receive posted early."""
+    on nccl, whose in-order stream would hold a rank's later sends behind a receive posted early.
+
+    `leave_early` (default on): likewise learnt from two steps, a rank leaves each micro-batch's forward at the
+    stage call from which on nothing of it is its own (`early_exit`: the stages after its last send are not
+    called on it, their modules' hooks not run); `.left_forwards` counts those of the last step. Off for a
+    program that may add a communication of this rank's after that point in a later step."""
 
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False,
-                 post_receives: bool = True) -> None:
+                 post_receives: bool = True, leave_early: bool = True) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
@@ -230,6 +240,14 @@ class Pipeline:
         self.post_receives = post_receives
         self._heard: Optional[tuple] = None   # (inputs' signature, receives per action) of the last step
         self._learnt: Optional[tuple] = None  # the same, once two steps in a row agreed: posted ahead
+        self.leave_early = leave_early
+        self._exits_heard: Optional[tuple] = None   # (inputs' signature, where each micro-batch's forward may be left)
+        self._exits_learnt: Optional[tuple] = None  # the same, once two steps in a row agreed: left there
+        self._noted: dict = {}         # this step's learning forwards: micro-batch -> (their stage calls, communications)
+        self._placeholders: dict = {}  # micro-batch -> its loss's value from a forward run whole (a left one's stand-in)
+        self._missed = False           # an armed exit found another call than the learnt one this step
+        self._left_now: list = []      # the micro-batches whose forward this rank left this step
+        self.left_forwards = 0         # ... how many, in the last step
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
@@ -259,6 +277,9 @@ class Pipeline:
         signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
         learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
                                      and self._learnt[0] == signature) else None
+        leaves = self._exits_learnt[1] if (self._exits_learnt and self._exits_learnt[0] == signature) else None
+        left: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left, their roots
+        self._noted, self._missed, self._left_now = {}, False, []
         heard: list = [[] for _ in range(len(mine) + 1)]  # per action, and the step's deferred reductions
         posted = 0  # actions whose receives are posted
         ahead = len(self.stages) * self.chunks
@@ -276,8 +297,13 @@ class Pipeline:
                     t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
                     comm.p2p_tag = base + 2 * i + (act == "B")
                     comm.p2p_label = _describe(act, i)
-                    run = partial(self._forward, xs[i], ts[i], weights[i]) if act == "F" else \
-                        partial(losses[i].backward, _seed(losses[i]))
+                    if act == "F":
+                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else False
+                        run = partial(self._forward, xs[i], ts[i], weights[i], i, leave)
+                    elif i in left:  # from the tensors the rest of the forward would have taken
+                        run = partial(torch.autograd.backward, left[i].roots, left[i].grads)
+                    else:
+                        run = partial(losses[i].backward, _seed(losses[i]))
                     comm.p2p_heard = heard[k]
                     try:
                         done, result = self._chunk(fibers, act, i, c, run)
@@ -285,8 +311,13 @@ class Pipeline:
                         comm.p2p_heard = None
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
-                    if done:
+                    if done and isinstance(result, early_exit.LeftForward):
+                        left[i], losses[i] = result, self._placeholders[i]
+                        self._left_now.append(i)
+                    elif done:
                         losses[i] = result if act == "F" else _value(losses[i])
+                        if act == "B":
+                            left.pop(i, None)
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
                 comm.p2p_label = _DEFERRED
@@ -313,8 +344,9 @@ class Pipeline:
                                f"(source rank, tag): {left[:4]}; the messages of this step differ from the two "
                                f"before it, whose inputs were the same. Pass gt.Pipeline(post_receives=False) for a "
                                f"program whose stage boundaries depend on data")
-        self._learn(signature, heard)
+        self._learn(signature, heard, leaves)
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
+        self.left_forwards = len(self._left_now)
         total = time.perf_counter() - start
         # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
         # wait, the tied weight's gradient, the step's own work after the actions: counted idle, not work).
@@ -325,19 +357,50 @@ class Pipeline:
             f.settle()                                             # skip their ops from now on
         return _summed([losses[i] for i in range(self.microbatches)])
 
-    def _learn(self, signature: tuple, heard: list) -> None:
+    def _learn(self, signature: tuple, heard: list, leaves: Optional[dict]) -> None:
         """The step's receives per action: posted ahead from the next step on, once two steps in a row with
-        the same inputs made the same ones (a first step also runs the ops the later ones skip)."""
+        the same inputs made the same ones (a first step also runs the ops the later ones skip). Likewise
+        where each micro-batch's forward may be left (`early_exit`): an armed step keeps what it was given,
+        unless a forward missed its exit."""
         now = (signature, heard)
         self._learnt = now if self._heard == now else None
         self._heard = now
+        if not self.leave_early:
+            return
+        if leaves is None:
+            exits = {i: early_exit.leave_point(*n) for i, n in self._noted.items()}
+            now = (signature, exits) if len(exits) == self.microbatches else None
+        else:
+            now = None if self._missed else (signature, leaves)
+        self._exits_learnt = now if now is not None and self._exits_heard == now else None
+        self._exits_heard = now
 
     @property
     def chunks(self) -> int:
         """Chunks of the model each stage runs per micro-batch: its virtual stages when interleaved."""
         return self.virtual if self.kind == "interleaved" else 1
 
-    def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float, i: int,
+                 leave: Any) -> Any:
+        """Micro-batch i's forward: its loss, or where this rank left it (`early_exit.LeftForward`). `leave`:
+        where it may be left (learnt), None to note its stage calls (learning), False for neither."""
+        if leave is not False:  # per thread: set where the forward runs (a fiber's own)
+            early_exit.begin(leave)
+        try:
+            loss = self._loss_of(x, target, weight)
+        except early_exit.LeftForward as left:
+            return left
+        finally:
+            if leave is not False:
+                noted, missed = early_exit.end()
+                if noted is not None:
+                    self._noted[i] = noted
+                self._missed |= missed
+        if leave is None:
+            self._placeholders[i] = _value(loss)
+        return loss
+
+    def _loss_of(self, x: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
         meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):

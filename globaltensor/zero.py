@@ -137,6 +137,11 @@ _OPEN = _Open()  # per thread (simulated rank, pipeline fiber): the module calls
                  # and the group whose forward started last
 
 
+def gathering() -> bool:
+    """Whether a gathering module's forward is open on this thread (its forward hook still to come)."""
+    return bool(_OPEN.stack)
+
+
 def reinstall() -> None:
     """Put this thread's open calls' gathered parameters back in their modules' slots (outermost first).
 

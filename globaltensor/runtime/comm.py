@@ -9,6 +9,7 @@ methods only.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Any, Sequence
@@ -60,6 +61,19 @@ def all_reduce_recv_bytes(numel: int, itemsize: int, n: int, index: int) -> int:
     return ((n - 1) * chunk + (numel - chunk)) * itemsize
 
 
+class _Count(threading.local):
+    n = 0
+
+
+_COUNT = _Count()
+
+
+def communications() -> int:
+    """How many communications (collectives, point-to-point exchanges) this thread has taken part in: a pipeline
+    learns after which one a rank's part of a micro-batch's forward is over (`gt.Pipeline(leave_early=)`)."""
+    return _COUNT.n
+
+
 class Communicator:
     rank: int
     world_size: int
@@ -95,6 +109,7 @@ class Communicator:
                 log.add(ev)
 
     def _index(self, group: Group, kind: str) -> int:
+        _COUNT.n += 1
         if _TRACING.on:  # a report's chrome trace: when this collective started (every primitive asks here first)
             _TRACE.t0 = time.perf_counter_ns()
         try:
@@ -244,6 +259,7 @@ class Communicator:
         if not sends and not recvs:
             self._receive_buffers("exchange", sends, recvs, into, device)  # checks the peers
             return {}
+        _COUNT.n += 1
         tag = self._tag(key)
         posted = self._claim(recvs, tag) if self._posted else None
         rest = {r: v for r, v in recvs.items() if r not in posted} if posted else recvs
@@ -326,6 +342,7 @@ class Communicator:
         bufs = self._receive_buffers("send_recv_start", sends, recvs, None, device)
         if not sends and not recvs:
             return lambda: {}
+        _COUNT.n += 1
         finish = self._exchange_start({r: t.contiguous() for r, t in sends.items()}, bufs, self._tag(key))
         self._record_send_recv(sends, recvs)
         return finish
