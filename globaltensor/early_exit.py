@@ -60,13 +60,15 @@ class _Calls(threading.local):
 CALLS = _Calls()
 
 
-def begin(leave: Optional[tuple]) -> None:
+def begin(leave: Any) -> None:
     """A micro-batch's forward starts on this thread: `leave` (from `leave_point`) arms the exit; None notes the
-    stage calls instead (learning)."""
+    stage calls instead (learning); False neither (a learnt forward with no exit)."""
     c = CALLS
     c.on, c.n, c.start, c.missed = True, 0, communications(), False
     if leave is None:
         c.notes, c.leave_at = [], -1
+    elif leave is False:
+        c.notes, c.leave_at = None, -1
     else:
         c.notes, (c.leave_at, c.expect, c.later) = None, leave
 
@@ -101,6 +103,16 @@ def note(stage: Any, inside: bool) -> bool:
     return False
 
 
+def untouched() -> bool:
+    """Whether nothing in this micro-batch's forward so far is this rank's: no communication of its yet. What an
+    outside stage call takes then has no history here (anything this rank computed reaches another placement
+    only through a message it sends), so its backward would hand empty gradients to nothing: the stage's
+    output need not connect to it (a rank's backward ends where its first stage began, not at the
+    embeddings)."""
+    c = CALLS
+    return c.on and communications() == c.start
+
+
 def missed() -> None:
     """The armed call could not leave after all (it has never shown its output's layout): the forward runs on."""
     CALLS.missed = True
@@ -120,6 +132,8 @@ def leave_point(notes: tuple, total: int) -> Optional[tuple]:
     """Where a learnt forward may be left: the first stage call from which on every call is outside this rank
     and no communication of its follows, at which it may leave; as `begin`'s `leave` (the call's index, the
     (stage forward, communications) expected there, the stage forwards from there on). None: nowhere."""
+    if not total:  # nothing of this rank's crossed (a rank in no stage): its backward ends at once (`untouched`)
+        return None
     best = None
     for j in range(len(notes) - 1, -1, -1):
         stage, sent, inside, may = notes[j]

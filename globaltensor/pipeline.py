@@ -260,7 +260,7 @@ class Pipeline:
         comm = context.current()
         xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
         weights = [xi.shape[0] / x.shape[0] for xi in xs]  # each loss's share: the step is one pass over the batch
-        mine = self.actions[self.stage] if self.stage is not None else self.actions[-1]
+        mine = self.actions[self.stage] if self.stage is not None else _whole(self.actions[-1], self.chunks)
         losses: dict[int, torch.Tensor] = {}
         fibers: dict[tuple[str, int], Fiber] = {}
         self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
@@ -298,7 +298,7 @@ class Pipeline:
                     comm.p2p_tag = base + 2 * i + (act == "B")
                     comm.p2p_label = _describe(act, i)
                     if act == "F":
-                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else False
+                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else _WHOLE
                         run = partial(self._forward, xs[i], ts[i], weights[i], i, leave)
                     elif i in left:  # from the tensors the rest of the forward would have taken
                         run = partial(torch.autograd.backward, left[i].roots, left[i].grads)
@@ -383,15 +383,16 @@ class Pipeline:
     def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float, i: int,
                  leave: Any) -> Any:
         """Micro-batch i's forward: its loss, or where this rank left it (`early_exit.LeftForward`). `leave`:
-        where it may be left (learnt), None to note its stage calls (learning), False for neither."""
-        if leave is not False:  # per thread: set where the forward runs (a fiber's own)
+        where it may be left (learnt), None to note its stage calls (learning), False for neither, _WHOLE
+        for a pipeline that does not leave early."""
+        if leave is not _WHOLE:  # per thread: set where the forward runs (a fiber's own)
             early_exit.begin(leave)
         try:
             loss = self._loss_of(x, target, weight)
         except early_exit.LeftForward as left:
             return left
         finally:
-            if leave is not False:
+            if leave is not _WHOLE:
                 noted, missed = early_exit.end()
                 if noted is not None:
                     self._noted[i] = noted
@@ -418,7 +419,7 @@ class Pipeline:
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
         it (a fiber that stops at the next entry into this rank's stage). Returns (finished, result)."""
-        if self.chunks == 1:
+        if self.chunks == 1 or self.stage is None:  # a rank in no stage runs each forward and backward whole
             return True, run()
         f = fibers.get((act, i))
         if f is None:
@@ -432,11 +433,18 @@ class Pipeline:
         return f.done, f.result
 
 
+def _whole(actions: list, chunks: int) -> list:
+    """A rank in no stage: the last stage's actions, each micro-batch's forward and backward once (where the
+    first of its chunks comes), since no chunk of it is this rank's to stop at."""
+    return [(act, i, c) for act, i, c in actions if c == (0 if act == "F" else chunks - 1)]
+
+
 def _describe(act: str, i: int) -> str:
     return f"{'forward' if act == 'F' else 'backward'} of micro-batch {i}"
 
 
 _DEFERRED = "the step's deferred reductions"
+_WHOLE = object()  # a forward run whole on every rank (`Pipeline(leave_early=False)`)
 
 
 def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int, deferred: int) -> int:

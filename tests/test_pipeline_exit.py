@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 
 import globaltensor as gt
@@ -167,5 +168,52 @@ def test_leave_point_is_the_first_call_of_the_outside_tail_after_the_last_messag
     assert leave_point(notes, 1) == (3, (d, 1), (d,))
     assert leave_point(notes, 2) is None                       # a message after the last call: stay
     assert leave_point(notes[:1], 0) is None                   # the last call is its own
+    assert leave_point(((b, 0, False, True),), 0) is None     # a rank no message of the forward touches
     notes = ((a, 0, True, False), (b, 1, False, True), (c, 1, False, True))
     assert leave_point(notes, 1) == (1, (b, 1), (b, c))
+
+
+def _counted_steps(counts: dict, n_ranks: int, kind: str, virtual: int, leave: bool, steps: int = 4):
+    """2 stages, on ranks 0 and 1 of `n_ranks` (the others in no stage); per step, how many `_Elsewhere`
+    backwards this rank ran (counted into `counts` by the test's patch) and the step's loss where it is held."""
+    from globaltensor.runtime import context
+    stages = [gt.placement("cpu", [r]) for r in range(2)]
+    torch.manual_seed(0)
+    model = gt.to_global(GPT(_cfg(2 * virtual)).double(), stages[0], pp_plan(stages, 2 * virtual, virtual=virtual))
+    pipe = gt.Pipeline(model, microbatches=2, schedule=kind, loss_fn=loss_fn, leave_early=leave)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, t = _data(4)
+    mine = counts.setdefault(context.current().rank, [0])
+    out = []
+    for _ in range(steps):
+        mine[0] = 0
+        loss = pipe.step(x, t)
+        opt.step()
+        opt.zero_grad()
+        out.append((mine[0], pipe.left_forwards, loss.full_tensor().item() if gt.rank() in loss.placement else None))
+    return out
+
+
+@pytest.mark.parametrize("kind,virtual", [("1f1b", 1), ("interleaved", 2)])
+def test_a_backward_ends_where_the_ranks_first_stage_began(monkeypatch, kind, virtual):
+    """The last stage's backward does not run the empty backwards of the stages before its first chunk (nor does a
+    rank in no stage run any): what an outside stage took before the rank's first message has nothing of its
+    own. The first stage leaves its forwards; the third rank, in no stage, runs each micro-batch whole."""
+    import globaltensor.module as gm
+    from globaltensor.runtime import context
+    counts: dict = {}
+    real = gm._Elsewhere.backward
+
+    def counted(ctx, grad):
+        counts[context.current().rank][0] += 1
+        return real(ctx, grad)
+    monkeypatch.setattr(gm._Elsewhere, "backward", staticmethod(counted))
+    on = gt.launch(partial(_counted_steps, counts), 3, args=(3, kind, virtual, True))
+    off = gt.launch(partial(_counted_steps, counts), 3, args=(3, kind, virtual, False))
+    assert [[left for _, left, _ in r] for r in on] == [[0, 0, 2, 2], [0] * 4, [0] * 4]
+    assert [loss for *_, loss in on[1]] == [loss for *_, loss in off[1]]
+    # from step 2 (stages seen whole): none before the last stage's first chunk; interleaved, one per micro-batch
+    # between its chunks (block 2, on the first stage: the boundaries around it send and receive here)
+    assert [n for n, *_ in on[1]][1:] == [0 if virtual == 1 else 2] * 3
+    assert all(a < b for (a, *_), (b, *_) in zip(on[1][1:], off[1][1:]))
+    assert [n for n, *_ in on[2]][1:] == [0, 0, 0] and all(n for n, *_ in off[2][1:])
