@@ -68,8 +68,8 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
 
 def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1,
               foreach=False, log_optimizer=False):
-    """Returns (losses, state, held, events, peak micro-batches in flight, stage): events per step, the
-    pipeline step's collectives (and, with `log_optimizer`, the optimizer step's after them)."""
+    """Returns (losses, state, held, events, peak micro-batches in flight, stage, forwards left in the last step):
+    events per step, the pipeline step's collectives (and, with `log_optimizer`, the optimizer step's after them)."""
     stages = _stages(n_stages, stage_mesh)
     nd = len(stage_mesh)
     inner_plan = {"none": None, "tp": lambda: tp_plan(1, 2), "zero": lambda: zero_plan(0, 1),
@@ -92,7 +92,7 @@ def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_
         events.append(log.events + (opt_log.events if log_optimizer else []))
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
-    return losses, state, held, events, pipe.peak_in_flight, pipe.stage
+    return losses, state, held, events, pipe.peak_in_flight, pipe.stage, pipe.left_forwards
 
 
 def _check_values(results, want_losses, want_state):
@@ -121,7 +121,7 @@ def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stage
     act = batch // micro * T * D * F64      # one micro-batch's activation (or its gradient)
     wte = VOCAB * D * F64                   # the tied embedding/head weight (or its gradient)
     last = n_stages * virtual - 1           # the last virtual stage
-    for losses, state, held, events, peak, stage in results:
+    for losses, state, held, events, peak, stage, _ in results:
         got = sum(e.recv_bytes for e in events[-1])
         assert {e.kind for e in events[-1]} == {"send_recv"}
         chunks = [c * n_stages + stage for c in range(virtual)]
@@ -707,6 +707,7 @@ def test_pipeline_x_data_under_gloo(kind):
     results = gt.launch(pipelined, 4, args=(2, 2 * virtual, kind, 2, 8, 3, "none", (2,), virtual), backend="gloo",
                         timeout=120)
     _check_values(results, want_losses, want_state)
+    assert [r[-1] for r in results] == [2, 2, 0, 0]  # the third step: the first stage left both forwards
 
 
 def _torch_transformer(steps, stages=None):
