@@ -278,7 +278,7 @@ class Pipeline:
         learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
                                      and self._learnt[0] == signature) else None
         leaves = self._exits_learnt[1] if (self._exits_learnt and self._exits_learnt[0] == signature) else None
-        left: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left, their roots
+        exited: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left: their roots
         self._noted, self._missed, self._left_now = {}, False, []
         heard: list = [[] for _ in range(len(mine) + 1)]  # per action, and the step's deferred reductions
         posted = 0  # actions whose receives are posted
@@ -300,8 +300,8 @@ class Pipeline:
                     if act == "F":
                         leave = (None if leaves is None else leaves[i] or False) if self.leave_early else _WHOLE
                         run = partial(self._forward, xs[i], ts[i], weights[i], i, leave)
-                    elif i in left:  # from the tensors the rest of the forward would have taken
-                        run = partial(torch.autograd.backward, left[i].roots, left[i].grads)
+                    elif i in exited:  # from the tensors the rest of the forward would have taken
+                        run = partial(torch.autograd.backward, exited[i].roots, exited[i].grads)
                     else:
                         run = partial(losses[i].backward, _seed(losses[i]))
                     comm.p2p_heard = heard[k]
@@ -312,12 +312,12 @@ class Pipeline:
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
                     if done and isinstance(result, early_exit.LeftForward):
-                        left[i], losses[i] = result, self._placeholders[i]
+                        exited[i], losses[i] = result, self._placeholders[i]
                         self._left_now.append(i)
                     elif done:
                         losses[i] = result if act == "F" else _value(losses[i])
                         if act == "B":
-                            left.pop(i, None)
+                            exited.pop(i, None)
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
                 comm.p2p_label = _DEFERRED
