@@ -549,7 +549,8 @@ def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layer
     not divide the batch (tensor_split's sizes, differing by one; each micro-batch's loss is weighted
     by its share of the batch, so the step equals one pass over the whole batch), every schedule
     (interleaved: two chunks per stage, micro-batches a multiple of the stages). Three steps: the third posts
-    its receives ahead (`Pipeline(post_receives=)`), micro-batches of two sizes among them."""
+    its receives ahead (`Pipeline(post_receives=)`), micro-batches of two sizes among them, and every stage
+    but the last leaves each micro-batch's forward after its last send (`early_exit`)."""
     micro = min(micro, batch)
     virtual = 1
     if kind == "interleaved":
@@ -558,6 +559,7 @@ def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layer
     want_losses, want_state = reference(n_layer, batch, 3)
     results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 3, "none", (1,), virtual))
     _check_values(results, want_losses, want_state)
+    assert [r[-1] for r in results] == [micro] * (n_stages - 1) + [0]
 
 
 def test_schedules_are_data():
