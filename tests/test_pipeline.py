@@ -460,7 +460,7 @@ def test_pipeline_x_data_x_tensor_on_eight_ranks(kind):
     _check_values(results, want_losses, want_state)
     stages = _stages(2, (2, 2))
     stage_mesh_of = {r: p for p in stages for r in p.flat_ranks}
-    for rank, (*_, events, _peak, stage) in enumerate(results):
+    for rank, (*_, events, _peak, stage, _left) in enumerate(results):
         got = Counter((e.kind, _where(e, rank, stage_mesh_of), e.recv_bytes) for e in events[-1])
         want = pp_dp_tp_collectives(stage, n_layer, virtual, micro, batch)
         assert got == want, (rank, stage, sorted((got - want).items()), sorted((want - got).items()))
@@ -529,7 +529,7 @@ def test_pipeline_x_zero(inner, kind):
     results = gt.launch(pipelined, 4, args=(2, n_layer, kind, micro, batch, steps, inner, (2,), virtual, False, True))
     _check_values(results, want_losses, want_state)
     stage_mesh_of = {r: p for p in _stages(2, (2,)) for r in p.flat_ranks}
-    for rank, (*_, events, _peak, stage) in enumerate(results):
+    for rank, (*_, events, _peak, stage, _left) in enumerate(results):
         got = Counter((e.kind, "stages" if any(r not in stage_mesh_of[rank].flat_ranks for r in e.group) else "data",
                        e.recv_bytes) for e in events[-1])
         want = pp_zero_collectives(stage, n_layer, virtual, micro, batch, inner == "zero")
