@@ -35,6 +35,7 @@ from . import early_exit
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
+from .runtime.failure import CollectiveError
 from .sbp import Broadcast, Partial, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
@@ -326,9 +327,11 @@ class Pipeline:
                 f.close_step()
             comm.p2p_heard = None
             flushed = True
-        except BaseException:
+        except BaseException as e:
             for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
                 f.cancel()
+            if leaves is not None and isinstance(e, CollectiveError):  # a message after a learnt exit point?
+                raise CollectiveError(f"{e}\n{_LEFT_HINT}") from e
             raise
         finally:
             comm.p2p_heard = None
@@ -445,6 +448,9 @@ def _describe(act: str, i: int) -> str:
 
 _DEFERRED = "the step's deferred reductions"
 _WHOLE = object()  # a forward run whole on every rank (`Pipeline(leave_early=False)`)
+_LEFT_HINT = ("(this step's ranks leave each micro-batch's forward where two steps before it showed nothing more of "
+              "theirs; a program that adds a message of a rank's after that point waits on a rank that left: pass "
+              "gt.Pipeline(leave_early=False) for it)")
 
 
 def _post_ahead(comm: Any, actions: list, learnt: list, posted: int, upto: int, base: int, deferred: int) -> int:

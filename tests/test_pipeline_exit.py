@@ -217,3 +217,31 @@ def test_a_backward_ends_where_the_ranks_first_stage_began(monkeypatch, kind, vi
     assert [n for n, *_ in on[1]][1:] == [0 if virtual == 1 else 2] * 3
     assert all(a < b for (a, *_), (b, *_) in zip(on[1][1:], off[1][1:]))
     assert [n for n, *_ in on[2]][1:] == [0, 0, 0] and all(n for n, *_ in off[2][1:])
+
+
+class _Late(GPT):
+    """A GPT whose forward, from a switch set between steps, adds a message from the first stage after the point
+    where its rank learnt to leave (the embeddings' mean, moved to the logits' stage)."""
+    late = False
+
+    def forward(self, idx, targets=None):
+        first = x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.output(x, targets)
+        if self.late:
+            logits = logits + first.mean().to_global(logits.placement, logits.sbp) * 0
+        return logits
+
+
+def _late(model, step):
+    model.late = step >= 3
+
+
+def test_a_message_added_after_the_learnt_exit_is_an_error_naming_the_opt_out():
+    """Step 4 adds a message of the first stage's rank after the point it leaves at: the step ends in an error (no
+    hang) that names `leave_early=False`; with it, the changed program trains as the whole-forward run does."""
+    with pytest.raises(gt.CollectiveError, match=r"leave_early=False"):
+        gt.launch(partial(_trained, model_cls=_Late, program=_late), 2, args=(2, "1f1b", 5, True), timeout=60)
+    off = gt.launch(partial(_trained, model_cls=_Late, program=_late), 2, args=(2, "1f1b", 5, False))
+    assert [left for _, left, _ in off[0][0]] == [0] * 5
