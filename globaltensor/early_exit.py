@@ -16,8 +16,8 @@ A rank leaves only at a call where nothing that already ran waits on the rest: n
 module, no gathering module or named scope open around it (their forward hooks close what they
 opened). A forward that comes to the learnt call with another stage or after another number of
 communications runs on to its end, and the pipeline learns again. What it cannot see is a program that
-changes after the point it learnt: a communication added there, of a data-dependent program, would
-wait on a rank that left (a collective timeout names it); such a program passes `leave_early=False`.
+changes after the point it learnt: a communication added there, of a data-dependent program, waits on a
+rank that left; the collective error that ends the step names the opt-out, `leave_early=False`.
 """
 from __future__ import annotations
 
