@@ -39,7 +39,7 @@ from .runtime import context, fiber
 from .ragged import boundary_cut, convert as convert_ragged
 from .sbp import SBP_TYPES, Broadcast, Partial, Ragged
 from .tensor import GlobalTensor, _FromLocal, _wrap, distribute, grad_layout
-from .zero import ParamGroup, compute_layout, reinstall
+from .zero import ParamGroup, compute_layout, kept_output, reinstall, runs_plain
 
 
 @dataclass(frozen=True)
@@ -354,6 +354,19 @@ class _StageForward:
         self.leaves, self.owed = {}, {}
         self._step_params, self._step_splits, self._step_swaps = None, {}, None
 
+    def hand_on(self) -> None:
+        """Inside the step's `accumulating()` scope, after its micro-batches: the gathered copies kept for the step
+        (a tied weight on this stage) hand their plain leaves' gradients, summed over the micro-batches, back
+        through their gather once (whose reduction the scope's close runs), as each micro-batch's backward did."""
+        leaves = self.leaves
+        if not leaves:
+            return
+        kept = [(k, p, leaf) for k, (p, leaf) in leaves.items() if not p.is_leaf]
+        for k, p, leaf in kept:
+            del leaves[k]
+            if leaf.grad is not None:
+                torch.autograd.backward([p], [GlobalTensor(leaf.grad, grad_layout(p._layout), tuple(p.shape))])
+
     def close_step(self, flush: bool = True) -> None:
         """The step's gradients into the parameters' `.grad`, as autograd's accumulation would have
         left them (post-accumulate hooks included, once); `flush=False` drops them (a failed step)."""
@@ -446,6 +459,10 @@ class _StageForward:
             self.plain = self.placement.size == 1 and not any(
                 m.__dict__.get("_gt_layout_hooks") and m.__dict__.get("_gt_gathers_onto") != self.placement
                 for m in self.module.modules())
+            if self.plain:
+                for m in self.module.modules():
+                    if m.__dict__.get("_gt_gathers_onto") == self.placement:
+                        runs_plain(m.__dict__["_gt_gather_group"])
         return self.plain
 
     def _side(self, args: tuple, kwargs: dict, rank: int) -> Optional[bool]:
@@ -558,18 +575,20 @@ class _StageForward:
 def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bool]:
     """(table, name, GlobalTensor, the plain tensor it is swapped for while a one-rank stage runs, or None for
     its `to_local()` made at each call) per GlobalTensor parameter and buffer in the module's (parameters,
-    buffers) `tables`; and whether every parameter is a stored one (an `nn.Parameter`). The plain tensor: the
-    local tensor where no gradient is taken; a gathered copy's `to_local()`, whose gradient goes back
-    through its gather; given `leaves` (a pipeline step), the step's plain leaf per parameter, whose
-    gradient the step hands on once."""
+    buffers) `tables`; and whether every parameter is the same tensor at each call of a step (a stored
+    `nn.Parameter`, or a gathered copy kept for the step). The plain tensor: the local tensor where no
+    gradient is taken; a gathered copy's `to_local()`, whose gradient goes back through its gather; given
+    `leaves` (a pipeline step), the step's plain leaf per parameter and per kept gathered copy, whose
+    gradient the step hands on once (`_StageForward.hand_on`, `close_step`)."""
     swaps, stored = [], True
     for params, buffers in tables:
         for name, t in params.items():
             if isinstance(t, GlobalTensor):
-                stored = stored and isinstance(t, torch.nn.Parameter)
+                kept = leaves is not None and not t.is_leaf and kept_output(t)
+                stored = stored and (isinstance(t, torch.nn.Parameter) or kept)
                 if not (grad and t.requires_grad):
                     swaps.append((params, name, t, t._local))
-                elif leaves is None or not t.is_leaf:
+                elif leaves is None or not (t.is_leaf or kept):
                     swaps.append((params, name, t, None))
                 else:
                     entry = leaves.get(id(t))  # by id: a tensor's __hash__ is a Python call
@@ -865,6 +884,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
         mod.__dict__.pop("_gt_gathers_onto", None)
+        mod.__dict__.pop("_gt_gather_group", None)
         if isinstance(mod.__dict__.get("forward"), (_StageForward, PlainRegion)):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
@@ -885,6 +905,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
             onto = {c.placement for c in groups[mod].compute}
             if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
                 mod.__dict__["_gt_gathers_onto"] = onto.pop()  # only gathers: may run plain there
+                mod.__dict__["_gt_gather_group"] = groups[mod]
         if post is not None:
             handles.append(mod.register_forward_hook(post))
         mod.__dict__["_gt_layout_hooks"] = handles

@@ -320,6 +320,8 @@ class Pipeline:
                         if act == "B":
                             exited.pop(i, None)
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
+                for f in stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
+                    f.hand_on()
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
                 comm.p2p_label = _DEFERRED
                 comm.p2p_heard = heard[-1]

@@ -76,16 +76,23 @@ class ParamGroup:
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
         mine = _state(self)
         scope = _SCOPES.get(context.current())
-        kept = scope.calls.get(self) if scope is not None and not self.reshard_after_forward else None
+        keeps = scope is not None and not self.reshard_after_forward  # one call for the scope's micro-batches
+        kept = scope.calls.get(self) if keeps else None
         call = kept or mine.pop("prefetched", None) or _Call(self)
-        if scope is not None and not self.reshard_after_forward:
+        if keeps:
             scope.calls[self] = call
         if _OPEN.stack and _OPEN.last is not None and _OPEN.last is not self:
             _state(_OPEN.last)["next"] = self
         _OPEN.last = self
         params = [p for p in self.params]
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            gathered = _Gather.apply(call, *params)
+            # kept for the step: every micro-batch takes the same outputs of one gather (one node, whose backward
+            # each micro-batch's backward runs, or a one-rank stage hands the step's sum to once: `hand_on`)
+            gathered = scope.outputs.get(self) if keeps else None
+            if gathered is None:
+                gathered = _Gather.apply(call, *params)
+                if keeps:
+                    scope.outputs[self] = gathered
         else:
             gathered = call.gather()
         for mod, name, i in self.slots:
@@ -111,7 +118,9 @@ class ParamGroup:
             mod._parameters[name] = self.params[i]
         kept = _SCOPES.get(context.current())
         if kept is not None and kept.calls.get(self) is call:  # kept for the scope's next micro-batches
-            return _mark_outputs(output, call) if call.tracked else output
+            # a module run on plain tensors (a one-rank stage) dispatches nothing in its backward: no named
+            # scope for it to enter, no gather to redo
+            return _mark_outputs(output, call) if call.tracked and not _state(self).get("plain") else output
         if not call.tracked:      # no backward will come for these: nothing to keep
             call.free()
             return output
@@ -135,6 +144,21 @@ class _Open(threading.local):
 
 _OPEN = _Open()  # per thread (simulated rank, pipeline fiber): the module calls whose parameters are gathered,
                  # and the group whose forward started last
+
+
+def runs_plain(group: ParamGroup) -> None:
+    """The group's module computes on plain local tensors (a one-rank pipeline stage, `module._StageForward`)."""
+    _state(group)["plain"] = True
+
+
+def kept_output(t: torch.Tensor) -> bool:
+    """Whether `t` is a gathered parameter kept for the step (`accumulating`): the same tensor in every micro-batch,
+    whose gradient may be summed over them and handed to its gather once."""
+    node = t.grad_fn
+    if type(node) is not _GATHER_BACKWARD:
+        return False
+    scope = _SCOPES.get(context.current())
+    return scope is not None and scope.calls.get(node.call.group) is node.call
 
 
 def gathering() -> bool:
@@ -355,6 +379,9 @@ class _Gather(torch.autograd.Function):
         return (None,) * (1 + len(grads))
 
 
+_GATHER_BACKWARD = _Gather._backward_cls
+
+
 MAX_IN_FLIGHT: Optional[int] = None  # reduce-scatters left running while the backward goes on; None: `in_flight`
 
 
@@ -378,6 +405,9 @@ class _Accumulation:
     def __init__(self) -> None:
         self.calls: dict = {}   # ParamGroup -> _Call
         self.grads: dict = {}   # _Call -> [gradient (compute layout) or None per parameter]
+        # ParamGroup -> the gathered outputs every micro-batch takes (one `_Gather` node for the scope); held here,
+        # not by the call, which the outputs' node holds (a cycle would keep a failed step's calls alive)
+        self.outputs: dict = {}
 
     def add(self, call: "_Call", grads: tuple) -> None:
         have = self.grads.get(call)
