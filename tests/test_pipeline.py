@@ -835,3 +835,33 @@ def test_bubble_is_the_idle_share_of_the_step(monkeypatch):
         assert ends == sorted(ends)
         assert all(0 <= w <= e - s for *_, s, e, w in timeline)
         assert 0 <= bubble <= 1
+
+
+def test_the_tied_head_on_a_one_rank_stage_gathers_once_per_step(monkeypatch):
+    """The head's weight (the embedding's, kept gathered for the step) is gathered once per step on the last stage,
+    its micro-batches' gradients summed on a plain leaf and handed back through the gather once: one `_Gather`
+    forward per step on both ranks, one backward on the last, no backward mark (`_Regather`) per micro-batch there;
+    values as one device."""
+    from globaltensor import zero
+    from globaltensor.runtime import context
+    counts: dict = {}
+
+    def counting(cls, name):
+        real = getattr(cls, name)
+
+        def counted(*args, **kwargs):
+            key = (context.current().rank, cls.__name__, name)
+            counts[key] = counts.get(key, 0) + 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(cls, name, staticmethod(counted))
+    for cls in (zero._Gather, zero._Regather):
+        counting(cls, "forward")
+        counting(cls, "backward")
+    steps, micro = 3, 4
+    want_losses, want_state = reference(4, 8, steps)
+    results = gt.launch(pipelined, 2, args=(2, 4, "1f1b", micro, 8, steps))
+    _check_values(results, want_losses, want_state)
+    for rank in (0, 1):  # the first stage moves the weight (its gather's sending side), the last takes it
+        assert counts.get((rank, "_Gather", "forward")) == steps, counts
+    assert counts.get((1, "_Gather", "backward")) == steps, counts
+    assert counts.get((1, "_Regather", "forward"), 0) == 0, counts
