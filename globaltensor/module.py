@@ -457,11 +457,11 @@ class _StageForward:
         as the parameters are. Decided at the first call, when every hook is installed."""
         if self.plain is None:
             self.plain = self.placement.size == 1 and not any(
-                m.__dict__.get("_gt_layout_hooks") and m.__dict__.get("_gt_gathers_onto") != self.placement
+                m.__dict__.get("_gt_layout_hooks") and _gathers_onto(m) != self.placement
                 for m in self.module.modules())
             if self.plain:
                 for m in self.module.modules():
-                    if m.__dict__.get("_gt_gathers_onto") == self.placement:
+                    if _gathers_onto(m) == self.placement:
                         runs_plain(m.__dict__["_gt_gather_group"])
         return self.plain
 
@@ -570,6 +570,12 @@ class _StageForward:
         for key, (out, layouts) in self.watching.items():
             self.seen[key] = out + (tuple(layouts),)
         self.watching.clear()
+
+
+def _gathers_onto(module: torch.nn.Module) -> Optional[Placement]:
+    """The one placement a module that only gathers its parameters computes them on (None for any other module)."""
+    group = module.__dict__.get("_gt_gather_group")
+    return group.compute[0].placement if group is not None else None
 
 
 def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bool]:
@@ -883,7 +889,6 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     for mod in module.modules():  # a second conversion replaces the first one's layout hooks
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
-        mod.__dict__.pop("_gt_gathers_onto", None)
         mod.__dict__.pop("_gt_gather_group", None)
         if isinstance(mod.__dict__.get("forward"), (_StageForward, PlainRegion)):
             del mod.__dict__["forward"]
@@ -904,8 +909,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
             handles.append(mod.register_forward_hook(groups[mod].after))
             onto = {c.placement for c in groups[mod].compute}
             if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
-                mod.__dict__["_gt_gathers_onto"] = onto.pop()  # only gathers: may run plain there
-                mod.__dict__["_gt_gather_group"] = groups[mod]
+                mod.__dict__["_gt_gather_group"] = groups[mod]  # only gathers, onto one placement: may run plain there
         if post is not None:
             handles.append(mod.register_forward_hook(post))
         mod.__dict__["_gt_layout_hooks"] = handles

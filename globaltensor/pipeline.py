@@ -247,7 +247,6 @@ class Pipeline:
         self._noted: dict = {}         # this step's learning forwards: micro-batch -> (their stage calls, communications)
         self._placeholders: dict = {}  # micro-batch -> its loss's value from a forward run whole (a left one's stand-in)
         self._missed = False           # an armed exit found another call than the learnt one this step
-        self._left_now: list = []      # the micro-batches whose forward this rank left this step
         self.left_forwards = 0         # ... how many, in the last step
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
@@ -280,7 +279,8 @@ class Pipeline:
                                      and self._learnt[0] == signature) else None
         leaves = self._exits_learnt[1] if (self._exits_learnt and self._exits_learnt[0] == signature) else None
         exited: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left: their roots
-        self._noted, self._missed, self._left_now = {}, False, []
+        self._noted, self._missed = {}, False
+        left_forwards = 0
         heard: list = [[] for _ in range(len(mine) + 1)]  # per action, and the step's deferred reductions
         posted = 0  # actions whose receives are posted
         ahead = len(self.stages) * self.chunks
@@ -299,7 +299,7 @@ class Pipeline:
                     comm.p2p_tag = base + 2 * i + (act == "B")
                     comm.p2p_label = _describe(act, i)
                     if act == "F":
-                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else _WHOLE
+                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else _UNWATCHED
                         run = partial(self._forward, xs[i], ts[i], weights[i], i, leave)
                     elif i in exited:  # from the tensors the rest of the forward would have taken
                         run = partial(torch.autograd.backward, exited[i].roots, exited[i].grads)
@@ -314,7 +314,7 @@ class Pipeline:
                     peak = max(peak, held)
                     if done and isinstance(result, early_exit.LeftForward):
                         exited[i], losses[i] = result, self._placeholders[i]
-                        self._left_now.append(i)
+                        left_forwards += 1
                     elif done:
                         losses[i] = result if act == "F" else _value(losses[i])
                         if act == "B":
@@ -351,7 +351,7 @@ class Pipeline:
                                f"program whose stage boundaries depend on data")
         self._learn(signature, heard, leaves)
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
-        self.left_forwards = len(self._left_now)
+        self.left_forwards = left_forwards
         total = time.perf_counter() - start
         # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
         # wait, the tied weight's gradient, the step's own work after the actions: counted idle, not work).
@@ -388,16 +388,16 @@ class Pipeline:
     def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float, i: int,
                  leave: Any) -> Any:
         """Micro-batch i's forward: its loss, or where this rank left it (`early_exit.LeftForward`). `leave`:
-        where it may be left (learnt), None to note its stage calls (learning), False for neither, _WHOLE
+        where it may be left (learnt), None to note its stage calls (learning), False for neither, _UNWATCHED
         for a pipeline that does not leave early."""
-        if leave is not _WHOLE:  # per thread: set where the forward runs (a fiber's own)
+        if leave is not _UNWATCHED:  # per thread: set where the forward runs (a fiber's own)
             early_exit.begin(leave)
         try:
             loss = self._loss_of(x, target, weight)
         except early_exit.LeftForward as left:
             return left
         finally:
-            if leave is not _WHOLE:
+            if leave is not _UNWATCHED:
                 noted, missed = early_exit.end()
                 if noted is not None:
                     self._noted[i] = noted
@@ -449,7 +449,7 @@ def _describe(act: str, i: int) -> str:
 
 
 _DEFERRED = "the step's deferred reductions"
-_WHOLE = object()  # a forward run whole on every rank (`Pipeline(leave_early=False)`)
+_UNWATCHED = object()  # a forward early_exit does not watch (`Pipeline(leave_early=False)`)
 _LEFT_HINT = ("(this step's ranks leave each micro-batch's forward where two steps before it showed nothing more of "
               "theirs; a program that adds a message of a rank's after that point waits on a rank that left: pass "
               "gt.Pipeline(leave_early=False) for it)")
