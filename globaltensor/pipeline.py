@@ -251,6 +251,9 @@ class Pipeline:
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
+        self._stop_on_entry()
+
+    def _stop_on_entry(self) -> None:
         if self.chunks > 1:  # fibers: each stops where it enters one of its rank's chunks
             for f in self._stage_forwards:
                 f.stop_on_entry()
@@ -258,6 +261,7 @@ class Pipeline:
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
         comm = context.current()
+        self._stop_on_entry()
         xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
         weights = [xi.shape[0] / x.shape[0] for xi in xs]  # each loss's share: the step is one pass over the batch
         mine = self.actions[self.stage] if self.stage is not None else _whole(self.actions[-1], self.chunks)

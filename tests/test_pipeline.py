@@ -625,6 +625,43 @@ def test_fibers_reuse_their_worker_threads():
     assert "gt-test-fiber" not in {t.name for t in threading.enumerate()}
 
 
+def test_an_interleaved_fiber_stops_where_a_stage_is_entered_before_its_pre_hooks():
+    """A stage module with no forward pre-hook stops a fiber at the start of its call (no hook of ours: torch's fast
+    call path); one registered later (here after a step) makes the stop a hook again at the next step, run
+    before the user's, which thus runs in the chunk the module belongs to, not in the one the fiber leaves."""
+    def body():
+        stages = _stages(2, (1,))
+        torch.manual_seed(0)
+        model = gt.to_global(GPT(_cfg(4)).double(), stages[0], pp_plan(stages, 4, virtual=2))
+        pipe = gt.Pipeline(model, microbatches=2, schedule="interleaved", loss_fn=loss_fn)
+        x, t = _data(4)
+        losses = [pipe.step(x, t)]
+        block = model.blocks[2]  # chunk 2: rank 0's second
+        forward = block.__dict__["forward"]
+        inline = forward.enters_inline and "_gt_stage_hooks" not in block.__dict__
+        now, seen = [None], []
+        real = pipe._chunk
+
+        def chunk(fibers, act, i, c, run):
+            now[0] = (act, i, c)
+            return real(fibers, act, i, c, run)
+        pipe._chunk = chunk
+        block.register_forward_pre_hook(lambda mod, args: seen.append(now[0]))
+        losses.append(pipe.step(x, t))
+        opt_free = [loss.full_tensor().item() for loss in losses] if gt.rank() in losses[0].placement else None
+        return inline, forward.enters_inline, "_gt_stage_hooks" in block.__dict__, seen, opt_free
+
+    r0, r1 = gt.launch(body, 2)
+    assert r0[:3] == (True, False, True) and r1[:3] == (True, False, True)
+    assert r0[3] == [("F", 0, 1), ("F", 1, 1)]  # rank 0: inside its second chunk
+    assert r1[3] == [("F", 0, 0), ("F", 1, 0)]  # rank 1 calls it outside, on its way out of its first chunk
+    torch.manual_seed(0)
+    model = GPT(_cfg(4)).double()
+    x, t = _data(4)
+    want = loss_fn(model(x), t).item()
+    np.testing.assert_allclose(r1[4], [want, want], rtol=0, atol=1e-10)  # no optimizer step between
+
+
 def test_a_fiber_runs_in_its_creators_named_scope_and_leaves_none_on_its_thread():
     """The named scope (ops/scope.py) is per thread: a fiber starts in its creator's depth, and a fiber
     cancelled inside a named module (a failed step) leaves no depth on its pooled worker for the next one."""
