@@ -35,6 +35,7 @@ from . import early_exit
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
+from .runtime.comm import PostedMismatch
 from .runtime.failure import CollectiveError
 from .sbp import Broadcast, Partial, Split
 from .module import _StageForward
@@ -338,6 +339,9 @@ class Pipeline:
                 f.cancel()
             if leaves is not None and isinstance(e, CollectiveError):  # a message after a learnt exit point?
                 raise CollectiveError(f"{e}\n{_LEFT_HINT}") from e
+            if isinstance(e, PostedMismatch):  # a message learnt and posted ahead changed
+                self._learnt = self._heard = None
+                raise PostedMismatch(f"{e}; {_CHANGED_HINT}") from e
             raise
         finally:
             comm.p2p_heard = None
@@ -350,9 +354,7 @@ class Pipeline:
         if left:
             self._learnt = self._heard = None
             raise RuntimeError(f"Pipeline.step: rank {comm.rank} posted receives its program did not ask for "
-                               f"(source rank, tag): {left[:4]}; the messages of this step differ from the two "
-                               f"before it, whose inputs were the same. Pass gt.Pipeline(post_receives=False) for a "
-                               f"program whose stage boundaries depend on data")
+                               f"(source rank, tag): {left[:4]}; {_CHANGED_HINT}")
         self._learn(signature, heard, leaves)
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         self.left_forwards = left_forwards
@@ -453,6 +455,8 @@ def _describe(act: str, i: int) -> str:
 
 
 _DEFERRED = "the step's deferred reductions"
+_CHANGED_HINT = ("the messages of this step differ from the two before it, whose inputs were the same. Pass "
+                 "gt.Pipeline(post_receives=False) for a program whose stage boundaries depend on data")
 _UNWATCHED = object()  # a forward early_exit does not watch (`Pipeline(leave_early=False)`)
 _LEFT_HINT = ("(this step's ranks leave each micro-batch's forward where two steps before it showed nothing more of "
               "theirs; a program that adds a message of a rank's after that point waits on a rank that left: pass "

@@ -90,7 +90,7 @@ class _Padded(nn.Linear):
     """A Linear that takes fewer features than it has (zero-padded): its input may change width."""
 
     def forward(self, x):
-        return super().forward(F.pad(x, (0, self.in_features - x.shape[-1])))
+        return super().forward(F.pad(x, (0, self.in_features - x.shape[-1])).to(self.weight.dtype))
 
 
 class _Changing(nn.Module):
@@ -109,6 +109,8 @@ class _Changing(nn.Module):
         h = self.a(x)
         if self.how == "cut":  # the tensor that crosses to b's stage: 6 columns, then 4
             h = h[:, :4] if later else h[:, :6]
+        if self.how == "dtype" and later:  # the same conversion, so the same tag: another dtype
+            h = h.double()
         h = self.b(h)
         if self.how == "extra" and not later:
             h = self.d(self.c(h))
@@ -132,11 +134,14 @@ def _changing(how: str, post: bool):
     return losses
 
 
-@pytest.mark.parametrize("how", ["cut", "extra"])
+@pytest.mark.parametrize("how", ["cut", "extra", "dtype"])
 def test_messages_that_change_between_steps_of_equal_inputs_are_an_error_naming_the_opt_out(how):
-    """A changed shape changes the conversion's key, so its tag: the posted receive is left unasked (a same-tag
-    receive of another shape would be refused when asked for, `Communicator._claim`)."""
-    with pytest.raises(RuntimeError, match="posted receives its program did not ask for") as err:
+    """A changed shape changes the conversion's key, so its tag: the posted receive is left unasked. A changed dtype
+    keeps the tag: the posted receive is refused when asked for (`Communicator._claim`), and the pipeline names
+    its opt-out (the communicator, which knows no pipeline, does not)."""
+    unasked = "posted receives its program did not ask for"
+    refused = r"posted ahead \(tag \d+\) holds \(16,\) torch.float32, but the program now receives \(16,\) torch.float64"
+    with pytest.raises(RuntimeError, match=refused if how == "dtype" else unasked) as err:
         gt.launch(_changing, 2, args=(how, True), timeout=30)
     assert "post_receives=False" in str(err.value)
     losses = [x for r in gt.launch(_changing, 2, args=(how, False)) for x in r if x is not None]

@@ -74,6 +74,11 @@ def communications() -> int:
     return _COUNT.n
 
 
+class PostedMismatch(RuntimeError):
+    """A receive posted ahead (`Communicator.post_receive`) does not fit the exchange that asks for it: the program's
+    messages changed since it was posted. Whoever posted it says how to opt out (`gt.Pipeline(post_receives=)`)."""
+
+
 class Communicator:
     rank: int
     world_size: int
@@ -321,12 +326,11 @@ class Communicator:
             if not queue:
                 del self._posted[(r, tag)]
             if tuple(hit[1].shape) != tuple(shape) or hit[1].dtype != dtype:
-                raise RuntimeError(
+                raise PostedMismatch(
                     f"rank {self.rank}: a receive from rank {r} posted ahead (tag {tag}) holds "
                     f"{tuple(hit[1].shape)} {hit[1].dtype}, but the program now receives {tuple(shape)} {dtype} "
-                    f"there ({self.p2p_label or 'point-to-point'}): its messages changed between steps of equal "
-                    f"inputs. Pass gt.Pipeline(post_receives=False) for a program whose message shapes depend "
-                    f"on data")
+                    f"there ({self.p2p_label or 'point-to-point'}): its messages changed since the receive was "
+                    f"posted")
             got[r] = hit
         return got
 
