@@ -24,6 +24,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -354,6 +355,7 @@ class _StageForward:
         self._ranks: dict = {}  # rank -> whether the placement holds it
         self._owed_before: dict = {}  # outside: the empty gradients its parameters took at the last step's end
         self.enters_inline = False  # whether a pipeline's fibers stop at the start of its calls (`stop_on_entry`)
+        self.watch_draws = False  # whether its calls inside warn when they draw random numbers (a pipeline's first step)
 
     def open_step(self) -> None:
         self.leaves, self.owed = {}, {}
@@ -527,9 +529,9 @@ class _StageForward:
             kwargs = _moved(kwargs, self.placement, side)
         forward = type(self.module).forward
         if inside:
-            if self._runs_plain():
-                return _plain_forward(self.module, forward, self._whole, args, kwargs, self._swaps())
-            return forward(self.module, *args, **kwargs)
+            if self.watch_draws:
+                return self._watching_draws(forward, args, kwargs)
+            return self._inside(forward, args, kwargs)
         ins = _tensors(args)
         if kwargs:
             _tensors(kwargs, ins)
@@ -576,6 +578,34 @@ class _StageForward:
             # among them, must record their backward here too (the boundary's sends the gradient across)
             return _Cut.apply(meta, _anchor(device))
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=device), meta[0], meta[1])
+
+    def _inside(self, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if self._runs_plain():
+            return _plain_forward(self.module, forward, self._whole, args, kwargs, self._swaps())
+        return forward(self.module, *args, **kwargs)
+
+    def _watching_draws(self, forward: Any, args: tuple, kwargs: dict) -> Any:
+        """The call, warning if it drew random numbers (a pipeline's first step asks): the ranks outside a stage
+        never draw its numbers, so their generators fall behind one device's, and the stages after it draw other
+        numbers than one device would (dropout). Said, not silently different; it is the only op a pipeline
+        does not compute as one device."""
+        generators = [torch.default_generator]
+        if self.placement.device_type == "cuda" and torch.cuda.is_available():
+            device = context.current().device_for("cuda")
+            generators.append(torch.cuda.default_generators[device.index if device.index is not None
+                                                            else torch.cuda.current_device()])
+        before = [g.get_state() for g in generators]
+        out = self._inside(forward, args, kwargs)
+        if any(not torch.equal(b, g.get_state()) for b, g in zip(before, generators)):
+            self.watch_draws = False  # once
+            warnings.warn(
+                f"gt.Pipeline: the stage module {type(self.module).__name__} drew random numbers in its forward on "
+                f"rank {context.current().rank} (dropout?). The ranks outside a stage do not draw its numbers, so "
+                f"their generators fall behind one device's, and the later stages draw other numbers than the "
+                f"same program on one device would: training is sound (torch.pipelining's stages draw apart too), "
+                f"but does not equal one device. Set the dropout to 0 where one-device equality matters",
+                stacklevel=3)
+        return out
 
     def settle(self) -> None:
         """After a step: what the watched calls showed is known; later calls like them skip the ops."""

@@ -293,6 +293,8 @@ class Pipeline:
         # over from a step that failed cannot match one of a later step
         base = (self._steps % 1024) * (2 * self.microbatches + 1)
         deferred = base + 2 * self.microbatches
+        for f in stage_forwards:  # a stage drawing random numbers: said once, at the first step
+            f.watch_draws = self._steps == 0
         self._steps += 1
         flushed = False
         try:
@@ -345,6 +347,8 @@ class Pipeline:
             raise
         finally:
             comm.p2p_heard = None
+            for f in stage_forwards:
+                f.watch_draws = False
             if not flushed:
                 for f in stage_forwards:
                     f.close_step(flush=False)

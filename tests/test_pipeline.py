@@ -625,6 +625,35 @@ def test_fibers_reuse_their_worker_threads():
     assert "gt-test-fiber" not in {t.name for t in threading.enumerate()}
 
 
+def _dropout_pipeline(dropout: float, kind: str):
+    stages = _stages(2, (1,))
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=4, n_head=4, n_embd=D, dropout=dropout)
+    model = gt.to_global(GPT(cfg).double(), stages[0], pp_plan(stages, 4, virtual=2 if kind == "interleaved" else 1))
+    pipe = gt.Pipeline(model, microbatches=2, schedule=kind, loss_fn=loss_fn)
+    x, t = _data(4)
+    for _ in range(3):
+        pipe.step(x, t)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "interleaved"])
+def test_a_stage_that_draws_random_numbers_is_said_once_not_silently_unlike_one_device(kind):
+    """Dropout in a stage: the ranks outside it draw none of its numbers, so the later stages' masks differ from
+    one device's (the one op a pipeline does not compute as one device). The first step says so, once per stage
+    drawing on each rank; without dropout, nothing is said."""
+    with pytest.warns(UserWarning, match=r"drew random numbers in its forward on rank \d \(dropout\?\)") as seen:
+        gt.launch(_dropout_pipeline, 2, args=(0.1, kind))
+    said = [str(w.message) for w in seen if "drew random numbers" in str(w.message)]
+    # the stages that draw: the embeddings' dropout on rank 0 (wte and wpe draw nothing: it is the glue's), each
+    # block (attention and residual dropout), on its rank; once each, in the first step only
+    assert sorted((m.split("module ")[1].split(" ")[0], m.split("rank ")[1][0]) for m in said) == \
+        [("Block", "0"), ("Block", "0"), ("Block", "1"), ("Block", "1")]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gt.launch(_dropout_pipeline, 2, args=(0.0, kind))
+
+
 def test_an_interleaved_fiber_stops_where_a_stage_is_entered_before_its_pre_hooks():
     """A stage module with no forward pre-hook stops a fiber at the start of its call (no hook of ours: torch's fast
     call path); one registered later (here after a step) makes the stop a hook again at the next step, run
