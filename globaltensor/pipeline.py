@@ -252,9 +252,9 @@ class Pipeline:
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
-        self._stop_on_entry()
 
     def _stop_on_entry(self) -> None:
+        """At each step (fibers run only inside one): a pre-hook registered since the last makes the stop a hook."""
         if self.chunks > 1:  # fibers: each stops where it enters one of its rank's chunks
             for f in self._stage_forwards:
                 f.stop_on_entry()
