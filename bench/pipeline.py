@@ -11,9 +11,12 @@ balanced up to the embedding/head). Both run the same schedule on the same micro
 interleaved step by step in one launch (each step between barriers, a fresh random order per
 repetition; a step's time is its slowest rank's):
 
-- gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer))`, `gt.Pipeline(model, m, schedule, loss_fn)`.
-  The head keeps its weight tied to the embedding: the weight goes to the last stage once per step
-  and its gradient, summed over the micro-batches, comes back (the global program's one parameter).
+- gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer, tied_head=False))`, `gt.Pipeline(model, m,
+  schedule, loss_fn)` on `GPTConfig(tied_head=False)`: the head has its own weight, stored on the last
+  stage, as torch's stages have it (the same split model; the ratio the issue's target is about).
+- gt tied: the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the embedding: it
+  goes to the last stage once per step and its gradient, summed over the micro-batches, comes back (the
+  global program's one parameter; a model torch.pipelining cannot run).
 - torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`, and
   `ScheduleInterleaved1F1B` with two stages per rank); the head gets its own copy of the embedding
   weight (torch's pipelining cannot tie across stages).
@@ -35,6 +38,7 @@ more step (`Pipeline(measure_activations=True)`), and an SVG timeline of the las
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -61,12 +65,13 @@ VIRTUAL = 2  # chunks per stage for the interleaved schedule
 
 
 class GlobalTensorPipe:
-    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int) -> None:
+    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int, tied: bool) -> None:
         n = dist.get_world_size()
         self.stages = [gt.placement("cpu", [r]) for r in range(n)]
         torch.manual_seed(seed)
         virtual = VIRTUAL if kind == "interleaved" else 1
-        self.model = gt.to_global(GPT(cfg), self.stages[0], pp_plan(self.stages, cfg.n_layer, virtual=virtual))
+        self.model = gt.to_global(GPT(dataclasses.replace(cfg, tied_head=tied)), self.stages[0],
+                                  pp_plan(self.stages, cfg.n_layer, virtual=virtual, tied_head=tied))
         self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=True)
         self.bubbles: list = []
@@ -154,7 +159,8 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     data = batches(cfg, batch, 1)[0]
-    impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed), "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
+    impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed, tied=False), "gt tied": GlobalTensorPipe(cfg, m, kind, seed, True),
+             "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
     cpu: dict = {k: [] for k in impls}  # this process's CPU seconds per step (all its threads: fibers, gloo's)
 
     def stepped(k, v):
@@ -201,11 +207,13 @@ def main() -> None:
     p = args.ranks
     lines = [f"Pipeline, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}), {p} stages on {p} gloo processes "
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
-             f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)",
+             f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)"
+             "; gt: the head untied (the same split model as torch's stages); gt tied: the GPT as written",
              "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | CPU ms/step, all ranks: "
-             "gt / torch = ratio | theory bubble | gt measured bubble per rank | torch.pipelining measured bubble per rank | "
+             "gt / torch = ratio | gt tied ms/step | gt tied / torch | theory bubble | gt measured bubble per rank | "
+             "torch.pipelining measured bubble per rank | "
              "gt micro-batches in flight per stage | gt peak saved activations per stage (KiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     data = []
     name = f"pipeline_{args.size}" + (f"_p{p}" if p != 2 else "")
     for kind in args.schedules.split(","):
@@ -221,12 +229,14 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in times.items()}
             lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
             clo, chi = paired_ratio_ci(cpu, "gt", "torch.pipelining")
+            tlo, thi = paired_ratio_ci(times, "gt tied", "torch.pipelining")
             cmed = {k: statistics.median(v) for k, v in cpu.items()}
             lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
                          f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
                          f"{cmed['gt'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
                          f"{paired_ratio(cpu, 'gt', 'torch.pipelining'):.2f} ({clo:.2f}-{chi:.2f}) | "
-                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
+                         f"{med['gt tied'] * 1e3:.1f} | {paired_ratio(times, 'gt tied', 'torch.pipelining'):.2f} "
+                         f"({tlo:.2f}-{thi:.2f}) | {(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
                          f"{[g[3] // 1024 for g in got]} |")
             data.append({"schedule": kind, "m": m, "times": times, "cpu": cpu, "peaks": peaks, "bubbles": bubbles,
                          "torch_bubbles": torch_bubbles,

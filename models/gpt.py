@@ -29,6 +29,9 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 32
     dropout: float = 0.0
+    # the head's weight is the token embedding's (GPT-2); False gives the head its own weight, as a model split
+    # by hand into pipeline stages must (torch.pipelining cannot tie across stages)
+    tied_head: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +88,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(self.block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # tied
+        if cfg.tied_head:
+            self.head.weight = self.wte.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
             if self.scaled_init and name.endswith(self.scaled_init):
@@ -253,7 +257,7 @@ def _axes(sbp, ndim: int) -> tuple:
     return tuple(sbp) if isinstance(sbp, (tuple, list)) else (sbp,) * ndim
 
 
-def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int = 1) -> dict:
+def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int = 1, tied_head: bool = True) -> dict:
     """Pipeline stages as placements: blocks split evenly (earlier stages take the extra ones), the
     embeddings on the first stage, the final norm on the last, and the head, whose weight is the
     embedding's, used on the last stage (moved there once per `gt.Pipeline` step, its gradient summed
@@ -262,6 +266,9 @@ def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int 
 
     `virtual`: chunks per stage, for the interleaved schedule: the blocks split evenly into
     `len(stages) * virtual` chunks, chunk c on stage c mod len(stages) (Megatron's virtual stages).
+
+    `tied_head=False` (a `GPTConfig(tied_head=False)` model): the head's own weight is stored on the last stage
+    and never moves.
 
     `inner`: a plan for each stage's own mesh (e.g. `tp_plan(1, 2)` with data x tensor stages, or
     `zero_plan(...)`): its SBP entries are placed on the stage that owns the parameter; its module hints
@@ -304,6 +311,12 @@ def pp_plan(stages: list, n_layer: int, inner: dict | None = None, virtual: int 
     head = hints.pop("head", None)
     head_fields = {} if head is None else {f: getattr(head, f) for f in ("input", "input_grad", "output",
                                                                           "output_grad")}
+    if not tied_head:
+        plan["head.weight"] = Layout(last, sbp_for("head.weight"))
+        if head_fields:
+            plan["head"] = ModuleLayout(**head_fields)
+        plan.update(hints)
+        return plan
     # the tied weight is used on the last stage as the module that gathers it on the first stage uses it
     # (the innermost of "wte" and its ancestors with a `params=` hint: ZeRO's root, Broadcast on the data
     # axis), so the head gathers it once per step with the move, not each matmul at each use

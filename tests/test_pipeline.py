@@ -27,8 +27,8 @@ F64 = 8
 VOCAB, T, D = 32, 8, 16
 
 
-def _cfg(n_layer: int) -> GPTConfig:
-    return GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=4, n_embd=D)
+def _cfg(n_layer: int, tied_head: bool = True) -> GPTConfig:
+    return GPTConfig(vocab_size=VOCAB, block_size=T, n_layer=n_layer, n_head=4, n_embd=D, tied_head=tied_head)
 
 
 def _data(batch: int):
@@ -40,11 +40,12 @@ def loss_fn(logits, tgt):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
 
 
-def reference(n_layer: int, batch: int, steps: int, foreach: bool = False, clip: float | None = None):
+def reference(n_layer: int, batch: int, steps: int, foreach: bool = False, clip: float | None = None,
+              tied_head: bool = True):
     """The losses and the final state of the same training on one device; with `clip`, the gradient
     norms clip_grad_norm_ returned too."""
     torch.manual_seed(0)
-    model = GPT(_cfg(n_layer)).double()
+    model = GPT(_cfg(n_layer, tied_head)).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(batch)
     losses, norms = [], []
@@ -67,7 +68,7 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
 
 
 def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1,
-              foreach=False, log_optimizer=False):
+              foreach=False, log_optimizer=False, tied_head=True):
     """Returns (losses, state, held, events, peak micro-batches in flight, stage, forwards left in the last step):
     events per step, the pipeline step's collectives (and, with `log_optimizer`, the optimizer step's after them)."""
     stages = _stages(n_stages, stage_mesh)
@@ -75,8 +76,9 @@ def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_
     inner_plan = {"none": None, "tp": lambda: tp_plan(1, 2), "zero": lambda: zero_plan(0, 1),
                   "zero2": lambda: zero_plan(0, 1, reshard_after_forward=False)}[inner]
     torch.manual_seed(0)
-    model = gt.to_global(GPT(_cfg(n_layer)).double(), stages[0],
-                         pp_plan(stages, n_layer, inner_plan() if inner_plan else None, virtual=virtual))
+    model = gt.to_global(GPT(_cfg(n_layer, tied_head)).double(), stages[0],
+                         pp_plan(stages, n_layer, inner_plan() if inner_plan else None, virtual=virtual,
+                                 tied_head=tied_head))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
     pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, input_sbp=data_sbp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
@@ -137,6 +139,28 @@ def test_gpt_pipeline_trains_as_one_device_and_sends_only_the_boundaries(n_stage
             assert peak == min(n_stages - stage, micro)
         else:  # Megatron's warm-up: (p - s - 1) * 2 + (v - 1) * p forward chunks, then one more
             assert peak == min((n_stages - stage - 1) * 2 + (virtual - 1) * n_stages + 1, micro * virtual) / virtual
+
+
+@pytest.mark.parametrize("n_stages, kind", [(2, "interleaved"), (4, "1f1b")])
+def test_an_untied_head_is_stored_on_the_last_stage_and_never_moves(n_stages, kind):
+    """GPTConfig(tied_head=False) with pp_plan(tied_head=False), the model torch.pipelining's stages are (it cannot
+    tie across stages): the head's own weight lives on the last stage; only the activations and their gradients
+    cross, and training equals the same untied model on one device."""
+    virtual = 2 if kind == "interleaved" else 1
+    n_layer, micro, batch, steps = 4 * virtual, 4, 8, 6
+    want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
+    assert "head.weight" in want_state
+    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, "none", (1,),
+                                                   virtual, False, False, False))
+    _check_values(results, want_losses, want_state)
+    act = batch // micro * T * D * F64
+    last = n_stages * virtual - 1
+    for losses, state, held, events, peak, stage, _ in results:
+        chunks = [c * n_stages + stage for c in range(virtual)]
+        assert held["head.weight"] == (stage == n_stages - 1)
+        assert {e.kind for e in events[-1]} == {"send_recv"}
+        assert sum(e.recv_bytes for e in events[-1]) == micro * act * (
+            sum(vs > 0 for vs in chunks) + sum(vs < last for vs in chunks))
 
 
 def test_foreach_adamw_updates_every_stage_as_one_device():
