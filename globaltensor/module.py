@@ -907,6 +907,19 @@ def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
                          f"names like {sorted(modules)[1:5]}")
 
 
+def _check_tied(name: str, converted: GlobalTensor, plan: Mapping[str, Any], placement: Placement,
+                first: str) -> None:
+    """One tensor under two names (tied weights) is converted once, under the first; a plan entry for another name
+    that asks for another layout would be dropped unseen: an error instead."""
+    if not any(not isinstance(v, ModuleLayout) and fnmatch.fnmatchcase(name, p) for p, v in plan.items()):
+        return
+    asked = _layout_for(name, plan, placement)
+    if asked != converted._layout:
+        raise ValueError(f"to_global(plan): {name!r} is the same tensor as {first!r} (tied), which the plan lays out "
+                         f"as {converted._layout}, but an entry for {name!r} asks for {asked}; give the tied names one "
+                         f"layout, or untie them (models/gpt.py: GPTConfig(tied_head=False))")
+
+
 def module_to_global(module: torch.nn.Module, placement: Placement,
                      plan: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
     """Convert `module` in place (and return it); values are unchanged, gradients arrive as GlobalTensors."""
@@ -918,14 +931,18 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
     hints = _matched_hints(module, plan)
     hooks = {mod: _layout_hooks(pattern, hint, placement.ndim) for mod, (_, pattern, hint) in hints.items()}
     done: dict[int, torch.Tensor] = {}
+    first_names: dict[int, str] = {}
     for prefix, mod in module.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
             table = getattr(mod, kind)
             for name, t in list(table.items()):
                 if t is None:
                     continue
-                if id(t) not in done:
-                    full = f"{prefix}.{name}" if prefix else name
+                full = f"{prefix}.{name}" if prefix else name
+                if id(t) in done:  # a tied tensor's other name: a layout the plan gives it must be the one it has
+                    _check_tied(full, done[id(t)], plan, placement, first_names[id(t)])
+                else:
+                    first_names[id(t)] = full
                     layout = _layout_for(full, plan, placement)
                     layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
                     g = distribute(t, layout)

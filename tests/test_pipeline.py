@@ -163,6 +163,19 @@ def test_an_untied_head_is_stored_on_the_last_stage_and_never_moves(n_stages, ki
             sum(vs > 0 for vs in chunks) + sum(vs < last for vs in chunks))
 
 
+def test_a_plan_that_lays_out_a_tied_weight_twice_differently_is_an_error():
+    """pp_plan(tied_head=False) on the GPT as written (head tied to wte): the entry for head.weight names the tensor
+    the plan already placed as wte.weight; it would be dropped unseen (the head then used on the first stage)."""
+    def run():
+        stages = _stages(2, (1,))
+        with pytest.raises(ValueError, match=r"'head.weight' is the same tensor as 'wte.weight' \(tied\).*"
+                                             r"tied_head=False"):
+            gt.to_global(GPT(_cfg(4)), stages[0], pp_plan(stages, 4, tied_head=False))
+        gt.to_global(GPT(_cfg(4)), stages[0], {"wte.weight": B, "head.weight": B})  # agreeing entries are fine
+        return True
+    assert all(gt.launch(run, 2))
+
+
 def test_foreach_adamw_updates_every_stage_as_one_device():
     """torch.optim's foreach path (the default on CUDA) passes every parameter in one list, so a pipeline's
     lists span the stages' placements; each index is one parameter, on one placement."""
