@@ -909,9 +909,10 @@ def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
 
 def _check_tied(name: str, converted: GlobalTensor, plan: Mapping[str, Any], placement: Placement,
                 first: str) -> None:
-    """One tensor under two names (tied weights) is converted once, under the first; a plan entry for another name
-    that asks for another layout would be dropped unseen: an error instead."""
-    if not any(not isinstance(v, ModuleLayout) and fnmatch.fnmatchcase(name, p) for p, v in plan.items()):
+    """One tensor under two names (tied weights) is converted once, under the first; an entry naming another of its
+    names exactly (no wildcard: a generic pattern like "*.weight" matching both is routine) that asks for another
+    layout would be dropped unseen: an error instead."""
+    if not any(pattern == name and not isinstance(v, ModuleLayout) for pattern, v in plan.items()):
         return
     asked = _layout_for(name, plan, placement)
     if asked != converted._layout:
