@@ -13,10 +13,12 @@ repetition; a step's time is its slowest rank's):
 
 - gt: `gt.to_global(model, stage0, pp_plan(stages, n_layer, tied_head=False))`, `gt.Pipeline(model, m,
   schedule, loss_fn)` on `GPTConfig(tied_head=False)`: the head has its own weight, stored on the last
-  stage, as torch's stages have it (the same split model; the ratio the issue's target is about).
-- gt tied: the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the embedding: it
-  goes to the last stage once per step and its gradient, summed over the micro-batches, comes back (the
-  global program's one parameter; a model torch.pipelining cannot run).
+  stage, as torch's stages have it (the same split model as torch's); every rank runs the global program.
+- gt replay: the same with `Pipeline(replay=True)`: from the fourth step each rank runs its recorded part
+  of each micro-batch (`globaltensor/replay.py`); timed steps are replayed ones (the bench asserts it).
+- gt tied (`--tied`): the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the
+  embedding: it goes to the last stage once per step and its gradient, summed over the micro-batches, comes
+  back (the global program's one parameter; a model torch.pipelining cannot run).
 - torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`, and
   `ScheduleInterleaved1F1B` with two stages per rank); the head gets its own copy of the embedding
   weight (torch's pipelining cannot tie across stages).
@@ -65,20 +67,22 @@ VIRTUAL = 2  # chunks per stage for the interleaved schedule
 
 
 class GlobalTensorPipe:
-    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int, tied: bool) -> None:
+    def __init__(self, cfg: GPTConfig, m: int, kind: str, seed: int, tied: bool, replay: bool = False) -> None:
         n = dist.get_world_size()
         self.stages = [gt.placement("cpu", [r]) for r in range(n)]
         torch.manual_seed(seed)
         virtual = VIRTUAL if kind == "interleaved" else 1
         self.model = gt.to_global(GPT(dataclasses.replace(cfg, tied_head=tied)), self.stages[0],
                                   pp_plan(self.stages, cfg.n_layer, virtual=virtual, tied_head=tied))
-        self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn)
+        self.pipe = gt.Pipeline(self.model, microbatches=m, schedule=kind, loss_fn=loss_fn, replay=replay)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, foreach=True)
         self.bubbles: list = []
+        self.replayed: list = []
 
     def step(self, x, t) -> None:
         self.pipe.step(x, t)
         self.bubbles.append(self.pipe.bubble)
+        self.replayed.append(self.pipe.replaying)
         self.opt.step()
         self.opt.zero_grad()
 
@@ -155,12 +159,17 @@ class TorchPipe:
         self.opt.zero_grad()
 
 
-def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int, seed: int):
+def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int, seed: int, tied: bool):
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     data = batches(cfg, batch, 1)[0]
-    impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed, tied=False), "gt tied": GlobalTensorPipe(cfg, m, kind, seed, True),
+    impls = {"gt": GlobalTensorPipe(cfg, m, kind, seed, tied=False),
+             "gt replay": GlobalTensorPipe(cfg, m, kind, seed, tied=False, replay=True),
              "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
+    if tied:
+        impls["gt tied"] = GlobalTensorPipe(cfg, m, kind, seed, tied=True)
+    for _ in range(3):  # untimed: the first step runs the program whole, the next two record
+        impls["gt replay"].step(*data)
     cpu: dict = {k: [] for k in impls}  # this process's CPU seconds per step (all its threads: fibers, gloo's)
 
     def stepped(k, v):
@@ -171,12 +180,13 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, {k: c[warmup:] for k, c in cpu.items()})
     cpu = {k: [sum(e[k][i] for e in every) for i in range(reps)] for k in impls}  # summed over the ranks
-    ours = impls["gt"]
+    ours = impls["gt replay"]
+    assert all(ours.replayed[3:]), f"gt replay did not replay every timed step: {ours.pipe.replay_why}"
     # one more step, untimed, counting the bytes autograd saves (saved-tensor hooks cost a little time)
     probe = gt.Pipeline(ours.model, microbatches=m, schedule=kind, loss_fn=loss_fn, measure_activations=True)
     probe.step(*data)
     ours.opt.zero_grad()
-    mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[warmup + 1:]), ours.pipe.timeline,
+    mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[3 + warmup:]), ours.pipe.timeline,
             probe.activations.peak, statistics.median(impls["torch.pipelining"].bubbles[warmup + 1:]))
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
@@ -198,6 +208,7 @@ def main() -> None:
                     help="blocks (default: 2 per stage, so that interleaved's two chunks per stage hold one each)")
     ap.add_argument("--micro", default="4,8", help="micro-batch counts, comma-separated")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    ap.add_argument("--tied", action="store_true", help="also gt on the GPT as written (the head tied to the embedding)")
     args = ap.parse_args()
     n_embd = 128 if args.size == "small" else 512
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers or 2 * args.ranks, n_head=4, n_embd=n_embd)
@@ -207,19 +218,27 @@ def main() -> None:
     p = args.ranks
     lines = [f"Pipeline, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}), {p} stages on {p} gloo processes "
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
-             f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% interval)"
-             "; gt: the head untied (the same split model as torch's stages); gt tied: the GPT as written",
-             "", "| schedule | m | gt ms/step | torch.pipelining ms/step | gt / torch | CPU ms/step, all ranks: "
-             "gt / torch = ratio | gt tied ms/step | gt tied / torch | theory bubble | gt measured bubble per rank | "
+             f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% "
+             "interval); the head untied (the same split model as torch's stages); gt replay: `Pipeline(replay=True)`; "
+             "bubbles, micro-batches in flight and timelines are gt replay's" + ("; gt tied: the GPT as written"
+                                                                               if args.tied else ""),
+             "", "| schedule | m | gt replay ms/step | gt ms/step | torch.pipelining ms/step | gt replay / torch | "
+             "gt / torch | CPU ms/step, all ranks: gt replay / torch = ratio | "
+             + ("gt tied / torch | " if args.tied else "") + "theory bubble | gt measured bubble per rank | "
              "torch.pipelining measured bubble per rank | "
              "gt micro-batches in flight per stage | gt peak saved activations per stage (KiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.tied else "")]
     data = []
     name = f"pipeline_{args.size}" + (f"_p{p}" if p != 2 else "")
+
+    def ratio(times: dict, a: str) -> str:
+        lo, hi = paired_ratio_ci(times, a, "torch.pipelining")
+        return f"{paired_ratio(times, a, 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f})"
     for kind in args.schedules.split(","):
         for m in micros:
             times, cpu, got = gt.launch(timed, p, backend="gloo", timeout=1800,
-                                        args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed))[0]
+                                        args=(cfg, m, kind, args.batch, args.reps, args.warmup, args.seed,
+                                              args.tied))[0]
             peaks, bubbles = [g[0] for g in got], [round(g[1], 2) for g in got]
             torch_bubbles = [round(g[4], 2) for g in got]
             v = VIRTUAL if kind == "interleaved" else 1
@@ -227,16 +246,12 @@ def main() -> None:
             with open(os.path.join(args.out, f"{name}_{kind}_m{m}.svg"), "w") as f:
                 f.write(timeline_svg([g[2] for g in got]))
             med = {k: statistics.median(v) for k, v in times.items()}
-            lo, hi = paired_ratio_ci(times, "gt", "torch.pipelining")
-            clo, chi = paired_ratio_ci(cpu, "gt", "torch.pipelining")
-            tlo, thi = paired_ratio_ci(times, "gt tied", "torch.pipelining")
             cmed = {k: statistics.median(v) for k, v in cpu.items()}
-            lines.append(f"| {kind} | {m} | {med['gt'] * 1e3:.1f} | {med['torch.pipelining'] * 1e3:.1f} | "
-                         f"{paired_ratio(times, 'gt', 'torch.pipelining'):.2f} ({lo:.2f}-{hi:.2f}) | "
-                         f"{cmed['gt'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
-                         f"{paired_ratio(cpu, 'gt', 'torch.pipelining'):.2f} ({clo:.2f}-{chi:.2f}) | "
-                         f"{med['gt tied'] * 1e3:.1f} | {paired_ratio(times, 'gt tied', 'torch.pipelining'):.2f} "
-                         f"({tlo:.2f}-{thi:.2f}) | {(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
+            lines.append(f"| {kind} | {m} | {med['gt replay'] * 1e3:.1f} | {med['gt'] * 1e3:.1f} | "
+                         f"{med['torch.pipelining'] * 1e3:.1f} | {ratio(times, 'gt replay')} | {ratio(times, 'gt')} | "
+                         f"{cmed['gt replay'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
+                         f"{ratio(cpu, 'gt replay')} | " + (f"{ratio(times, 'gt tied')} | " if args.tied else "") +
+                         f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
                          f"{[g[3] // 1024 for g in got]} |")
             data.append({"schedule": kind, "m": m, "times": times, "cpu": cpu, "peaks": peaks, "bubbles": bubbles,
                          "torch_bubbles": torch_bubbles,

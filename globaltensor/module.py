@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from . import early_exit
+from . import early_exit, replay
 from .layout import Layout, normalize_sbp
 from .ops import dispatch
 from .ops.scope import enter_named_here
@@ -531,6 +531,9 @@ class _StageForward:
         if inside:
             if self.watch_draws:
                 return self._watching_draws(forward, args, kwargs)
+            recorder = replay.RECORDING.recorder
+            if recorder is not None:  # a pipeline records this rank's part (replay.py)
+                return recorder.stage_call(self, functools.partial(self._inside, forward, args, kwargs), args, kwargs)
             return self._inside(forward, args, kwargs)
         ins = _tensors(args)
         if kwargs:

@@ -32,9 +32,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import early_exit
+from .replay import RECORDING, Recorder, Tapes
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
+from .runtime.trace import STATE as _TRACE_STATE, watching
 from .runtime.comm import PostedMismatch
 from .runtime.failure import CollectiveError
 from .sbp import Broadcast, Partial, Split
@@ -199,12 +201,20 @@ class Pipeline:
     `leave_early` (default on): likewise learnt from two steps, a rank leaves each micro-batch's forward at the
     stage call from which on nothing of it is its own (`early_exit`: the stages after its last send are not
     called on it, their modules' hooks not run); `.left_forwards` counts those of the last step. Off for a
-    program that may add a communication of this rank's after that point in a later step."""
+    program that may add a communication of this rank's after that point in a later step.
+
+    `replay` (opt-in): once two steps of equal inputs recorded the same part of each micro-batch on a rank (its
+    stages' calls on plain tensors, the glue computing on its shards, its messages: `globaltensor/replay.py`),
+    later steps run that part alone, as a torch.pipelining stage runs its module, instead of the whole global
+    program; the messages are the program's, so each rank decides alone. For a program whose forward, given equal
+    input shapes, computes the same way: Python state it reads besides its inputs (a step counter, a mask made
+    from the batch's values as a plain tensor) is what no recording can see. `.replaying` says whether the last step
+    replayed, `.replay_why` why this rank does not (a stage of several ranks, a collective, hooks, ...)."""
 
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False,
-                 post_receives: bool = True, leave_early: bool = True) -> None:
+                 post_receives: bool = True, leave_early: bool = True, replay: bool = False) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
@@ -252,6 +262,13 @@ class Pipeline:
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, _StageForward)]
+        self.replay = replay
+        self.replaying = False
+        self.replay_why = ""
+        self._tapes: Optional[tuple] = None     # (inputs' signature, Tapes): replayed
+        self._recorded: Optional[tuple] = None  # (inputs' signature, the last step's recording)
+        self._recorder: Optional[Recorder] = None  # this step's
+        self._unreplayable: Optional[tuple] = None  # the signature whose recording failed
 
     def _stop_on_entry(self) -> None:
         """At each step (fibers run only inside one): a pre-hook registered since the last makes the stop a hook."""
@@ -283,6 +300,19 @@ class Pipeline:
         learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
                                      and self._learnt[0] == signature) else None
         leaves = self._exits_learnt[1] if (self._exits_learnt and self._exits_learnt[0] == signature) else None
+        reported = _TRACE_STATE.reporting > 0  # a comm_report open here: the program runs, its modules' frames seen
+        # what a recording depends on besides the inputs' shapes, as far as a pipeline sees it
+        shown = (signature, torch.is_grad_enabled(), self.model.training)
+        tapes = self._tapes[1] if (self.replay and self._tapes and self._tapes[0] == shown
+                                   and not reported) else None
+        if tapes is not None and tapes.why_not():  # a hook on one of its stages since: the program runs, and records
+            self.replay_why, self._tapes, tapes = tapes.why_not(), None, None
+        recorder = Recorder() if (self.replay and tapes is None and self._steps >= 1 and not reported
+                                  and self._unreplayable != shown) else None
+        self._recorder, self.replaying = recorder, tapes is not None
+        if tapes is not None:  # no stage is called on this rank: the parameters owe what they owed at the last step
+            for f in stage_forwards:
+                f.owe_as_before()
         exited: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left: their roots
         self._noted, self._missed = {}, False
         left_forwards = 0
@@ -297,7 +327,10 @@ class Pipeline:
             f.watch_draws = self._steps == 0
         self._steps += 1
         flushed = False
+        log = contextlib.ExitStack()
+        recorded = log.enter_context(context.comm_log()) if recorder is not None else None
         try:
+            comm.p2p_record = recorder.exchange if recorder is not None else None
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for k, (act, i, c) in enumerate(mine):
                     if learnt is not None:
@@ -313,10 +346,18 @@ class Pipeline:
                     else:
                         run = partial(losses[i].backward, _seed(losses[i]))
                     comm.p2p_heard = heard[k]
+                    if recorder is not None:
+                        recorder.current = (act, i, c)
                     try:
-                        done, result = self._chunk(fibers, act, i, c, run)
+                        if tapes is not None:
+                            done, result = self._replayed(tapes, comm, act, i, c, xs[i], ts[i])
+                        else:
+                            done, result = self._chunk(fibers, act, i, c, run)
                     finally:
                         comm.p2p_heard = None
+                    if recorder is not None and done and act == "F":
+                        recorder.finish_forward(i, c, self._placeholders[i] if isinstance(
+                            result, early_exit.LeftForward) else result)
                     held += 1 if act == "F" else -1
                     peak = max(peak, held)
                     if done and isinstance(result, early_exit.LeftForward):
@@ -327,6 +368,8 @@ class Pipeline:
                         if act == "B":
                             exited.pop(i, None)
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
+                if recorder is not None:
+                    recorder.current = ("D",)
                 for f in stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
                     f.hand_on()
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
@@ -339,6 +382,10 @@ class Pipeline:
         except BaseException as e:
             for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
                 f.cancel()
+            if tapes is not None:
+                tapes.drop()
+                self._tapes = None
+            self._recorded = None
             if leaves is not None and isinstance(e, CollectiveError):  # a message after a learnt exit point?
                 raise CollectiveError(f"{e}\n{_LEFT_HINT}") from e
             if isinstance(e, PostedMismatch):  # a message learnt and posted ahead changed
@@ -346,7 +393,9 @@ class Pipeline:
                 raise PostedMismatch(f"{e}; {_CHANGED_HINT}") from e
             raise
         finally:
-            comm.p2p_heard = None
+            comm.p2p_heard = comm.p2p_record = None
+            self._recorder = None
+            log.close()
             for f in stage_forwards:
                 f.watch_draws = False
             if not flushed:
@@ -360,6 +409,8 @@ class Pipeline:
             raise RuntimeError(f"Pipeline.step: rank {comm.rank} posted receives its program did not ask for "
                                f"(source rank, tag): {left[:4]}; {_CHANGED_HINT}")
         self._learn(signature, heard, leaves)
+        if recorder is not None:
+            self._keep_recording(shown, recorder, recorded)
         self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
         self.left_forwards = left_forwards
         total = time.perf_counter() - start
@@ -390,6 +441,36 @@ class Pipeline:
         self._exits_learnt = now if now is not None and self._exits_heard == now else None
         self._exits_heard = now
 
+    def _replayed(self, tapes: Tapes, comm: Any, act: str, i: int, c: int, x: torch.Tensor,
+                  target: torch.Tensor) -> tuple[bool, Any]:
+        """Action (act, i, c) from this rank's tapes: (finished, the loss where a forward finishes)."""
+        whole = self.stage is None or self.chunks == 1
+        if act == "F":
+            return whole or c == self.chunks - 1, tapes.forward(i, c, comm, x, target, distribute)
+        tapes.backward(i, c, comm)
+        return whole or c == 0, None
+
+    def _keep_recording(self, signature: tuple, recorder: Recorder, log: Any) -> None:
+        """The step's recording: replayed from the next step where it equals the step before's."""
+        for e in log.events:
+            if e.kind != "send_recv":
+                recorder.fail(f"a {e.kind} in the step (a stage of several ranks, or a weight's per-step reduction)")
+        segments = recorder.done()
+        last = 0 if self.stage is None or self.chunks == 1 else self.chunks - 1
+        if segments is not None and any((segments.get((i, last)) or _NO_LOSS).loss is None
+                                        for i in range(self.microbatches)):
+            recorder.fail("a micro-batch's forward did not end in this rank's last chunk")
+            segments = None
+        if segments is None:
+            self.replay_why, self._unreplayable, self._recorded = recorder.why, signature, None
+            return
+        before = self._recorded
+        if before is not None and before[0] == signature and before[1].keys() == segments.keys() and all(
+                before[1][k].same(seg) for k, seg in segments.items()):
+            self._tapes, self._recorded, self.replay_why = (signature, Tapes(segments)), None, ""
+        else:
+            self._recorded = (signature, segments)
+
     @property
     def chunks(self) -> int:
         """Chunks of the model each stage runs per micro-batch: its virtual stages when interleaved."""
@@ -402,11 +483,19 @@ class Pipeline:
         for a pipeline that does not leave early."""
         if leave is not _UNWATCHED:  # per thread: set where the forward runs (a fiber's own)
             early_exit.begin(leave)
+        recorder = self._recorder
+        recording = contextlib.ExitStack()
+        if recorder is not None:  # per thread too: this rank's part recorded where the forward runs
+            RECORDING.recorder = recorder
+            recording.enter_context(watching(recorder.watch))
         try:
             loss = self._loss_of(x, target, weight)
         except early_exit.LeftForward as left:
             return left
         finally:
+            if recorder is not None:
+                recording.close()
+                RECORDING.recorder = None
             if leave is not _UNWATCHED:
                 noted, missed = early_exit.end()
                 if noted is not None:
@@ -420,7 +509,11 @@ class Pipeline:
         meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
-            out = self.model(distribute(x, self.input_layout))
+            recorder = self._recorder
+            xd = distribute(x, self.input_layout)
+            if recorder is not None:
+                recorder.source(xd, "x")
+            out = self.model(xd)
             o = out[0] if isinstance(out, (tuple, list)) else out
             loss = self._losses.get(o.placement)
             if loss is None:
@@ -429,7 +522,10 @@ class Pipeline:
             lay = self._target_layouts.get(key)
             if lay is None:
                 lay = self._target_layouts[key] = _target_layout(target, o, self.target_sbp)
-            return loss(out, distribute(target, lay), weight)
+            td = distribute(target, lay)
+            if recorder is not None:
+                recorder.source(td, "target")
+            return loss(out, td, weight)
 
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
@@ -446,6 +542,13 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
+
+
+class _NoLoss:
+    loss = None
+
+
+_NO_LOSS = _NoLoss()
 
 
 def _whole(actions: list, chunks: int) -> list:

@@ -436,6 +436,10 @@ def _global_pre_hook(module: torch.nn.Module, args: tuple) -> None:
         hooks.discover(module, args)
 
 
+# a no-op on threads without a report open: a pipeline's replay (which no reporting thread runs) need not run it
+_global_pre_hook.acts_on_reporting_threads = True  # type: ignore[attr-defined]
+
+
 @contextlib.contextmanager
 def comm_report(*modules: torch.nn.Module) -> Iterator[CommReport]:
     """Record this rank's collectives with module, op, phase, mesh axis, bytes and reason.

@@ -49,9 +49,12 @@ def _traced(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
                 watch(func, args, kwargs, None)
             return _planned(func, args, kwargs, cls)
         program = _program_for(func, args, kwargs, cls)
-        for watch in _TRACE_STATE.watchers:
-            watch(func, args, kwargs, getattr(program, "decision", None))  # a foreach decomposition has none
-        return program(args, kwargs)
+        decision = getattr(program, "decision", None)  # a foreach decomposition has none
+        then = [w for w in [watch(func, args, kwargs, decision) for watch in _TRACE_STATE.watchers] if w is not None]
+        out = program(args, kwargs)
+        for w in then:  # a watcher that asked for the op's output (a pipeline's replay recording)
+            w(out)
+        return out
     finally:
         pop_op()
 

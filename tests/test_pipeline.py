@@ -68,7 +68,7 @@ def _stages(n_stages: int, stage_mesh: tuple) -> list:
 
 
 def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_mesh=(1,), virtual=1,
-              foreach=False, log_optimizer=False, tied_head=True):
+              foreach=False, log_optimizer=False, tied_head=True, replay=False):
     """Returns (losses, state, held, events, peak micro-batches in flight, stage, forwards left in the last step):
     events per step, the pipeline step's collectives (and, with `log_optimizer`, the optimizer step's after them)."""
     stages = _stages(n_stages, stage_mesh)
@@ -80,7 +80,7 @@ def pipelined(n_stages, n_layer, kind, micro, batch, steps, inner="none", stage_
                          pp_plan(stages, n_layer, inner_plan() if inner_plan else None, virtual=virtual,
                                  tied_head=tied_head))
     data_sbp = dp_batch(0, nd) if stage_mesh[0] > 1 else (B,) * nd
-    pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, input_sbp=data_sbp)
+    pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, input_sbp=data_sbp, replay=replay)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x, t = _data(batch)
     losses, events = [], []
@@ -580,23 +580,26 @@ def test_pipeline_x_zero(inner, kind):
 
 @settings(deadline=None, max_examples=max(4, settings.default.max_examples // 4))  # each example trains 2-3 ranks
 @given(n_stages=st.integers(2, 3), extra_layers=st.integers(0, 2), micro=st.integers(1, 5),
-       batch=st.integers(3, 7), kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]))
-def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layers, micro, batch, kind):
+       batch=st.integers(3, 7), kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]), replay=st.booleans())
+def test_pipeline_hypothesis_splits_microbatches_schedules(n_stages, extra_layers, micro, batch, kind, replay):
     """Uneven layer counts per stage (earlier stages take the extra blocks), micro-batch counts that do
     not divide the batch (tensor_split's sizes, differing by one; each micro-batch's loss is weighted
     by its share of the batch, so the step equals one pass over the whole batch), every schedule
     (interleaved: two chunks per stage, micro-batches a multiple of the stages). Three steps: the third posts
     its receives ahead (`Pipeline(post_receives=)`), micro-batches of two sizes among them, and every stage
-    but the last leaves each micro-batch's forward after its last send (`early_exit`)."""
+    but the last leaves each micro-batch's forward after its last send (`early_exit`). With `replay`, five
+    steps of the untied model: the last two replay each rank's recorded part (`Pipeline(replay=True)`)."""
     micro = min(micro, batch)
     virtual = 1
     if kind == "interleaved":
         virtual, micro = 2, max(n_stages, micro - micro % n_stages)
     n_layer = n_stages * virtual + extra_layers
-    want_losses, want_state = reference(n_layer, batch, 3)
-    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, 3, "none", (1,), virtual))
+    steps = 5 if replay else 3
+    want_losses, want_state = reference(n_layer, batch, steps, tied_head=not replay)
+    results = gt.launch(pipelined, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, "none", (1,), virtual,
+                                                   False, False, not replay, replay))
     _check_values(results, want_losses, want_state)
-    assert [r[-1] for r in results] == [micro] * (n_stages - 1) + [0]
+    assert [r[-1] for r in results] == ([0] * n_stages if replay else [micro] * (n_stages - 1) + [0])
 
 
 def test_schedules_are_data():

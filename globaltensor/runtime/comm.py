@@ -105,6 +105,9 @@ class Communicator:
         # where a list, each receive `exchange` makes is noted in it: (source, key, shape, dtype, device), so a
         # pipeline learns which messages each of its actions receives
         self.p2p_heard: list | None = None
+        # where set, called after each `exchange` with (sends, recvs, key, what was received, device): a pipeline
+        # recording the messages of a rank's part (globaltensor/replay.py)
+        self.p2p_record: Callable[[dict, dict, int, dict, Any], None] | None = None
 
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
@@ -278,6 +281,8 @@ class Communicator:
         else:
             self._exchange_with(sends, bufs, tag, posted, into)
         self._record_send_recv(sends, recvs)
+        if self.p2p_record is not None:
+            self.p2p_record(sends, recvs, key, bufs, device)
         return bufs
 
     def _exchange_with(self, sends: dict, bufs: dict, tag: int, posted: dict | None, into: dict | None) -> None:

@@ -42,9 +42,10 @@ STATE = _State()
 
 
 @contextlib.contextmanager
-def watching(watch: Callable[[Any, tuple, dict, Any], None]) -> Iterator[None]:
+def watching(watch: Callable[[Any, tuple, dict, Any], Any]) -> Iterator[None]:
     """Call `watch(func, args, kwargs, decision)` for every op this thread dispatches in the block, before it
-    runs (decision None where a step plan steers it). What `globaltensor/plain.py` verifies a module by."""
+    runs (decision None where a step plan steers it); where it returns a callable, that is called with the op's
+    output. What `globaltensor/plain.py` verifies a module by, and a pipeline's replay records a forward by."""
     with _FLAGS_LOCK:
         FLAGS.watchers += 1
         FLAGS.refresh()
