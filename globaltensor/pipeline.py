@@ -446,7 +446,10 @@ class Pipeline:
         """Action (act, i, c) from this rank's tapes: (finished, the loss where a forward finishes)."""
         whole = self.stage is None or self.chunks == 1
         if act == "F":
-            return whole or c == self.chunks - 1, tapes.forward(i, c, comm, x, target, distribute)
+            meter = self.activations
+            with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
+                  else contextlib.nullcontext()):
+                return whole or c == self.chunks - 1, tapes.forward(i, c, comm, x, target, distribute)
         tapes.backward(i, c, comm)
         return whole or c == 0, None
 

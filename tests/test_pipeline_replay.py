@@ -181,3 +181,27 @@ def _failing_at(step: int, schedule: str):
 def test_a_stage_failing_in_a_replayed_step_ends_every_rank_with_its_error(schedule):
     with pytest.raises(Exception, match="stage 1 broke while replaying"):
         gt.launch(_failing_at, 2, args=(4, schedule), timeout=20)
+
+
+def _peaks(kind: str) -> list:
+    stages = _stages(2, (1,))
+    torch.manual_seed(0)
+    virtual = 2 if kind == "interleaved" else 1
+    model = gt.to_global(GPT(_cfg(4, False)).double(), stages[0], pp_plan(stages, 4, virtual=virtual, tied_head=False))
+    pipe = gt.Pipeline(model, microbatches=4, schedule=kind, loss_fn=loss_fn, replay=True, measure_activations=True)
+    out = []
+    for _ in range(5):
+        pipe.activations.peak = pipe.activations.live
+        pipe.step(*_data(8))
+        out.append((pipe.replaying, pipe.activations.peak, pipe.activations.live))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+def test_a_replayed_step_holds_the_activations_the_programs_step_holds(kind):
+    """`measure_activations=True` counts what autograd saves in replayed steps too: the same bytes at the peak as a
+    step of the program (a replay keeps only what the backward reads besides), none left after the step."""
+    for steps in gt.launch(_peaks, 2, args=(kind,)):
+        assert [r for r, _, _ in steps] == [False] * 3 + [True] * 2
+        assert steps[3][1] == steps[4][1] == steps[2][1] > 0
+        assert all(live == 0 for _, _, live in steps)
