@@ -98,6 +98,11 @@ def _sig(x: Any) -> Any:
     return id(x) if callable(x) else x
 
 
+# arguments compared by value between two recordings; any other object by identity (the same one each step)
+_VALUES = (int, float, complex, bool, str, bytes, slice, type(None), type(Ellipsis), torch.dtype, torch.device,
+           torch.memory_format, torch.layout, torch.Size)
+
+
 class _Filler:
     """An entry's arguments with its tensors' places: the constants kept, the slots read from the tape's values."""
     __slots__ = ("values", "refs", "spec", "flat", "signature")
@@ -176,8 +181,11 @@ class Recorder:
         if self.why:
             return
         act = self.current
-        if act is None or act[0] == "D" or RECORDING.paused:
-            self.fail("a message outside a micro-batch's actions (a tied weight's per-step move?)")
+        if RECORDING.paused:
+            self.fail("a stage call communicates")
+            return
+        if act is None or act[0] == "D":
+            self.fail("a message outside a micro-batch's actions (a weight's per-step reduction?)")
             return
         if len(sends) + len(recvs) != 1:
             self.fail("an exchange with several peers")
@@ -307,9 +315,7 @@ class Recorder:
                 seg.constants.append(v)
                 sig.append(("const", tuple(v.shape), v.dtype))
             else:
-                sig.append(("value", v if isinstance(v, (int, float, bool, str, type(None), torch.dtype,
-                                                         torch.device, torch.memory_format, torch.layout))
-                            else id(v)))
+                sig.append(("value", v if isinstance(v, _VALUES) else id(v)))
         flat = not kwargs and all(not isinstance(a, (tuple, list, dict)) for a in args)
         return _Filler(values, refs, spec, flat, (tuple(sig), str(spec) if not flat else len(leaves)))
 

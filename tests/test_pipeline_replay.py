@@ -205,3 +205,15 @@ def test_a_replayed_step_holds_the_activations_the_programs_step_holds(kind):
         assert [r for r, _, _ in steps] == [False] * 3 + [True] * 2
         assert steps[3][1] == steps[4][1] == steps[2][1] > 0
         assert all(live == 0 for _, _, live in steps)
+
+
+def test_a_rank_outside_every_stage_replays_nothing_and_the_stages_train_as_one_device():
+    """A world of three over two one-rank stages: rank 2 holds no stage; its tapes are empty (no message is its),
+    so it replays too, with nothing to run."""
+    n_layer, micro, batch, steps = 4, 2, 8, 5
+    want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
+    results = gt.launch(_trained, 3, args=(2, n_layer, "1f1b", micro, batch, steps))
+    _check_values(results[:2], want_losses, want_state)
+    for losses, state, held, events, replaying, why, _ in results:
+        assert replaying == [False] * 3 + [True] * 2, why
+    assert results[2][3][-1] == [] and not any(results[2][2].values())
