@@ -208,7 +208,8 @@ def main() -> None:
                     help="blocks (default: 2 per stage, so that interleaved's two chunks per stage hold one each)")
     ap.add_argument("--micro", default="4,8", help="micro-batch counts, comma-separated")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
-    ap.add_argument("--tied", action="store_true", help="also gt on the GPT as written (the head tied to the embedding)")
+    ap.add_argument("--tied", action="store_true",
+                    help="also gt on the GPT as written (the head tied to the embedding)")
     args = ap.parse_args()
     n_embd = 128 if args.size == "small" else 512
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers or 2 * args.ranks, n_head=4, n_embd=n_embd)
