@@ -128,7 +128,7 @@ class Recorder:
         self.why = ""
         self._by_id: dict = {}     # micro-batch -> {id(GlobalTensor): (chunk, slot)}
         self._by_data: dict = {}   # micro-batch -> {storage key: (chunk, slot)}
-        self._keep: list = []      # what the maps name, alive until the recording ends
+        self._keep: dict = {}      # micro-batch -> what its maps name, alive until its forward ends (ids not reused)
 
     # -- what reports here ----------------------------------------------------------------------------------
     def fail(self, why: str) -> None:
@@ -231,11 +231,12 @@ class Recorder:
             seg.loss = ("value", _wrap(type(loss), loss._local.detach(), loss._layout, loss._key.shape, loss._key))
         else:
             self.fail("the loss is not a tensor this rank's last chunk computed")
+        for maps in (self._by_id, self._by_data, self._keep):  # its forward is over: what it computed may go
+            maps.pop(i, None)
 
     def done(self) -> Optional[dict]:
         """The tapes, or None (`why` says why not)."""
-        self._by_id = self._by_data = {}
-        self._keep = []
+        self._by_id, self._by_data, self._keep = {}, {}, {}
         if self.why:
             return None
         for (i, c), seg in self.segments.items():
@@ -265,12 +266,12 @@ class Recorder:
     def _remember(self, i: int, c: int, slot: int, t: Optional[GlobalTensor], local: torch.Tensor) -> None:
         if t is not None:
             self._by_id.setdefault(i, {})[id(t)] = (c, slot)
-            self._keep.append(t)
+            self._keep.setdefault(i, []).append(t)
         by_data = self._by_data.setdefault(i, {})
         by_data[_storage_key(local)] = (c, slot)
         if local.is_contiguous():  # a message names its tensor by where its values start, flattened
             by_data[(local.data_ptr(), local.numel(), local.dtype)] = (c, slot)
-        self._keep.append(local)
+        self._keep.setdefault(i, []).append(local)
 
     def _ref(self, t: GlobalTensor) -> Optional[int]:
         i, c = self._act()
