@@ -15,7 +15,7 @@ from test_pipeline import _cfg, _check_values, _data, _stages, loss_fn, referenc
 
 def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=False, stage_mesh=(1,), change=None,
              hook_at=None):
-    """Returns (losses, state, held, events per step, replaying per step, why). `change`: the step from which the
+    """Returns (losses, state, held, events per step, replaying per step, why, hooked calls, receives learnt per step). `change`: the step from which the
     batch has one row less (its shapes change); `hook_at`: the step before which a forward hook is put on a stage."""
     stages = _stages(n_stages, stage_mesh)
     torch.manual_seed(0)
@@ -25,7 +25,7 @@ def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=
     pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, loss_fn=loss_fn, replay=True, input_sbp=sbp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, t = _data(batch)
-    losses, events, replaying, seen = [], [], [], []
+    losses, events, replaying, seen, learnt = [], [], [], [], []
     for k in range(steps):
         if hook_at == k:
             model.blocks[-1].register_forward_hook(lambda mod, args, out: seen.append(k))
@@ -37,9 +37,10 @@ def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=
         losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
         events.append([(e.kind, e.group, e.recv_bytes) for e in log.events])
         replaying.append(pipe.replaying)
+        learnt.append(pipe._learnt is not None)  # receives posted ahead: learnt by the program, kept by the replay
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
-    return losses, state, held, events, replaying, pipe.replay_why, seen
+    return losses, state, held, events, replaying, pipe.replay_why, seen, learnt
 
 
 @pytest.mark.parametrize("n_stages", [2, 4])
@@ -52,10 +53,11 @@ def test_replayed_steps_train_as_one_device_with_the_programs_messages(n_stages,
     want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
     results = gt.launch(_trained, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, virtual))
     _check_values(results, want_losses, want_state)
-    for losses, state, held, events, replaying, why, _ in results:
+    for losses, state, held, events, replaying, why, _, learnt in results:
         assert replaying == [False] * 3 + [True] * 3, why
         assert why == ""
         assert events[3] == events[4] == events[5] == events[2]  # the program's messages, replayed
+        assert learnt == [False] + [True] * 5  # and the same receives: posting them ahead goes on
 
 
 def test_a_tied_weight_or_a_stage_of_several_ranks_keeps_the_program_and_says_why():
@@ -81,7 +83,7 @@ def test_replay_stops_where_the_inputs_change_and_resumes_once_two_steps_agree_a
     n_layer, micro, batch, steps = 4, 4, 9, 9
     want_losses, _ = reference(n_layer, batch, 5, tied_head=False)
     results = gt.launch(_trained, 2, args=(2, n_layer, "1f1b", micro, batch, steps, 1, False, (1,), 5))
-    for losses, state, held, events, replaying, why, _ in results:
+    for losses, state, held, events, replaying, why, *_ in results:
         assert replaying == [False] * 3 + [True] * 2 + [False] * 2 + [True] * 2, replaying
         got = [x for x in losses if x is not None]
         if got:
@@ -110,7 +112,7 @@ def test_a_hook_put_on_a_stage_after_replay_began_runs_the_program_again():
     want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
     results = gt.launch(_trained, 2, args=(2, n_layer, "1f1b", micro, batch, steps, 1, False, (1,), None, 4))
     _check_values(results, want_losses, want_state)
-    (*_, replaying0, why0, seen0), (*_, replaying1, why1, seen1) = results
+    (*_, replaying0, why0, seen0, _), (*_, replaying1, why1, seen1, _) = results
     assert replaying0 == [False] * 3 + [True] * 3 and why0 == "" and seen0 == []
     assert replaying1 == [False] * 3 + [True] + [False] * 2 and "hooks" in why1, (replaying1, why1)
     assert seen1 == [4] * micro + [5] * micro
@@ -214,6 +216,6 @@ def test_a_rank_outside_every_stage_replays_nothing_and_the_stages_train_as_one_
     want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
     results = gt.launch(_trained, 3, args=(2, n_layer, "1f1b", micro, batch, steps))
     _check_values(results[:2], want_losses, want_state)
-    for losses, state, held, events, replaying, why, _ in results:
+    for losses, state, held, events, replaying, why, *_ in results:
         assert replaying == [False] * 3 + [True] * 2, why
     assert results[2][3][-1] == [] and not any(results[2][2].values())
