@@ -305,8 +305,9 @@ class Pipeline:
         shown = (signature, torch.is_grad_enabled(), self.model.training)
         tapes = self._tapes[1] if (self.replay and self._tapes and self._tapes[0] == shown
                                    and not reported) else None
-        if tapes is not None and tapes.why_not():  # a hook on one of its stages since: the program runs, and records
-            self.replay_why, self._tapes, tapes = tapes.why_not(), None, None
+        why = tapes.why_not() if tapes is not None else ""
+        if why:  # a hook on one of its stages since: the program runs, and records
+            self.replay_why, self._tapes, tapes = why, None, None
         recorder = Recorder() if (self.replay and tapes is None and self._steps >= 1 and not reported
                                   and self._unreplayable != shown) else None
         self._recorder, self.replaying = recorder, tapes is not None
@@ -460,7 +461,7 @@ class Pipeline:
                 recorder.fail(f"a {e.kind} in the step (a stage of several ranks, or a weight's per-step reduction)")
         segments = recorder.done()
         last = 0 if self.stage is None or self.chunks == 1 else self.chunks - 1
-        if segments is not None and any((segments.get((i, last)) or _NO_LOSS).loss is None
+        if segments is not None and any((i, last) not in segments or segments[(i, last)].loss is None
                                         for i in range(self.microbatches)):
             recorder.fail("a micro-batch's forward did not end in this rank's last chunk")
             segments = None
@@ -545,13 +546,6 @@ class Pipeline:
                                f"{context.current().rank}: the model must enter each stage's chunks in the "
                                f"plan's order (pp_plan(virtual=))")
         return f.done, f.result
-
-
-class _NoLoss:
-    loss = None
-
-
-_NO_LOSS = _NoLoss()
 
 
 def _whole(actions: list, chunks: int) -> list:

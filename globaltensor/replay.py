@@ -19,7 +19,7 @@ The messages are the program's: the same peers, tags, keys and sizes, forward an
 recorded too), so a rank replaying and a rank running the program exchange as before; each rank decides alone, and
 the receives a pipeline learnt to post ahead stay valid. A tape is replayed only once two steps of equal inputs
 recorded it equal (plain tensors made in the forward compared by value), and anything a tape cannot say keeps the
-rank on the program, with the reason in `Tapes.why`: a stage of several ranks or one with layout hooks or module
+rank on the program, the reason in `Pipeline.replay_why`: a stage of several ranks or one with layout hooks or module
 hooks, a collective, an op that converts an input or writes in place, a message of several peers, a tensor crossing
 from one of the rank's chunks into another, a tied weight's per-step move. What no recording can see is Python
 state the forward reads besides its inputs' shapes: hence opt-in (`gt.Pipeline(replay=True)`), for programs whose
@@ -61,7 +61,7 @@ class _Segment:
     def __init__(self) -> None:
         self.entries: list = []
         self.recvs: list = []   # [slot, source, key, numel, dtype, shape, device, requires grad, backward key]
-        self.sends: list = []   # [slot, destination, key, numel, dtype, shape, device, backward key]
+        self.sends: list = []   # [slot, destination, key, numel, dtype, device, backward key]
         self.loss: Any = None   # ("slot", slot, layout, shape, key) on the rank that holds it, else ("value", t)
         self.slots = 0
         self.constants: list = []  # plain tensors the forward made (compared by value between two recordings)
@@ -208,18 +208,18 @@ class Recorder:
                 seg.entries.append(("send", len(seg.sends) - 1))
             return
         # a backward: the gradients of this chunk's forward messages, each back to where it came from
-        for dst in sends:
-            match = [r for r in seg.recvs if r[1] == dst and r[8] is None]
-            if len(match) != 1:
-                self.fail("a gradient sent where no activation came from")
-                return
-            match[0][8] = key
-        for src in recvs:
-            match = [s for s in seg.sends if s[1] == src and s[6] is None]
-            if len(match) != 1:
-                self.fail("a gradient received where no activation went")
-                return
-            match[0][6] = key
+        for peer in sends:
+            self._backward_key(seg.recvs, peer, 8, key, "a gradient sent where no activation came from")
+        for peer in recvs:
+            self._backward_key(seg.sends, peer, 6, key, "a gradient received where no activation went")
+
+    def _backward_key(self, messages: list, peer: int, at: int, key: int, why: str) -> None:
+        """The backward's key for the one forward message with `peer` still without one (its index `at`)."""
+        match = [m for m in messages if m[1] == peer and m[at] is None]
+        if len(match) != 1:
+            self.fail(why)
+        else:
+            match[0][at] = key
 
     def finish_forward(self, i: int, c: int, loss: Any) -> None:
         """Micro-batch i's forward ended in chunk c: its loss, a slot where this rank computed it."""
@@ -286,11 +286,10 @@ class Recorder:
             return None
         if found[0] != c:
             raise NotReplayable("a tensor goes from one of this rank's chunks into another")
-        seg = self.segments[(i, c)]
-        for e in seg.entries:  # a received activation: whether the program's takes a gradient
-            if e[0] == "recv" and seg.recvs[e[1]][0] == found[1]:
-                seg.recvs[e[1]][5] = tuple(t._local.shape)
-                seg.recvs[e[1]][7] = seg.recvs[e[1]][7] or t.requires_grad
+        for r in self.segments[(i, c)].recvs:  # a received activation: its shape, whether it takes a gradient
+            if r[0] == found[1]:
+                r[5] = tuple(t._local.shape)
+                r[7] = r[7] or t.requires_grad
         return found[1]
 
     def _filler(self, args: tuple, kwargs: dict) -> _Filler:
