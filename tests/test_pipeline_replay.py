@@ -10,7 +10,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, dp_batch, pp_plan
-from test_pipeline import _cfg, _check_values, _data, _stages, loss_fn, reference
+from test_pipeline import D, T, _cfg, _check_values, _data, _stages, loss_fn, reference
 
 
 def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=False, stage_mesh=(1,), change=None,
@@ -53,10 +53,15 @@ def test_replayed_steps_train_as_one_device_with_the_programs_messages(n_stages,
     want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
     results = gt.launch(_trained, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, virtual))
     _check_values(results, want_losses, want_state)
-    for losses, state, held, events, replaying, why, _, learnt in results:
+    act = batch // micro * T * D * 8  # one micro-batch's activation (or its gradient), fp64
+    last = n_stages * virtual - 1
+    for stage, (losses, state, held, events, replaying, why, _, learnt) in enumerate(results):
         assert replaying == [False] * 3 + [True] * 3, why
         assert why == ""
         assert events[3] == events[4] == events[5] == events[2]  # the program's messages, replayed
+        chunks = [c * n_stages + stage for c in range(virtual)]  # the textbook: activations and gradients only
+        assert sum(e[2] for e in events[5]) == micro * act * (sum(vs > 0 for vs in chunks) +
+                                                              sum(vs < last for vs in chunks))
         assert learnt == [False] + [True] * 5  # and the same receives: posting them ahead goes on
 
 
