@@ -15,9 +15,10 @@ things; the first matching pattern of each kind wins:
   `ModuleLayout(output=B)` (all-reduce forward) and its column-parallel input
   `ModuleLayout(input_grad=B)` (all-reduce of the input gradient backward).
 
-Each converted parameter's gradient, once accumulated, is noted as pending (if Partial) so that
-the optimizer's first read reduces all of them together, one all-reduce per bucket as DDP does,
-instead of one collective per parameter (`dispatch.defer_reduction`).
+Each converted parameter's gradient, once accumulated, is noted as pending (if Partial, or laid out
+otherwise than its parameter) so that the optimizer's first read reduces (converts) all of them
+together, one collective per bucket as DDP does, instead of one per parameter and read
+(`dispatch.defer_reduction`).
 """
 from __future__ import annotations
 
@@ -234,12 +235,22 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
 
 
 def _defer_grad_reduction(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced."""
+    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced, or,
+    where it has none but is laid out otherwise than its parameter, in the parameter's layout. The latter is
+    where the backward chose a split the parameter does not have (an embedding's gradient split on the hidden
+    dim when a step's tokens are fewer than its rows: their gradients exchanged, not the table's reduced), and
+    an optimizer reads the gradient several times (AdamW: three): converted once, at the first read, with the
+    other pending gradients."""
     g = param.grad
-    if isinstance(g, GlobalTensor) and g._layout.has_partial:
-        lay = g._layout
+    if not isinstance(g, GlobalTensor):
+        return
+    lay = g._layout
+    if lay.has_partial:
         dispatch.defer_reduction(g, Layout(lay.placement, tuple(
-            Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)))
+            Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)), in_place=True)
+    elif isinstance(param, GlobalTensor) and lay != param._layout and lay.placement == param._layout.placement \
+            and not lay.zigzag_axes and not param._layout.zigzag_axes:
+        dispatch.defer_reduction(g, param._layout, in_place=True)
 
 
 def _matched_hints(module: torch.nn.Module, plan: Mapping[str, Any]) -> dict:

@@ -534,7 +534,7 @@ def _land(params: tuple, finish: Any) -> None:
                     mine.add_(dispatch.box(g._local, g._layout, where, tuple(p.shape)))
                     p.grad = GlobalTensor(mine, where, tuple(p.shape))
             if isinstance(p.grad, GlobalTensor) and p.grad._layout.has_partial:
-                dispatch.defer_reduction(p.grad, grad_layout(p.grad._layout))
+                dispatch.defer_reduction(p.grad, grad_layout(p.grad._layout), in_place=True)
 
 
 class _Regather(torch.autograd.Function):

@@ -2,8 +2,8 @@
 
 Mostly one boxing plan; a Partial input is reduced once per target while it
 is unchanged (several ops of an optimizer step read the same gradient), and
-gradients noted by `defer_reduction` are reduced together, one collective per
-bucket, as DDP does.
+gradients noted by `defer_reduction` are reduced (or converted) together, one
+collective per bucket, as DDP does, and remembered likewise.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..runtime import context
 from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
 from ..sbp import Broadcast
 
-_REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor -> {target layout: (versions, reduced local)}
+_REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor or noted gradient -> {target layout: (versions, local)}
 _PENDING = weakref.WeakKeyDictionary()  # Communicator -> {Partial GlobalTensor: expected target} (defer_reduction)
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
 
@@ -50,9 +50,10 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     dispatcher and shared with its views and detached aliases. The shard's
     own counter and identity are checked too, for writes that bypass the
     dispatcher (`to_local()` views, a replaced shard). Only Partial sources
-    are remembered for good: re-reducing is what costs, and other conversions
-    would pin memory (a ZeRO-3 all-gathered weight) for bytes rarely read
-    twice. Except within one autograd node of the backward, whose ops often
+    and gradients noted by `defer_reduction` are remembered for good:
+    re-reducing is what costs, a gradient is read by every op of its
+    optimizer's step, and other conversions would pin memory (a ZeRO-3
+    all-gathered weight) for bytes rarely read twice. Except within one autograd node of the backward, whose ops often
     read one tensor in one other layout (a linear's input and weight gradients
     both read the output's gradient, which Ulysses' attention leaves split on
     the heads): there a conversion is remembered until another node runs.
@@ -61,7 +62,8 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     src = t._layout
     if src == dst:
         return t._local
-    if not src.has_partial:
+    pending = _PENDING.get(context.current())
+    if not src.has_partial and t not in _REDUCED and not (pending and t in pending):
         node = torch._C._current_autograd_node()
         if node is None:
             return box(t._local, src, dst, t.shape)
@@ -71,10 +73,12 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     hit = memo.get(dst)
     if hit is not None and hit[0] == now:
         return hit[1]
-    pending = _PENDING.get(context.current())
     if pending and t in pending:
-        if pending.pop(t) == dst:
-            _flush(pending, t, dst)
+        want, place = pending.pop(t)
+        if want == dst:
+            _flush(pending, t, dst, place)
+            if t._layout == dst:  # a gradient, converted in place
+                return t._local
             hit = memo.get(dst)
             if hit is not None and hit[0] == now:
                 return hit[1]
@@ -123,23 +127,40 @@ def _memo_of(t: Any) -> dict:
     return memo
 
 
-def defer_reduction(t: Any, dst: Layout) -> None:
-    """Note a fresh Partial gradient whose reduction to `dst` should share a collective with others.
+def defer_reduction(t: Any, dst: Layout, in_place: bool = False) -> None:
+    """Note a fresh Partial tensor (or a gradient laid out otherwise than its parameter) whose reduction
+    (conversion) to `dst` should share a collective with others.
 
     Called by the gradient hooks of converted modules, in backward order (the same on every rank).
     The first time `box_global` is asked for a pending tensor in its expected layout, every pending
     one is reduced at once, one all-reduce per bucket (`boxing.execute_many`), and the results wait
-    in the memo of reductions under the usual version check. A tensor asked for in another layout
-    leaves the list and takes the normal path, so a wrong guess only costs the bucketing.
+    in the memo of reductions under the usual version check; `in_place` (a parameter's `.grad`) instead
+    makes the result the tensor's own shard and layout, as DDP leaves the reduced gradient in `.grad`:
+    its global value is the same, and what changes it next (`clip_grad_norm_` rescaling every gradient
+    between the bucket's read and the optimizer's) changes the reduced one, not a Partial one that each
+    later read would reduce again. A tensor asked for in another layout leaves the list and takes the
+    normal path, so a wrong guess only costs the bucketing. A gradient zeroed in place rather than set to
+    None (`zero_grad(set_to_none=False)`) keeps its reduced layout, so the next backward's accumulation into
+    it reduces each gradient on its own: the same bytes, one collective per parameter instead of a bucket
+    (torch's default, `set_to_none=True`, keeps the bucket).
     """
     comm = context.current()
     pending = _PENDING.get(comm)
     if pending is None:
         pending = _PENDING[comm] = WeakIdKeyDictionary()
-    pending[t] = dst
+    pending[t] = (dst, in_place)
 
 
-def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
+def settle(t: Any) -> None:
+    """A noted tensor about to be read whole by an op that would pick its own conversion (a norm over a list:
+    a Partial gradient reduce-scattered on its own, out of the bucket): the bucket's reduction now, as its
+    expected first read would make it."""
+    pending = _PENDING.get(context.current())
+    if pending and t in pending:
+        box_global(t, pending[t][0])
+
+
+def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = False) -> None:
     """Reduce `t` (just taken off the list) and the pending tensors whose plan is bucketable collectives only
     (all-reduce, reduce-scatter, all-gather); clear the list.
 
@@ -148,14 +169,17 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
     per bucket, so such gradients share collectives too instead of a few each. Other plans are left to the normal path, which runs them
     only if asked.
     """
-    entries = [(t, dst)] + list(pending.items())
+    in_place = {id(u) for u, (_, place) in pending.items() if place}
+    if place_t:
+        in_place.add(id(t))
+    entries = [(t, dst)] + [(u, d) for u, (d, _) in pending.items()]
     pending.clear()
     plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
     steps = {i: _one_step_plans(p) for i, p in enumerate(plans)}
     keep = [i for i, s in steps.items() if s and all(boxing.bucket_key(q) is not None for q in s)]
     tracing = _TRACING.on
     if tracing:  # a gt.comm_report() says these collectives are the gradient bucket
-        push_why(f"gradient bucket: {len(keep)} Partial gradients reduced together at their first read")
+        push_why(f"gradient bucket: {len(keep)} gradients reduced (or converted) together at their first read")
     outs = [entries[i][0]._local for i in keep]
     try:
         for r in range(max((len(steps[i]) for i in keep), default=0)):
@@ -168,7 +192,10 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout) -> None:
             pop_why()
     for i, out in zip(keep, outs):
         u, d = entries[i]
-        _memo_of(u)[d] = (_versions(u), out)
+        if id(u) in in_place and bool(d.zigzag_axes) == bool(u._layout.zigzag_axes):
+            u._set_layout(out, d)
+        else:
+            _memo_of(u)[d] = (_versions(u), out)
 
 
 @lru_cache(maxsize=4096)

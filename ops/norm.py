@@ -12,7 +12,7 @@ from typing import Any
 from ..layout import Layout
 from ..sbp import Broadcast, Partial
 from .arguments import named_args, reduced_dims
-from .inputs import defer_reduction
+from .inputs import defer_reduction, settle
 from .registry import Ctx, Rule, S, aten, register, split_on
 
 
@@ -35,6 +35,7 @@ def reduced_dim_split(ctx: Ctx, layouts: tuple) -> bool:
 def split_norm(func: Any, args: tuple, kwargs: dict) -> Any:
     """The p-norm as (sum |x|^p)^(1/p), the inf-norms as max/min |x|, the 0-"norm" as a count."""
     x = args[0]
+    settle(x)  # a gradient noted for the step's bucket: converted there first, its norm then local
     order, dims, keep = parse(func, args, kwargs)
     named = named_args(func, args, kwargs)
     if named.get("dtype") is not None:
@@ -79,6 +80,8 @@ def foreach_norm(func: Any, args: tuple, kwargs: dict) -> list:
     tensors, order = args[0], float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     if kwargs.get("dtype") is not None:
         tensors = [aten._to_copy.default(t, dtype=kwargs["dtype"]) for t in tensors]
+    for t in tensors:  # gradients noted for the step's bucket: reduced there first (clip_grad_norm_'s read)
+        settle(t)
     sums = [_powered_sum(t, order) for t in tensors]
     for s in sums:  # pending: the first read reduces all of them in one collective per bucket
         lay = getattr(s, "_layout", None)

@@ -42,10 +42,12 @@ def _one_step(foreach):
     model(idx, tgt)[1].backward()
     params = list(model.parameters())
     assert any(q.grad.global_layout.has_partial for q in params)
+    want = _expected(params, gt.rank())  # from the gradients as the backward left them (the bucket reduces them in place)
     with gt.comm_log() as log:
         opt.step()
+    assert all(q.grad.global_layout == q.global_layout for q in params)  # each gradient its reduced self now
     got = Counter(e.kind for e in log.events)
-    return got, log.recv_bytes, _expected(params, gt.rank())
+    return got, log.recv_bytes, want
 
 
 @pytest.mark.parametrize("foreach", [False, True])

@@ -1,0 +1,79 @@
+"""A gradient laid out otherwise than its parameter is converted once per step, in the gradient bucket.
+
+An untied GPT under data parallelism whose step has fewer tokens per rank than its vocabulary: the
+embedding's backward exchanges the output gradient's hidden slices (an all-to-all of the tokens'
+gradients) rather than leaving a Partial `[vocab, d]` gradient to all-reduce, so `wte.weight.grad` is split on
+the hidden dim while its parameter is Broadcast. AdamW reads each gradient three times (`lerp_`, and `addcmul_`
+with the gradient twice): each read converted it again (three all-gathers of the whole table per step) until
+the post-accumulate hook noted it like a Partial one (module.py `_defer_grad_reduction`): converted at the
+optimizer's first read, in one all-gather for every such gradient, and remembered while it is unchanged.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+import globaltensor as gt
+from globaltensor.models.gpt import GPT, GPTConfig, dp_batch
+from globaltensor.runtime.comm import all_reduce_recv_bytes
+
+F64 = 8
+T = 8
+STEPS = 3
+
+
+def _train(cfg: GPTConfig, rows: int, clip: bool, foreach: bool, n: int = 0):
+    """AdamW steps on the GPT; on n ranks (n > 0): also, per step, the optimizer phase's collectives
+    (kind, bytes) and the gradients' layouts it read."""
+    torch.manual_seed(0)
+    model = GPT(cfg).double()
+    g = torch.Generator().manual_seed(1)
+    x, t = (torch.randint(0, cfg.vocab_size, (rows, T), generator=g) for _ in range(2))
+    if n:
+        mesh = gt.placement("cpu", list(range(n)))
+        model = gt.to_global(model, mesh, {})
+        x, t = gt.to_global(x, mesh, dp_batch(0, 1)), gt.to_global(t, mesh, dp_batch(0, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    steps = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab_size), t.reshape(-1))
+        loss.backward()
+        layouts = {k: (q.grad._layout, q._layout, q.numel()) for k, q in model.named_parameters()} if n else None
+        with gt.comm_log() as log:
+            if clip:  # reads every gradient (the bucket's first read), then rescales the reduced ones in place
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=foreach)
+            opt.step()
+        opt.zero_grad()
+        steps.append((layouts, [(e.kind, e.recv_bytes) for e in log.events] if n else None))
+    state = {k: (q.full_tensor() if n else q).detach() for k, q in model.state_dict().items()}
+    return steps, state
+
+
+def _run(n, cfg, rows, clip, foreach):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return gt.launch(_train, n, args=(cfg, rows, clip, foreach, n))
+
+
+@given(n=st.sampled_from([2, 4]), rows_per_rank=st.integers(1, 2), vocab=st.sampled_from([64, 256]),
+       clip=st.booleans(), foreach=st.booleans())
+def test_a_gradient_split_otherwise_than_its_parameter_is_moved_once_per_step(n, rows_per_rank, vocab, clip,
+                                                                              foreach):
+    cfg = GPTConfig(vocab_size=vocab, block_size=T, n_layer=1, n_head=2, n_embd=16, tied_head=False)
+    rows = n * rows_per_rank
+    _, want = _train(cfg, rows, clip, foreach)
+    for steps, state in _run(n, cfg, rows, clip, foreach):
+        for k, v in want.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-10, atol=1e-10, msg=k)
+        for layouts, events in steps:
+            split = [numel for grad, param, numel in layouts.values() if not grad.has_partial and grad != param]
+            partial = [numel for grad, param, numel in layouts.values() if grad.has_partial]
+            assert layouts["wte.weight"][0] != layouts["wte.weight"][1] and split  # the case this is about
+            # every gradient once: the Partial ones in one all-reduce, the split ones in one all-gather
+            want_events = [("all_gather", (n - 1) * sum(split) * F64 // n)]
+            if partial:
+                want_events.append(("all_reduce", all_reduce_recv_bytes(sum(partial), F64, n, 0)))
+            assert sorted(events) == sorted(want_events), (events, want_events)
