@@ -22,6 +22,7 @@ from ..runtime import context
 from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
 from ..sbp import Broadcast
 
+_SETTLED = WeakIdKeyDictionary()  # gradient converted in place by its bucket -> the layout its backward gave it
 _REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor or noted gradient -> {target layout: (versions, local)}
 _PENDING = weakref.WeakKeyDictionary()  # Communicator -> {Partial GlobalTensor: expected target} (defer_reduction)
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
@@ -140,15 +141,23 @@ def defer_reduction(t: Any, dst: Layout, in_place: bool = False) -> None:
     between the bucket's read and the optimizer's) changes the reduced one, not a Partial one that each
     later read would reduce again. A tensor asked for in another layout leaves the list and takes the
     normal path, so a wrong guess only costs the bucketing. A gradient zeroed in place rather than set to
-    None (`zero_grad(set_to_none=False)`) keeps its reduced layout, so the next backward's accumulation into
-    it reduces each gradient on its own: the same bytes, one collective per parameter instead of a bucket
-    (torch's default, `set_to_none=True`, keeps the bucket).
+    None (`zero_grad(set_to_none=False)`) takes back its backward's layout (`unsettle`).
     """
     comm = context.current()
     pending = _PENDING.get(comm)
     if pending is None:
         pending = _PENDING[comm] = WeakIdKeyDictionary()
     pending[t] = (dst, in_place)
+
+
+def unsettle(t: Any) -> None:
+    """A gradient the bucket converted in place, about to be zeroed in place (`zero_grad(set_to_none=False)`):
+    it takes back the layout its backward gave it (a zero is as cheap in any layout), so the next backward
+    accumulates into it as into a fresh gradient (Partial + Partial: nothing moved) and the bucket reduces
+    it again, rather than each accumulation reducing its own Partial into the reduced layout."""
+    was = _SETTLED.pop(t, None)
+    if was is not None and t._layout != was[0]:
+        t._set_layout(t._local.new_zeros(was[1]), was[0])
 
 
 def settle(t: Any) -> None:
@@ -193,6 +202,7 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = Fa
     for i, out in zip(keep, outs):
         u, d = entries[i]
         if id(u) in in_place and bool(d.zigzag_axes) == bool(u._layout.zigzag_axes):
+            _SETTLED[u] = (u._layout, tuple(u._local.shape))
             u._set_layout(out, d)
         else:
             _memo_of(u)[d] = (_versions(u), out)

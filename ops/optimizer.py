@@ -23,6 +23,7 @@ _VALUE_KWARG = {"addcmul", "addcmul_", "addcdiv", "addcdiv_"}  # their scalar is
 
 
 _NOT_ELEMENTWISE = {"norm", "max"}  # reductions: their own rules or the per-tensor path
+_PER_TENSOR = {"zero_"}  # their per-tensor op has more to do than its kernel (pointwise.zero_in_place)
 
 
 def _same_layouts(args: tuple, kwargs: dict) -> Optional[type]:
@@ -88,7 +89,7 @@ def _on_local_shards(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
 
 def foreach(func, args, kwargs):
     name = func._schema.name.split("::")[1][len("_foreach_"):]
-    cls = None if name.rstrip("_") in _NOT_ELEMENTWISE else _same_layouts(args, kwargs)
+    cls = None if name.rstrip("_") in _NOT_ELEMENTWISE or name in _PER_TENSOR else _same_layouts(args, kwargs)
     if cls is not None:
         out = _on_local_shards(func, name, args, kwargs)
         if name.endswith("_"):

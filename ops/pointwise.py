@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .device import device_changes, move_device
+from .inputs import unsettle
 from .registry import PMAX, PMIN, B, Ctx, P, Rule, S, aten, is_inplace, overloads, pointwise_dims, register
 
 _PROTOTYPES: dict = {}  # (op, what type promotion reads of its args) -> its outputs on one-element stand-ins
@@ -129,6 +130,19 @@ NONLINEAR_OPS = (
 for names, rule in LINEAR.items():
     register(_ops(*names), rule)
 register(_ops(*NONLINEAR_OPS), NONLINEAR)
+
+
+def zero_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """`x.zero_()` zeroes the shard, whatever the layout (a zero is Broadcast, split and Partial alike): nothing
+    to decide. A gradient its bucket reduced in place takes back its backward's layout first (`unsettle`:
+    `zero_grad(set_to_none=False)` then keeps the next step's gradients bucketed)."""
+    x = args[0]
+    unsettle(x)
+    x._local.zero_()
+    return x
+
+
+register([aten.zero_.default], Rule(lambda ctx: [], decompose=zero_in_place))
 
 
 # -- casts (`.float()`, `.to(dtype)`, `type_as`) and queries of the shard ---------------------------
