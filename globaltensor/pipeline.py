@@ -43,7 +43,7 @@ from .sbp import Broadcast, Partial, Split
 from .module import _StageForward
 from .runtime.fiber import Fiber
 from .tensor import GlobalTensor, _wrap, distribute, grad_layout
-from .zero import accumulating, gathered_storages
+from .zero import accumulating, gathered_storages, owe_outside
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -371,6 +371,8 @@ class Pipeline:
                     self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
                 if recorder is not None:
                     recorder.current = ("D",)
+                if tapes is not None:  # a gather this rank ran outside its compute placement: its empty share
+                    owe_outside()
                 for f in stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
                     f.hand_on()
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses

@@ -19,9 +19,11 @@ The messages are the program's: the same peers, tags, keys and sizes, forward an
 recorded too), so a rank replaying and a rank running the program exchange as before; each rank decides alone, and
 the receives a pipeline learnt to post ahead stay valid. A tape is replayed only once two steps of equal inputs
 recorded it equal (plain tensors made in the forward compared by value), and anything a tape cannot say keeps the
-rank on the program, the reason in `Pipeline.replay_why`: a stage of several ranks or one with layout hooks or module
-hooks, a collective, an op that converts an input or writes in place, a message of several peers, a tensor crossing
-from one of the rank's chunks into another, a tied weight's per-step move. What no recording can see is Python
+rank on the program, the reason in `Pipeline.replay_why`: a stage of several ranks or one with layout conversions or
+module hooks, a collective, an op that converts an input or writes in place, a message of several peers, a tensor
+crossing from one of the rank's chunks into another. A weight kept gathered for the step (the tied head's) is on the
+tape: its gather's hooks where they ran (`gather_open`, `gather_close`; their messages are theirs), the step's end as
+in the program. What no recording can see is Python
 state the forward reads besides its inputs' shapes: hence opt-in (`gt.Pipeline(replay=True)`), for programs whose
 forward, given equal shapes, computes the same way (as a CUDA graph or `torch.compile` assumes).
 """
@@ -44,6 +46,7 @@ class NotReplayable(Exception):
 class _Recording(threading.local):
     recorder: Optional["Recorder"] = None  # the forward running on this thread is recorded (a fiber's own thread)
     paused = 0  # inside a stage call: its own calls are the call's
+    gathering = 0  # inside a kept gather's hook (`gather_open`): its messages are the hook's, which a replay runs
 
 
 RECORDING = _Recording()
@@ -158,6 +161,33 @@ class Recorder:
         self._outputs(("call", stage, fill), out)
         return out
 
+    def gather_open(self, group: Any, module: Any) -> None:
+        """A module that gathers its parameters for the step (the tied head, `zero.ParamGroup.before`) entered on
+        this rank, outside a stage call: the replay runs the same hook there (the step's one gather: its messages
+        the program's), and its closing hook after the stage call, if any, between them."""
+        if self.why or RECORDING.paused:
+            return  # inside a stage call: the call's own module calls run its hooks
+        if group.param_dtype is not None:
+            self.fail(f"{group.where} casts its inputs to {group.param_dtype} on entry")
+            return
+        i, c = self._in_forward()
+        if i is not None:
+            self.segments.setdefault((i, c), _Segment()).entries.append(("open", group, module))
+
+    def gather_close(self, group: Any, module: Any) -> None:
+        if self.why or RECORDING.paused:
+            return
+        i, c = self._in_forward()
+        if i is not None:
+            self.segments.setdefault((i, c), _Segment()).entries.append(("close", group, module))
+
+    def _in_forward(self) -> tuple:
+        act = self.current
+        if act is None or act[0] != "F":
+            self.fail("a gathering module entered outside a forward action")
+            return None, None
+        return act[1], act[2]
+
     def watch(self, func: Any, args: tuple, kwargs: dict, dec: Any) -> Optional[Callable[[Any], None]]:
         """The dispatcher's decision for an op of the recorded forward (`runtime.trace.watching`)."""
         if self.why or RECORDING.paused:
@@ -178,14 +208,16 @@ class Recorder:
 
     def exchange(self, sends: dict, recvs: dict, key: int, got: dict, device: Any) -> None:
         """The communicator's point-to-point exchange of the action now running."""
-        if self.why:
+        if self.why or RECORDING.gathering:
             return
         act = self.current
         if RECORDING.paused:
             self.fail("a stage call communicates")
             return
-        if act is None or act[0] == "D":
-            self.fail("a message outside a micro-batch's actions (a weight's per-step reduction?)")
+        if act is not None and act[0] == "D":
+            return  # the step's end (a kept gather's reduction): run as it is by a replayed step too
+        if act is None:
+            self.fail("a message outside a pipeline step's actions")
             return
         if len(sends) + len(recvs) != 1:
             self.fail("an exchange with several peers")
@@ -347,12 +379,16 @@ def _check_stage(stage: Any) -> None:
     if not stage._runs_plain():
         raise NotReplayable(f"the stage {type(module).__name__} spans several ranks (it runs through the dispatcher)")
     for m in module.modules():
-        if m.__dict__.get("_gt_layout_hooks"):
-            raise NotReplayable(f"the stage {type(module).__name__} has layout hooks (a gathered or tied weight)")
-    pre = [h for h in module._forward_pre_hooks.values() if getattr(h, "__self__", None) is not stage]
+        group = m.__dict__.get("_gt_gather_group")
+        if m.__dict__.get("_gt_layout_hooks") and (group is None or group.compute[0].placement != stage.placement):
+            raise NotReplayable(f"the stage {type(module).__name__} has layout hooks (a weight converted on entry)")
+    # its own gather's hooks (a tied weight kept for the step) are recorded around the call and run by the replay
+    own = module.__dict__.get("_gt_gather_group")
+    pre = [h for h in module._forward_pre_hooks.values() if getattr(h, "__self__", None) not in (stage, own)]
+    post = [h for h in module._forward_hooks.values() if own is None or getattr(h, "__self__", None) is not own]
     glob = torch.nn.modules.module
     global_pre = [h for h in glob._global_forward_pre_hooks.values() if not getattr(h, "acts_on_reporting_threads", 0)]
-    if pre or module._forward_hooks or module._backward_hooks or module._backward_pre_hooks or global_pre or \
+    if pre or post or module._backward_hooks or module._backward_pre_hooks or global_pre or \
             glob._global_forward_hooks or glob._global_backward_hooks or glob._global_backward_pre_hooks:
         raise NotReplayable(f"the stage {type(module).__name__} has module hooks, which a replay would not run")
 
@@ -392,6 +428,10 @@ class Tapes:
                 func, fill, slots = entry[1], entry[2], entry[3]
                 args, kwargs = fill(env)
                 _put(env, slots, func(*args, **kwargs))
+            elif kind == "open":
+                entry[1].before(entry[2], (), {})
+            elif kind == "close":
+                entry[1].after(entry[2], (), None)
             elif kind == "recv":
                 slot, src, key, n, dtype, shape, device, grad, _ = seg.recvs[entry[1]]
                 got = comm.exchange({}, {src: ((n,), dtype)}, None, device, key)[src].view(shape)

@@ -37,6 +37,7 @@ from . import boxing
 from .layout import Layout
 from .ops import dispatch
 from .ops.scope import enter_named_here
+from .replay import RECORDING
 from .runtime import context
 from .sbp import Broadcast, Partial
 from .tensor import GlobalTensor, grad_layout
@@ -74,6 +75,17 @@ class ParamGroup:
 
         The next module is the one that followed this one in the previous forward (inside the same
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
+        recorder = RECORDING.recorder
+        if recorder is None:
+            return self._before(module, args, kwargs)
+        recorder.gather_open(self, module)  # a pipeline records this rank's part (replay.py): its messages are ours
+        RECORDING.gathering += 1
+        try:
+            return self._before(module, args, kwargs)
+        finally:
+            RECORDING.gathering -= 1
+
+    def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         mine = _state(self)
         scope = _SCOPES.get(context.current())
         keeps = scope is not None and not self.reshard_after_forward  # one call for the scope's micro-batches
@@ -111,6 +123,9 @@ class ParamGroup:
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
         and marks the output so that its backward gathers them again first."""
+        recorder = RECORDING.recorder
+        if recorder is not None:
+            recorder.gather_close(self, module)
         dispatch.leave_named()
         call = _OPEN.stack.pop()
         _OPEN.installed.pop()
@@ -418,6 +433,18 @@ class _Accumulation:
             if g is not None:
                 have[i] = g if have[i] is None else have[i] + g
 
+    def owe_outside(self) -> None:
+        """A rank replaying its part of a pipeline step (replay.py) ran a kept group's gather outside the placement
+        it computes on (the tied head's weight, sent from its stage) but no backward through it: its share of the
+        gradients is empty, as the program's backward gives it (`module._Elsewhere`), so that the close reduces
+        (receives) as there."""
+        rank = context.current().rank
+        for group, call in self.calls.items():
+            if call not in self.grads and rank not in group.compute[0].placement:
+                self.add(call, tuple(GlobalTensor(torch.empty((0,), dtype=p.dtype, device=p._local.device),
+                                                  grad_layout(c), tuple(p.shape)) if p.requires_grad else None
+                                     for p, c in zip(group.params, group.compute)))
+
     def close(self) -> None:
         """Reduce each group's summed gradients into the stored layouts (one bucket per group, in the
         order the groups were first called: the same on every rank) and free the gathered copies. The
@@ -433,6 +460,13 @@ class _Accumulation:
 
 
 _SCOPES: "weakref.WeakKeyDictionary[Any, _Accumulation]" = weakref.WeakKeyDictionary()  # per rank (communicator)
+
+
+def owe_outside() -> None:
+    """This rank's step scope: `_Accumulation.owe_outside`."""
+    scope = _SCOPES.get(context.current())
+    if scope is not None:
+        scope.owe_outside()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, dp_batch, pp_plan
-from test_pipeline import D, T, _cfg, _check_values, _data, _stages, loss_fn, reference
+from test_pipeline import D, T, VOCAB, _cfg, _check_values, _data, _stages, loss_fn, reference
 
 
 def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=False, stage_mesh=(1,), change=None,
@@ -65,16 +65,31 @@ def test_replayed_steps_train_as_one_device_with_the_programs_messages(n_stages,
         assert learnt == [False] + [True] * 5  # and the same receives: posting them ahead goes on
 
 
-def test_a_tied_weight_or_a_stage_of_several_ranks_keeps_the_program_and_says_why():
-    """The tied head (its weight moved to the last stage once per step: a message no chunk computes, a stage with
-    layout hooks), and stages of two ranks (data parallel inside a stage: collectives): not replayed, values equal
-    one device."""
-    n_layer, micro, batch, steps = 4, 2, 8, 5
+@pytest.mark.parametrize("n_stages,kind", [(2, "1f1b"), (4, "1f1b"), (2, "interleaved"), (4, "gpipe")])
+def test_the_tied_head_replays_its_weights_gather_and_its_gradients_return(n_stages, kind):
+    """The GPT as written (head tied to the embedding): its weight goes to the last stage once per step and the
+    head's gradient, summed over the micro-batches, comes back. A replay runs the head's gather hooks where the
+    program ran them (`zero.ParamGroup.before`/`after`, recorded around the stage call: the gather's own messages),
+    and the step's end as the program does; the first stage, outside the head, gives its gather its empty gradient
+    share (`zero.owe_outside`) so that it receives the head's. Values equal one device; the replayed steps' messages
+    are the program's (whose bytes test_pipeline counts against the textbook). The first stages replay a step later
+    than the last: their first recording still called the head (no exit learnt yet), the next ones do not."""
+    virtual = 2 if kind == "interleaved" else 1
+    n_layer, micro, batch, steps = 4 * virtual, 4, 8, 6
     want_losses, want_state = reference(n_layer, batch, steps)
-    results = gt.launch(_trained, 2, args=(2, n_layer, "1f1b", micro, batch, steps, 1, True))
+    results = gt.launch(_trained, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, virtual, True))
     _check_values(results, want_losses, want_state)
-    assert "not one this chunk computed" in results[0][5] and "layout hooks" in results[1][5]
-    assert not any(any(r[4]) for r in results)
+    for stage, (_, _, _, events, replaying, why, _, _) in enumerate(results):
+        assert why == "" and replaying[4:] == [True, True], (stage, why, replaying)
+        assert replaying[:3] == [False] * 3 and replaying[3] == (stage == n_stages - 1)
+        assert events[5] == events[4] == events[2]
+        tied = [e for e in events[5] if e[2] == VOCAB * D * 8]  # the weight's one move each way
+        assert len(tied) == (1 if stage in (0, n_stages - 1) else 0)
+
+
+def test_a_stage_of_several_ranks_keeps_the_program_and_says_why():
+    """Stages of two ranks (data parallel inside a stage: collectives): not replayed, values equal one device."""
+    n_layer, micro, batch, steps = 4, 2, 8, 5
     want_losses, want_state = reference(n_layer, batch, steps, tied_head=False)
     results = gt.launch(_trained, 4, args=(2, n_layer, "1f1b", micro, batch, steps, 1, False, (2,)))
     _check_values(results, want_losses, want_state)
