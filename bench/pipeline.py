@@ -16,9 +16,10 @@ repetition; a step's time is its slowest rank's):
   stage, as torch's stages have it (the same split model as torch's); every rank runs the global program.
 - gt replay: the same with `Pipeline(replay=True)`: from the fourth step each rank runs its recorded part
   of each micro-batch (`globaltensor/replay.py`); timed steps are replayed ones (the bench asserts it).
-- gt tied (`--tied`): the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the
+- gt tied replay (`--tied`): the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the
   embedding: it goes to the last stage once per step and its gradient, summed over the micro-batches, comes
-  back (the global program's one parameter; a model torch.pipelining cannot run).
+  back (the global program's one parameter; a model torch.pipelining cannot run), with `replay=True` (the
+  first stages replay from the fifth step: their first recording still calls the head).
 - torch: `PipelineStage` per rank on hand-split stage modules (`ScheduleGPipe` / `Schedule1F1B`, and
   `ScheduleInterleaved1F1B` with two stages per rank); the head gets its own copy of the embedding
   weight (torch's pipelining cannot tie across stages).
@@ -167,9 +168,11 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
              "gt replay": GlobalTensorPipe(cfg, m, kind, seed, tied=False, replay=True),
              "torch.pipelining": TorchPipe(cfg, m, kind, seed)}
     if tied:
-        impls["gt tied"] = GlobalTensorPipe(cfg, m, kind, seed, tied=True)
-    for _ in range(3):  # untimed: the first step runs the program whole, the next two record
-        impls["gt replay"].step(*data)
+        impls["gt tied replay"] = GlobalTensorPipe(cfg, m, kind, seed, tied=True, replay=True)
+    replaying = [k for k in impls if k.endswith("replay")]
+    for _ in range(4):  # untimed: the first step runs the program whole, the next ones record
+        for k in replaying:
+            impls[k].step(*data)
     cpu: dict = {k: [] for k in impls}  # this process's CPU seconds per step (all its threads: fibers, gloo's)
 
     def stepped(k, v):
@@ -181,12 +184,13 @@ def timed(cfg: GPTConfig, m: int, kind: str, batch: int, reps: int, warmup: int,
     dist.all_gather_object(every, {k: c[warmup:] for k, c in cpu.items()})
     cpu = {k: [sum(e[k][i] for e in every) for i in range(reps)] for k in impls}  # summed over the ranks
     ours = impls["gt replay"]
-    assert all(ours.replayed[3:]), f"gt replay did not replay every timed step: {ours.pipe.replay_why}"
+    for k in replaying:
+        assert all(impls[k].replayed[4:]), f"{k} did not replay every timed step: {impls[k].pipe.replay_why}"
     # one more step, untimed, counting the bytes autograd saves (saved-tensor hooks cost a little time)
     probe = gt.Pipeline(ours.model, microbatches=m, schedule=kind, loss_fn=loss_fn, measure_activations=True)
     probe.step(*data)
     ours.opt.zero_grad()
-    mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[3 + warmup:]), ours.pipe.timeline,
+    mine = (ours.pipe.peak_in_flight, statistics.median(ours.bubbles[4 + warmup:]), ours.pipe.timeline,
             probe.activations.peak, statistics.median(impls["torch.pipelining"].bubbles[warmup + 1:]))
     got: list = [None] * dist.get_world_size()
     dist.all_gather_object(got, mine)
@@ -209,7 +213,7 @@ def main() -> None:
     ap.add_argument("--micro", default="4,8", help="micro-batch counts, comma-separated")
     ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
     ap.add_argument("--tied", action="store_true",
-                    help="also gt on the GPT as written (the head tied to the embedding)")
+                    help="also gt replay on the GPT as written (the head tied to the embedding)")
     args = ap.parse_args()
     n_embd = 128 if args.size == "small" else 512
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=args.layers or 2 * args.ranks, n_head=4, n_embd=n_embd)
@@ -221,11 +225,11 @@ def main() -> None:
              f"({platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}), global batch {args.batch}, "
              f"fp32, AdamW foreach; medians of {args.reps} interleaved steps; ratio: median of per-step ratios (~95% "
              "interval); the head untied (the same split model as torch's stages); gt replay: `Pipeline(replay=True)`; "
-             "bubbles, micro-batches in flight and timelines are gt replay's" + ("; gt tied: the GPT as written"
-                                                                               if args.tied else ""),
+             "bubbles, micro-batches in flight and timelines are gt replay's" + ("; gt tied replay: the GPT as written, "
+                                                                               "replayed" if args.tied else ""),
              "", "| schedule | m | gt replay ms/step | gt ms/step | torch.pipelining ms/step | gt replay / torch | "
              "gt / torch | CPU ms/step, all ranks: gt replay / torch = ratio | "
-             + ("gt tied / torch | " if args.tied else "") + "theory bubble | gt measured bubble per rank | "
+             + ("gt tied replay / torch | " if args.tied else "") + "theory bubble | gt measured bubble per rank | "
              "torch.pipelining measured bubble per rank | "
              "gt micro-batches in flight per stage | gt peak saved activations per stage (KiB) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.tied else "")]
@@ -251,7 +255,7 @@ def main() -> None:
             lines.append(f"| {kind} | {m} | {med['gt replay'] * 1e3:.1f} | {med['gt'] * 1e3:.1f} | "
                          f"{med['torch.pipelining'] * 1e3:.1f} | {ratio(times, 'gt replay')} | {ratio(times, 'gt')} | "
                          f"{cmed['gt replay'] * 1e3:.1f} / {cmed['torch.pipelining'] * 1e3:.1f} = "
-                         f"{ratio(cpu, 'gt replay')} | " + (f"{ratio(times, 'gt tied')} | " if args.tied else "") +
+                         f"{ratio(cpu, 'gt replay')} | " + (f"{ratio(times, 'gt tied replay')} | " if args.tied else "") +
                          f"{(p - 1) / (v * m + p - 1):.2f} | {bubbles} | {torch_bubbles} | {peaks} | "
                          f"{[g[3] // 1024 for g in got]} |")
             data.append({"schedule": kind, "m": m, "times": times, "cpu": cpu, "peaks": peaks, "bubbles": bubbles,
