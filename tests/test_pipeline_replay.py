@@ -239,3 +239,17 @@ def test_a_rank_outside_every_stage_replays_nothing_and_the_stages_train_as_one_
     for losses, state, held, events, replaying, why, *_ in results:
         assert replaying == [False] * 3 + [True] * 2, why
     assert results[2][3][-1] == [] and not any(results[2][2].values())
+
+
+def test_replay_under_gloo_trains_the_tied_gpt_as_one_device():
+    """Real processes (the only replay run off the simulator in the suite): the GPT as written on 2 gloo ranks,
+    1F1B; every rank replays the last two steps with the program's messages, values equal one device. Under the
+    simulator the ranks share the modules' and groups' Python state; here each process has its own."""
+    n_layer, micro, batch, steps = 4, 4, 8, 6
+    want_losses, want_state = reference(n_layer, batch, steps)
+    results = gt.launch(_trained, 2, backend="gloo", timeout=120,
+                        args=(2, n_layer, "1f1b", micro, batch, steps, 1, True))
+    _check_values(results, want_losses, want_state)
+    for stage, (_, _, _, events, replaying, why, _, _) in enumerate(results):
+        assert why == "" and replaying[4:] == [True, True], (stage, why, replaying)
+        assert events[5] == events[2]
