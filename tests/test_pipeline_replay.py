@@ -6,6 +6,7 @@ what was not (with the reason), and that a replayed step sends exactly the progr
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 import globaltensor as gt
@@ -253,3 +254,24 @@ def test_replay_under_gloo_trains_the_tied_gpt_as_one_device():
     for stage, (_, _, _, events, replaying, why, _, _) in enumerate(results):
         assert why == "" and replaying[4:] == [True, True], (stage, why, replaying)
         assert events[5] == events[2]
+
+
+@settings(deadline=None, max_examples=max(4, settings.default.max_examples // 3))  # each example trains 2-3 ranks
+@given(n_stages=st.integers(2, 3), extra_layers=st.integers(0, 2), micro=st.integers(1, 5), batch=st.integers(3, 7),
+       kind=st.sampled_from(["gpipe", "1f1b", "interleaved"]), tied=st.booleans())
+def test_replay_hypothesis_splits_microbatches_schedules_tied_or_not(n_stages, extra_layers, micro, batch, kind, tied):
+    """Uneven layer counts per stage, micro-batches that do not divide the batch (two sizes), every schedule, the
+    head tied or not: six steps, every rank replaying the last (the first stages, with the tied head, from the fifth
+    step), values equal one device, the replayed step's messages the program's."""
+    micro = min(micro, batch)
+    virtual = 1
+    if kind == "interleaved":
+        virtual, micro = 2, max(n_stages, micro - micro % n_stages)
+    n_layer = n_stages * virtual + extra_layers
+    steps = 6
+    want_losses, want_state = reference(n_layer, batch, steps, tied_head=tied)
+    results = gt.launch(_trained, n_stages, args=(n_stages, n_layer, kind, micro, batch, steps, virtual, tied))
+    _check_values(results, want_losses, want_state)
+    for stage, (_, _, _, events, replaying, why, _, _) in enumerate(results):
+        assert why == "" and replaying[-2:] == [True, True], (stage, why, replaying)
+        assert events[-1] == events[2]
