@@ -165,28 +165,21 @@ class Recorder:
         """A module that gathers its parameters for the step (the tied head, `zero.ParamGroup.before`) entered on
         this rank, outside a stage call: the replay runs the same hook there (the step's one gather: its messages
         the program's), and its closing hook after the stage call, if any, between them."""
-        if self.why or RECORDING.paused:
-            return  # inside a stage call: the call's own module calls run its hooks
-        if group.param_dtype is not None:
+        if group.param_dtype is not None and not (self.why or RECORDING.paused):  # a replay passes no inputs
             self.fail(f"{group.where} casts its inputs to {group.param_dtype} on entry")
-            return
-        i, c = self._in_forward()
-        if i is not None:
-            self.segments.setdefault((i, c), _Segment()).entries.append(("open", group, module))
+        self._gather_entry("open", group, module)
 
     def gather_close(self, group: Any, module: Any) -> None:
-        if self.why or RECORDING.paused:
-            return
-        i, c = self._in_forward()
-        if i is not None:
-            self.segments.setdefault((i, c), _Segment()).entries.append(("close", group, module))
+        self._gather_entry("close", group, module)
 
-    def _in_forward(self) -> tuple:
+    def _gather_entry(self, kind: str, group: Any, module: Any) -> None:
+        if self.why or RECORDING.paused:
+            return  # inside a stage call: the call's own module calls run its hooks
         act = self.current
         if act is None or act[0] != "F":
             self.fail("a gathering module entered outside a forward action")
-            return None, None
-        return act[1], act[2]
+            return
+        self.segments.setdefault((act[1], act[2]), _Segment()).entries.append((kind, group, module))
 
     def watch(self, func: Any, args: tuple, kwargs: dict, dec: Any) -> Optional[Callable[[Any], None]]:
         """The dispatcher's decision for an op of the recorded forward (`runtime.trace.watching`)."""

@@ -178,12 +178,9 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = Fa
     per bucket, so such gradients share collectives too instead of a few each. Other plans are left to the normal path, which runs them
     only if asked.
     """
-    in_place = {id(u) for u, (_, place) in pending.items() if place}
-    if place_t:
-        in_place.add(id(t))
-    entries = [(t, dst)] + [(u, d) for u, (d, _) in pending.items()]
+    entries = [(t, dst, place_t)] + [(u, d, place) for u, (d, place) in pending.items()]
     pending.clear()
-    plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d in entries]
+    plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d, _ in entries]
     steps = {i: _one_step_plans(p) for i, p in enumerate(plans)}
     keep = [i for i, s in steps.items() if s and all(boxing.bucket_key(q) is not None for q in s)]
     tracing = _TRACING.on
@@ -200,8 +197,8 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = Fa
         if tracing:
             pop_why()
     for i, out in zip(keep, outs):
-        u, d = entries[i]
-        if id(u) in in_place and bool(d.zigzag_axes) == bool(u._layout.zigzag_axes):
+        u, d, place = entries[i]
+        if place and bool(d.zigzag_axes) == bool(u._layout.zigzag_axes):
             _SETTLED[u] = (u._layout, tuple(u._local.shape))
             u._set_layout(out, d)
         else:

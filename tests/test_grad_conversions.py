@@ -26,9 +26,8 @@ T = 8
 STEPS = 3
 
 
-def _train(cfg: GPTConfig, rows: int, clip: bool, foreach: bool, n: int = 0):
-    """AdamW steps on the GPT; on n ranks (n > 0): also, per step, the optimizer phase's collectives
-    (kind, bytes) and the gradients' layouts it read."""
+def _setup(cfg: GPTConfig, rows: int, foreach: bool, n: int):
+    """The GPT, a batch and AdamW: on one device (n = 0), or data parallel over n ranks."""
     torch.manual_seed(0)
     model = GPT(cfg).double()
     g = torch.Generator().manual_seed(1)
@@ -37,7 +36,13 @@ def _train(cfg: GPTConfig, rows: int, clip: bool, foreach: bool, n: int = 0):
         mesh = gt.placement("cpu", list(range(n)))
         model = gt.to_global(model, mesh, {})
         x, t = gt.to_global(x, mesh, dp_batch(0, 1)), gt.to_global(t, mesh, dp_batch(0, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    return model, x, t, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+
+
+def _train(cfg: GPTConfig, rows: int, clip: bool, foreach: bool, n: int = 0):
+    """AdamW steps on the GPT; on n ranks (n > 0): also, per step, the optimizer phase's collectives
+    (kind, bytes) and the gradients' layouts it read."""
+    model, x, t, opt = _setup(cfg, rows, foreach, n)
     steps = []
     for _ in range(STEPS):
         loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab_size), t.reshape(-1))
@@ -82,15 +87,7 @@ def test_a_gradient_split_otherwise_than_its_parameter_is_moved_once_per_step(n,
 
 def _zeroed_in_place(n: int, foreach: bool, tied: bool):
     cfg = GPTConfig(vocab_size=64, block_size=T, n_layer=1, n_head=2, n_embd=16, tied_head=tied)
-    torch.manual_seed(0)
-    model = GPT(cfg).double()
-    g = torch.Generator().manual_seed(1)
-    x, t = (torch.randint(0, cfg.vocab_size, (4, T), generator=g) for _ in range(2))
-    if n:
-        mesh = gt.placement("cpu", list(range(n)))
-        model = gt.to_global(model, mesh, {})
-        x, t = gt.to_global(x, mesh, dp_batch(0, 1)), gt.to_global(t, mesh, dp_batch(0, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    model, x, t, opt = _setup(cfg, 4, foreach, n)
     steps = []
     for _ in range(STEPS):
         with gt.comm_log() as log:
