@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import globaltensor as gt
-from globaltensor.explain import explain
+from globaltensor.tools.explain import explain
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 

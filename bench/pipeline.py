@@ -15,7 +15,7 @@ repetition; a step's time is its slowest rank's):
   schedule, loss_fn)` on `GPTConfig(tied_head=False)`: the head has its own weight, stored on the last
   stage, as torch's stages have it (the same split model as torch's); every rank runs the global program.
 - gt replay: the same with `Pipeline(replay=True)`: from the fourth step each rank runs its recorded part
-  of each micro-batch (`globaltensor/replay.py`); timed steps are replayed ones (the bench asserts it).
+  of each micro-batch (`globaltensor/parallel/replay.py`); timed steps are replayed ones (the bench asserts it).
 - gt tied replay (`--tied`): the GPT as written (`pp_plan(stages, n_layer)`), the head's weight tied to the
   embedding: it goes to the last stage once per step and its gradient, summed over the micro-batches, comes
   back (the global program's one parameter; a model torch.pipelining cannot run), with `replay=True` (the
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import globaltensor as gt
 from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
 from globaltensor.models.gpt import GPT, GPTConfig, pp_plan
-from globaltensor.pipeline import timeline_svg
+from globaltensor.parallel.pipeline import timeline_svg
 from train_step import batches
 
 

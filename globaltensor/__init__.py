@@ -1,21 +1,22 @@
 """globaltensor: global tensors for PyTorch in the SBP style."""
 from .api import from_local, to_global
 from .layout import Layout
-from .module import ModuleLayout
+from .parallel.module import ModuleLayout
 from .placement import Placement, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
 from .sbp import SBP, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
-from .ragged import RaggedTensor
-from .grouped import Routing, by_expert, by_group, grouped_linear
+from .raggedtensor.ops import RaggedTensor
+from .raggedtensor.grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor, ZigzagTensor
 from .factory import empty, ones, rand, randn, zeros
-from .pipeline import Pipeline
-from . import optim_skip as _optim_skip  # noqa: F401  (its optimizer step hooks)
+from .parallel.pipeline import Pipeline
+from .parallel import zero
+from .parallel import optim_skip as _optim_skip  # noqa: F401  (its optimizer step hooks)
 from .ops import attention_method, check_replicated, reset_stats, stats
 from .ops.step_plan import StepPlan, step_plan
-from .report import comm_report
-from .visualize import visualize
-from .explain import explain
+from .tools.report import comm_report
+from .tools.visualize import visualize
+from .tools.explain import explain
 
 __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
@@ -23,4 +24,4 @@ __all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Pla
            "Zigzag", "zigzag", "ZigzagTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan"]
+           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero"]

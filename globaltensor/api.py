@@ -6,12 +6,12 @@ from typing import Any, Sequence
 import torch
 
 from .layout import Layout, normalize_sbp
-from .module import module_to_global
+from .parallel.module import module_to_global
 from .placement import Placement
 from .runtime import context
 from .sbp import Split, Zigzag
-from . import ragged as _ragged
-from .tensor import GlobalTensor, _FromLocal, device_for, distribute
+from .raggedtensor import ops as _ragged
+from .tensor import GlobalTensor, FromLocal, device_for, distribute
 
 
 def _check_placement(placement: Any, fn: str) -> Placement:
@@ -25,7 +25,7 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
 
     A GlobalTensor is boxed instead (`GlobalTensor.to_global`, where `grad_sbp` is explained);
-    a module is converted by `plan` (`globaltensor.module`).
+    a module is converted by `plan` (`globaltensor.parallel.module`).
 
     Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`; its
     shard is a copy, so in-place ops on it never reach `t` (or, simulated, another rank).
@@ -33,7 +33,7 @@ def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = N
     Partial(max/min) keeps the value everywhere.
 
     `sizes` goes with a ragged sbp (`gt.ragged(d)`): each rank's rows of d, one int per rank of the
-    ragged mesh axis; a GlobalTensor is then re-cut with one uneven all-to-all (`globaltensor/ragged.py`).
+    ragged mesh axis; a GlobalTensor is then re-cut with one uneven all-to-all (`globaltensor/raggedtensor/ops.py`).
     """
     if isinstance(obj, _ragged.RaggedTensor):
         return obj.to_global(placement, sbp, grad_sbp, sizes)
@@ -138,4 +138,4 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
     if not inside:
         local = local.reshape(-1)[:0]  # keeps requires_grad: this rank still joins the backward boxing
     local = local.to(device_for(placement))
-    return _FromLocal.apply(local, layout, tuple(shape))
+    return FromLocal.apply(local, layout, tuple(shape))

@@ -60,7 +60,7 @@ class Ragged:
     """A Split of `dim` whose per-rank sizes are data (dropless MoE's tokens per expert), not structure.
 
     The sizes are not part of this value, so layouts, decisions and plans stay keyed on structure;
-    the tensor carries them (`globaltensor/ragged.py`), the same on every rank of the mesh axis.
+    the tensor carries them (`globaltensor/raggedtensor/ops.py`), the same on every rank of the mesh axis.
     """
     dim: int
 

@@ -1,8 +1,9 @@
 """GlobalTensor: a torch.Tensor whose shape is global and whose data is this rank's shard."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -20,9 +21,32 @@ _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
 _TENSOR_DATA = torch.Tensor.data  # torch's descriptor, which GlobalTensor.data wraps
 
 
+class _DryRun:
+    on = False  # inside `dry_run_devices()`
+
+
+_DRY_RUN = _DryRun()
+
+
+@contextlib.contextmanager
+def dry_run_devices() -> Iterator[None]:
+    """While open, a meta shard's wrapper reports its placement's device type (`gt.explain`'s dry runs).
+
+    Torch picks some decompositions by the device it sees (scaled_dot_product_attention takes CPU's
+    flash kernel on cpu, the math path on meta), so the wrapper must look like the real run's for the
+    dispatcher to see the same ops; the shard stays meta. Process-wide: the caller runs one dry run at a time.
+    """
+    _DRY_RUN.on = True
+    try:
+        yield
+    finally:
+        _DRY_RUN.on = False
+
+
 def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any,
           requires_grad: bool = False) -> "GlobalTensor":
-    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+    device = layout.placement.device_type if _DRY_RUN.on and local.is_meta else local.device
+    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=device,
                                             requires_grad=requires_grad)  # contiguous strides
     r._local = local
     r._layout = layout
@@ -55,6 +79,12 @@ class GlobalTensor(torch.Tensor):
         # the decision's dtype comes from torch's meta kernels, which a real kernel may contradict
         return lambda local: _wrap(cls, local, layout, shape,
                                    key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype))
+
+    def with_local(self, local: torch.Tensor) -> "GlobalTensor":
+        """This tensor's layout, shape and dtype holding another shard, out of autograd and without a dispatch
+        (the dispatcher's key is shared): for runtimes that compute on shards themselves (a pipeline's loss
+        sums and gradient seeds, a replayed step), where a dispatched op would cost more than the op."""
+        return _wrap(type(self), local, self._layout, self._key.shape, self._key)
 
     def _set_layout(self, local: torch.Tensor, layout: Layout) -> None:
         """Replace shard and layout in place (same global shape and dtype)."""
@@ -401,6 +431,27 @@ def grad_layout(layout: Layout) -> Layout:
     return Layout(layout.placement, tuple(Broadcast() if isinstance(s, Partial) else s for s in layout.sbp))
 
 
+class OnBackward(torch.autograd.Function):
+    """Identity whose backward calls `then()` before the gradient goes on: marks where a module's
+    backward begins or ends (the named scope), or where a gradient crosses a stage boundary (a
+    pipeline fiber's stops), placed where the forward passed that point."""
+
+    @staticmethod
+    def forward(ctx, x: GlobalTensor, then: Callable[[], None]) -> GlobalTensor:  # type: ignore[override]
+        ctx.then = then
+        if type(x) is not GlobalTensor:  # a ragged or zigzag tensor carries more than its layout: its own view
+            return x.view_as(x)
+        # the same shard, layout and key as `x.view_as(x)` would give, without its dispatch (~0.1 ms; a
+        # pipeline marks every crossing of every micro-batch)
+        return _wrap(GlobalTensor, x._local.view_as(x._local), x._layout, x._key.shape, x._key)
+
+    @staticmethod
+    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
+        ctx.then()
+        return grad, None
+
+
+
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
@@ -412,7 +463,7 @@ class _ToLocal(torch.autograd.Function):
         return GlobalTensor(grad, grad_layout(ctx.layout), ctx.shape)
 
 
-class _FromLocal(torch.autograd.Function):
+class FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> GlobalTensor:  # type: ignore[override]
         ctx.layout = grad_layout(layout)

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layout import Layout
-from ..module import ModuleLayout
+from ..parallel.module import ModuleLayout
 from ..sbp import Broadcast, Partial, Split
 
 

@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..grouped import by_expert, by_group, grouped_linear
-from ..module import ModuleLayout
+from ..raggedtensor.grouped import by_expert, by_group, grouped_linear
+from ..parallel.module import ModuleLayout
 from ..sbp import Broadcast, Ragged, Split
 from .gpt import GPT, CausalSelfAttention, GPTConfig, tp_plan
 

@@ -110,7 +110,7 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
         return start
     ctx, rule, placement, srcs, outs, inplace = start
     if forced is not None:
-        if any(lay.placement != placement for lay in forced[0]) or not _valid(ctx, rule, *forced, placement):
+        if any(lay.placement != placement for lay in forced[0]) or not valid(ctx, rule, *forced, placement):
             return None  # type: ignore[return-value]
         chosen = forced
     else:
@@ -133,7 +133,7 @@ def options(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> O
     ctx, rule, placement, srcs, outs, inplace = start
     found = [c for c in _laid(ctx, rule, srcs, tensors, placement, outs)
              if signature_cost(ctx, srcs, tensors, *c, outs, inplace)[0] != float("inf")
-             and _valid(ctx, rule, *c, placement)]
+             and valid(ctx, rule, *c, placement)]
     return (ctx, srcs, found) if found else None
 
 
@@ -303,7 +303,7 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
     # a choice that boxes nothing and owes nothing costs nothing: the first valid one wins without
     # planning any conversion (boxing searches are most of a cache miss)
     for targets, out_layouts in laid:
-        if owes_nothing(targets, out_layouts) and _valid(ctx, rule, targets, out_layouts, placement):
+        if owes_nothing(targets, out_layouts) and valid(ctx, rule, targets, out_layouts, placement):
             return targets, out_layouts
 
     def rank(k: int) -> tuple:
@@ -318,7 +318,7 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
     for most, *_, k in sorted(rank(k) for k in range(len(laid))):
         if most == float("inf"):
             break
-        if _valid(ctx, rule, *laid[k], placement):
+        if valid(ctx, rule, *laid[k], placement):
             return laid[k]
     return None
 
@@ -334,7 +334,7 @@ def _laid(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, outs
             for combo in combos]
 
 
-def _valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:
+def valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:
     """Whether the local kernel, run on meta shards, yields on every rank the shards `out_layouts` describe.
 
     Ranks whose input and expected output shard shapes are alike are checked once.

@@ -107,7 +107,7 @@ class Rule:
     kernel_cost: Optional[Callable[[Ctx, tuple, tuple, tuple], Optional[tuple]]] = None
     # for a rule with a `local` hook: whether, under these layouts, the hook computes what the op itself computes on
     # the shards when the sizes in its arguments are read off them (a view's: the hook only restates sizes for the
-    # shard). A module whose ops are all so may run on its plain local tensors (`globaltensor/plain.py`); a hook
+    # shard). A module whose ops are all so may run on its plain local tensors (`globaltensor/parallel/plain.py`); a hook
     # that must know where its shard sits (vocab offsets, a global count, causal rows) says False or leaves None.
     # plain_when(ctx, input layouts, output layouts) -> bool
     plain_when: Optional[Callable[[Ctx, tuple, tuple], bool]] = None

@@ -5,7 +5,7 @@ group whose split pieces would not line up) can only be taken Broadcast,
 which the dispatcher boxes to and counts; except that a dim split unevenly and
 merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a multiple
 of the ranks) becomes a ragged split of the rows in units of S, no data moved
-(`uneven_merge`, run by globaltensor/ragged.py). Views are linear, so P passes.
+(`uneven_merge`, run by globaltensor/raggedtensor/ops.py). Views are linear, so P passes.
 Sizes in the arguments are global; kernels that take sizes get this rank's.
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def uneven_merge(ins: Sequence[int], outs: Sequence[int], layout: Layout) -> tup
     rows in mesh order). Taken when only the mesh `axes` split the dim and nothing else in its reshape
     group, the dim is the outer one of its group (the dims before it of size 1), the inner sizes divide
     (`unit` whole), and every other axis broadcasts or splits a dim the reshape carries balanced. The
-    reverse ([G*S, d] ragged -> [G, S, d]) is `globaltensor/ragged.py`'s, balanced again where the sizes
+    reverse ([G*S, d] ragged -> [G, S, d]) is `globaltensor/raggedtensor/ops.py`'s, balanced again where the sizes
     are the balanced ones. None: the rule's signatures decide as usual.
     """
     if 0 in ins or math.prod(ins) != math.prod(outs):
@@ -202,7 +202,7 @@ def _ragged_view(func, args, kwargs):
     return RAGGED_VIEW["run"](func, args, kwargs)
 
 
-# globaltensor/ragged_views.py puts its builder here when imported (the ops do not import the front door)
+# globaltensor/raggedtensor/views.py puts its builder here when imported (the ops do not import the front door)
 RAGGED_VIEW: dict = {"run": None}
 RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when,
                plain_when=always)

@@ -45,7 +45,7 @@ def candidates_cost(func, args, kwargs=None):
         targets = tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(len(tensors)))
         out_layouts = tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
                             for j in range(len(outs)))
-        if not decide._valid(ctx, rule, targets, out_layouts, placement):
+        if not decide.valid(ctx, rule, targets, out_layouts, placement):
             continue
         cost = decide.signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
         if cost[0] != float("inf"):

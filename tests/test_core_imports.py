@@ -15,7 +15,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # folder -> package name, as pyproject.toml's package-dir maps them
 PACKAGES = {"globaltensor": "globaltensor", "globaltensor/runtime": "globaltensor.runtime",
+            "globaltensor/raggedtensor": "globaltensor.raggedtensor", "globaltensor/parallel": "globaltensor.parallel",
+            "globaltensor/tools": "globaltensor.tools",
             "boxing": "globaltensor.boxing", "ops": "globaltensor.ops", "models": "globaltensor.models"}
+
+# The floors, lowest first: a module imports only from its own floor and those below it. Each floor is a wing
+# (a concept: its modules may share private names); `globaltensor/__init__.py` stands on none, handing names on.
+FLOORS = [
+    ("core", ("globaltensor.sbp", "globaltensor.placement", "globaltensor.layout", "globaltensor.runtime")),
+    ("boxing", ("globaltensor.boxing",)),
+    ("ops", ("globaltensor.ops",)),
+    ("tensor", ("globaltensor.tensor", "globaltensor.chunks")),
+    ("ragged", ("globaltensor.raggedtensor",)),
+    ("parallel", ("globaltensor.parallel",)),
+    ("tools", ("globaltensor.tools",)),
+    ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint")),
+    ("models", ("globaltensor.models",)),
+]
+
+
+def floor(name: str) -> int | None:
+    for i, (_, prefixes) in enumerate(FLOORS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    return None
 
 
 def modules() -> dict[str, Path]:
@@ -124,20 +147,53 @@ def test_no_import_cycles():
     assert cycle is None, "import cycle:\n" + _edge_lines(cycle)
 
 
-def test_ground_floor_imports_nothing_above_it():
-    """DESIGN.md's direction: sbp, placement, layout, runtime <- boxing <- ops <- tensor, api, module, factory."""
+def test_every_module_stands_on_a_floor():
+    unplaced = [name for name in import_graph() if floor(name) is None and name != "globaltensor"]
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+
+
+def test_no_import_points_up_the_floors():
+    """core < boxing < ops < tensor < ragged < parallel < tools < front door < models (docs/design.md)."""
     graph = import_graph()
-    floors = [("globaltensor.sbp", "globaltensor.placement", "globaltensor.layout", "globaltensor.runtime"),
-              ("globaltensor.boxing",), ("globaltensor.ops",),
-              ("globaltensor.tensor", "globaltensor.api", "globaltensor.module", "globaltensor.factory"),
-              ("globaltensor.models",)]
-
-    def floor(name: str) -> int | None:
-        for i, prefixes in enumerate(floors):
-            if any(name == p or name.startswith(p + ".") for p in prefixes):
-                return i
-        return None  # globaltensor/__init__.py: hands names on
-
     upward = [(a, b) for a, targets in graph.items() for b in targets
               if floor(a) is not None and floor(b) is not None and floor(b) > floor(a)]
-    assert not upward, f"imports that point up DESIGN.md's floors: {upward}"
+    assert not upward, f"imports that point up the floors: {upward}"
+
+
+def private_imports() -> list[tuple[str, str]]:
+    """(importer, imported name) for each private name (`_x`) a module takes from another floor, by
+    `from m import _x` or as `m._x` on a module it imported."""
+    known = modules()
+    found = []
+    for name, path in known.items():
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> module it is
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == "globaltensor":
+                source = node.module
+            else:
+                continue
+            for alias in node.names:
+                target = f"{source}.{alias.name}"
+                if target in known:
+                    aliases[alias.asname or alias.name] = target
+                elif alias.name.startswith("_") and floor(source) != floor(name):
+                    found.append((name, target))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                    and node.attr.startswith("_") and not node.attr.startswith("__"):
+                target = aliases[node.value.id]
+                if floor(target) != floor(name):
+                    found.append((name, f"{target}.{node.attr}"))
+    return found
+
+
+def test_no_private_name_crosses_a_floor():
+    crossing = private_imports()
+    assert not crossing, f"private names taken from another floor (make them public there, or move): {crossing}"

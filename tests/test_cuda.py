@@ -15,7 +15,7 @@ import torch
 
 import globaltensor as gt
 from boxing_support import make
-from globaltensor import zero
+from globaltensor.parallel import zero
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, pp_plan, tp_plan, zero_plan
 from training import adamw_steps
 
@@ -229,7 +229,7 @@ def _zero3(device: str, steps: int = 3):
         losses.append(loss.full_tensor().item())
         logs.append(_events(log))
     devices = {q.to_local().device.type for q in model.parameters()}
-    plain = sorted({w for b in model.blocks for w in b.forward.why().values()})  # globaltensor/plain.py
+    plain = sorted({w for b in model.blocks for w in b.forward.why().values()})  # globaltensor/parallel/plain.py
     return losses, {n: q.full_tensor().detach().cpu() for n, q in model.named_parameters()}, logs, devices, \
         zero.in_flight(torch.device(device)), plain
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from globaltensor import optim_skip
+from globaltensor.parallel import optim_skip
 from globaltensor.models.gpt import GPT, GPTConfig, pp_plan
 
 VOCAB, T, D = 32, 8, 16

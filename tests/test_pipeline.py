@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, pp_plan, tp_plan, zero_plan
-from globaltensor.pipeline import schedule_actions
+from globaltensor.parallel.pipeline import schedule_actions
 
 B = gt.broadcast
 F64 = 8
@@ -885,7 +885,7 @@ def test_timeline_svg_draws_one_bar_per_action_in_its_ranks_row():
     times on one scale, forward light and backward dark, named (chunk after a dot), and the waiting inside
     an action a hatched bar of the wait's length over the action's start."""
     import xml.etree.ElementTree as ET
-    from globaltensor.pipeline import timeline_svg
+    from globaltensor.parallel.pipeline import timeline_svg
     timelines = [[("F", 0, 0, 0.0, 1.0, 0.0), ("B", 0, 0, 2.0, 4.0, 0.5)],
                  [("F", 0, 1, 1.0, 2.0, 0.25), ("B", 1, 0, 2.0, 3.0, 0.0)]]
     ns = {"s": "http://www.w3.org/2000/svg"}
@@ -912,7 +912,7 @@ def test_bubble_is_the_idle_share_of_the_step(monkeypatch):
     [6, 8], [8, 9] of a step from 0 to 10: busy 6 of 10, bubble 0.4. Then a real 2-stage run: each rank's
     timeline is its schedule's actions in order, times increasing, waits within them, bubble in [0, 1]."""
     import types
-    import globaltensor.pipeline as pipeline
+    import globaltensor.parallel.pipeline as pipeline
     ticks = iter([100.0, 101.0, 103.0, 103.0, 104.0, 106.0, 108.0, 108.0, 109.0, 110.0])
 
     def one_stage():
@@ -948,7 +948,7 @@ def test_the_tied_head_on_a_one_rank_stage_gathers_once_per_step(monkeypatch):
     its micro-batches' gradients summed on a plain leaf and handed back through the gather once: one `_Gather`
     forward per step on both ranks, one backward on the last, no backward mark (`_Regather`) per micro-batch there;
     values as one device."""
-    from globaltensor import zero
+    from globaltensor.parallel import zero
     from globaltensor.runtime import context
     counts: dict = {}
 

@@ -161,7 +161,7 @@ def test_a_program_changed_before_its_exit_runs_on_and_is_learnt_again():
 
 
 def test_leave_point_is_the_first_call_of_the_outside_tail_after_the_last_message():
-    from globaltensor.early_exit import leave_point
+    from globaltensor.parallel.early_exit import leave_point
     a, b, c, d = object(), object(), object(), object()
     # (stage, communications before it, inside, may leave)
     notes = ((a, 0, True, False), (b, 0, False, True), (c, 1, False, False), (d, 1, False, True))
@@ -199,7 +199,7 @@ def test_a_backward_ends_where_the_ranks_first_stage_began(monkeypatch, kind, vi
     """The last stage's backward does not run the empty backwards of the stages before its first chunk (nor does a
     rank in no stage run any): what an outside stage took before the rank's first message has nothing of its
     own. The first stage leaves its forwards; the third rank, in no stage, runs each micro-batch whole."""
-    import globaltensor.module as gm
+    import globaltensor.parallel.stage as gm
     from globaltensor.runtime import context
     counts: dict = {}
     real = gm._Elsewhere.backward

@@ -1,4 +1,4 @@
-"""Plain regions (globaltensor/plain.py): a module whose ops are all local runs its later calls on plain tensors.
+"""Plain regions (globaltensor/parallel/plain.py): a module whose ops are all local runs its later calls on plain tensors.
 
 What must hold: the values, gradients and bytes are those of the dispatcher's run (so of one device); the
 plain path is taken where the watch allowed it (no op reaches the dispatcher inside the module); and it is
@@ -20,7 +20,7 @@ from hypothesis import example, given, strategies as st
 import globaltensor as gt
 import globaltensor.tensor as gt_tensor
 from globaltensor.models.gpt import GPT, GPTConfig, tp_plan, zero_plan
-from globaltensor.plain import PlainRegion
+from globaltensor.parallel.plain import PlainRegion
 
 CFG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.visualize import layout_grid
+from globaltensor.tools.visualize import layout_grid
 
 MESH = [[0, 1], [2, 3]]
 

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor import zero
+from globaltensor.parallel import zero
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan, zero_plan
 from globaltensor.runtime.comm import all_reduce_recv_bytes
 

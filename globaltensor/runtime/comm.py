@@ -106,7 +106,7 @@ class Communicator:
         # pipeline learns which messages each of its actions receives
         self.p2p_heard: list | None = None
         # where set, called after each `exchange` with (sends, recvs, key, what was received, device): a pipeline
-        # recording the messages of a rank's part (globaltensor/replay.py)
+        # recording the messages of a rank's part (globaltensor/parallel/replay.py)
         self.p2p_record: Callable[[dict, dict, int, dict, Any], None] | None = None
 
     # -- accounting -------------------------------------------------------

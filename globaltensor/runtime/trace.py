@@ -33,7 +33,7 @@ class _State(threading.local):
         self.ops: list = []        # (op, args) of the dispatched calls in progress, outermost first
         self.plans: list = []      # boxing plans being executed (innermost last), or a list of a bucket's
         self.why: list = []        # free-form reasons pushed by their owners ("gradient bucket of 12")
-        self.frames: list = []     # module frames pushed by the report's hooks (globaltensor/report.py)
+        self.frames: list = []     # module frames pushed by the report's hooks (globaltensor/tools/report.py)
         self.reporting = 0         # reports open on this thread
         self.watchers: list = []   # watch(func, args, kwargs, decision or None) of `watching()` blocks open here
 
@@ -45,7 +45,7 @@ STATE = _State()
 def watching(watch: Callable[[Any, tuple, dict, Any], Any]) -> Iterator[None]:
     """Call `watch(func, args, kwargs, decision)` for every op this thread dispatches in the block, before it
     runs (decision None where a step plan steers it); where it returns a callable, that is called with the op's
-    output. What `globaltensor/plain.py` verifies a module by, and a pipeline's replay records a forward by."""
+    output. What `globaltensor/parallel/plain.py` verifies a module by, and a pipeline's replay records a forward by."""
     with _FLAGS_LOCK:
         FLAGS.watchers += 1
         FLAGS.refresh()

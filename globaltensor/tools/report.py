@@ -26,10 +26,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .runtime import context
-from .runtime.comm import CommEvent, CommLog
-from .runtime.trace import FLAGS, STATE
-from .tensor import GlobalTensor
+from ..runtime import context
+from ..runtime.comm import CommEvent, CommLog
+from ..runtime.trace import FLAGS, STATE
+from ..tensor import GlobalTensor
 
 _TAG = "gt_module"  # key in an autograd node's metadata: (module path, stage)
 _OUTSIDE = "(outside modules)"

@@ -15,17 +15,17 @@ from typing import Any, Optional
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .boxing import ragged as _recut
-from .layout import Layout
-from .ops.decide import _valid, axis_candidates, flatten_out, map_tensors
-from .ops.errors import data_dependent
-from .ops.registry import RULES, Ctx, Local, is_inplace
-from .placement import Placement
-from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split
-from .tensor import GlobalTensor
-from .ragged_cuts import Sizes, _balanced_sbp, _inside, _shown
-from .ragged_tensor import _NOT_TAKEN, RaggedTensor, make
+from ..boxing import ragged as _recut
+from ..layout import Layout
+from ..ops.decide import valid, axis_candidates, flatten_out, map_tensors
+from ..ops.errors import data_dependent
+from ..ops.registry import RULES, Ctx, Local, is_inplace
+from ..placement import Placement
+from ..runtime import context
+from ..sbp import Broadcast, Partial, Ragged, Split
+from ..tensor import GlobalTensor
+from .cuts import Sizes, _balanced_sbp, _inside, _shown
+from .tensor import _NOT_TAKEN, RaggedTensor, make
 
 _BY_RULE: dict = {}  # call key -> (rule, ctx, stand-in input layouts, output layouts, cuts) or None
 
@@ -165,7 +165,7 @@ def _choose_passing(func: Any, args: tuple, kwargs: dict, tensors: list, p: Plac
         if rule.kernel_cost is not None and rule.kernel_cost(ctx, srcs, targets, out_layouts) != ((), 0):
             continue   # a kernel that communicates itself (a scan along the split dim) works along it
         partials = sum(lay is not None and lay.has_partial for lay in out_layouts)
-        if (best is None or partials < best[0]) and _valid(ctx, rule, targets, out_layouts, p):
+        if (best is None or partials < best[0]) and valid(ctx, rule, targets, out_layouts, p):
             cuts = tuple(tuple(cut_dims[a][k][i] for a, k in enumerate(pick)) for i in range(len(tensors)))
             best = (partials, (rule, ctx, targets, out_layouts, cuts,
                                tuple(None if o is None else o.dtype for o in outs)))

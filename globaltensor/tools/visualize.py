@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .layout import Layout
-from .runtime import context
-from .sbp import Partial, Split
-from .tensor import GlobalTensor
+from ..layout import Layout
+from ..runtime import context
+from ..sbp import Partial, Split
+from ..tensor import GlobalTensor
 
 
 def _cells(layout: Layout, shape: tuple) -> tuple[list, list, dict, list]:

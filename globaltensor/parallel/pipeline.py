@@ -33,16 +33,16 @@ import torch
 
 from . import early_exit
 from .replay import RECORDING, Recorder, Tapes
-from .layout import Layout, normalize_sbp
-from .placement import Placement
-from .runtime import context
-from .runtime.trace import STATE as _TRACE_STATE, watching
-from .runtime.comm import PostedMismatch
-from .runtime.failure import CollectiveError
-from .sbp import Broadcast, Partial, Split
-from .module import _StageForward
-from .runtime.fiber import Fiber
-from .tensor import GlobalTensor, _wrap, distribute, grad_layout
+from ..layout import Layout, normalize_sbp
+from ..placement import Placement
+from ..runtime import context
+from ..runtime.trace import STATE as _TRACE_STATE, watching
+from ..runtime.comm import PostedMismatch
+from ..runtime.failure import CollectiveError
+from ..sbp import Broadcast, Partial, Split
+from .stage import StageForward
+from ..runtime.fiber import Fiber
+from ..tensor import GlobalTensor, distribute, grad_layout
 from .zero import accumulating, gathered_storages, owe_outside
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -204,7 +204,7 @@ class Pipeline:
     program that may add a communication of this rank's after that point in a later step.
 
     `replay` (opt-in): once two steps of equal inputs recorded the same part of each micro-batch on a rank (its
-    stages' calls on plain tensors, the glue computing on its shards, its messages: `globaltensor/replay.py`),
+    stages' calls on plain tensors, the glue computing on its shards, its messages: `globaltensor/parallel/replay.py`),
     later steps run that part alone, as a torch.pipelining stage runs its module, instead of the whole global
     program; the messages are the program's, so each rank decides alone. For a program whose forward, given equal
     input shapes, computes the same way: Python state it reads besides its inputs (a step counter, a mask made
@@ -247,7 +247,7 @@ class Pipeline:
                                         self.virtual if schedule == "interleaved" else 1)
         # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
         # skipped (after a first step) on the ranks outside it, as the model's stage modules are
-        self._losses: dict[Placement, _StageForward] = {}
+        self._losses: dict[Placement, StageForward] = {}
         self._target_layouts: dict = {}  # (output layout, target dims) -> the layout targets take there
         self.post_receives = post_receives
         self._heard: Optional[tuple] = None   # (inputs' signature, receives per action) of the last step
@@ -261,7 +261,7 @@ class Pipeline:
         self.left_forwards = 0         # ... how many, in the last step
         self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
-                                if isinstance(f, _StageForward)]
+                                if isinstance(f, StageForward)]
         self.replay = replay
         self.replaying = False
         self.replay_why = ""
@@ -523,7 +523,7 @@ class Pipeline:
             o = out[0] if isinstance(out, (tuple, list)) else out
             loss = self._losses.get(o.placement)
             if loss is None:
-                loss = self._losses[o.placement] = _StageForward(_Loss(self.loss_fn), o.placement)
+                loss = self._losses[o.placement] = StageForward(_Loss(self.loss_fn), o.placement)
             key = (o._layout, target.dim())  # the target's layout: worked out once per output layout
             lay = self._target_layouts.get(key)
             if lay is None:
@@ -603,7 +603,7 @@ class _Loss(torch.nn.Module):
 
 def _value(t: GlobalTensor) -> GlobalTensor:
     """t's value, out of autograd (`detach()` without a dispatch: the same shard, layout and key)."""
-    return _wrap(type(t), t._local.detach(), t._layout, t._key.shape, t._key)
+    return t.with_local(t._local.detach())
 
 
 def _seed(loss: GlobalTensor) -> GlobalTensor:
@@ -612,7 +612,7 @@ def _seed(loss: GlobalTensor) -> GlobalTensor:
     lay = loss._layout
     if lay.has_partial:
         return GlobalTensor(torch.ones_like(loss._local), grad_layout(lay), tuple(loss.shape))
-    return _wrap(type(loss), torch.ones_like(loss._local), lay, loss._key.shape, loss._key)
+    return loss.with_local(torch.ones_like(loss._local))
 
 
 def _summed(losses: list) -> GlobalTensor:
@@ -624,7 +624,7 @@ def _summed(losses: list) -> GlobalTensor:
         total = first._local
         for t in losses[1:]:
             total = total + t._local
-        return _wrap(type(first), total, first._layout, first._key.shape, first._key)
+        return first.with_local(total)
     loss = first
     for t in losses[1:]:
         loss = loss + t
@@ -638,7 +638,7 @@ def _virtual_stages(model: torch.nn.Module, stages: list[Placement]) -> int:
     runs: list[Placement] = []
     for mod in model.modules():
         fwd = mod.__dict__.get("forward")
-        if isinstance(fwd, _StageForward) and (not runs or runs[-1] != fwd.placement):
+        if isinstance(fwd, StageForward) and (not runs or runs[-1] != fwd.placement):
             runs.append(fwd.placement)
     p = len(stages)
     if not runs or len(runs) % p or any(r != stages[c % p] for c, r in enumerate(runs)):

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-from .boxing import ragged as _recut
-from .layout import Layout
-from .ops import view as _view
-from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split
-from .tensor import GlobalTensor
-from .ragged_cuts import _inside, _is_balanced, _unit_sizes, local_shape
-from .ragged_tensor import _NOT_TAKEN, RaggedTensor, make
+from ..boxing import ragged as _recut
+from ..layout import Layout
+from ..ops import view as _view
+from ..runtime import context
+from ..sbp import Broadcast, Partial, Ragged, Split
+from ..tensor import GlobalTensor
+from .cuts import _inside, _is_balanced, _unit_sizes, local_shape
+from .tensor import _NOT_TAKEN, RaggedTensor, make
 
 aten = torch.ops.aten
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,

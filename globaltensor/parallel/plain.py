@@ -53,11 +53,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .layout import Layout
-from .runtime import context
-from .runtime.trace import watching
-from .sbp import Broadcast, Partial, Split
-from .tensor import GlobalTensor, grad_layout
+from ..layout import Layout
+from ..runtime import context
+from ..runtime.trace import watching
+from ..sbp import Broadcast, Partial, Split
+from ..tensor import GlobalTensor, grad_layout
 
 
 @dataclass(frozen=True)

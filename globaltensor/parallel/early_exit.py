@@ -1,7 +1,7 @@
 """Early exit: a rank leaves a micro-batch's forward once nothing in the rest of it is its own.
 
 Every rank runs a pipeline's whole global program; a rank outside a stage makes that stage's output
-empty (`module._StageForward`), which still costs a call per stage module, the glue between them, the
+empty (`stage.StageForward`), which still costs a call per stage module, the glue between them, the
 loss's and the hooks' Python. After a rank has sent its last activation the rest of the forward is
 all such calls: on the first stage of four, three quarters of the model. So the pipeline learns, from
 two steps that agree, at which stage call of each micro-batch's forward a rank has nothing left: every
@@ -26,9 +26,9 @@ from typing import Any, Optional
 
 import torch
 
-from .ops.scope import in_named
-from .runtime.comm import communications
-from .tensor import GlobalTensor
+from ..ops.scope import in_named
+from ..runtime.comm import communications
+from ..tensor import GlobalTensor
 from .zero import gathering
 
 
@@ -84,7 +84,7 @@ def end() -> tuple[Optional[tuple], bool]:
 
 
 def note(stage: Any, inside: bool) -> bool:
-    """A stage call begins (`_StageForward.__call__`); True where this rank leaves the forward here (the caller
+    """A stage call begins (`StageForward.__call__`); True where this rank leaves the forward here (the caller
     raises `LeftForward` with the call's gradient targets)."""
     c = CALLS
     k = c.n

@@ -22,10 +22,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from . import tensor as _tensor
+from ..tensor import dry_run_devices
 from .report import CommReport, comm_report
-from .runtime import context
-from .runtime.sim import SimCommunicator, SimWorld
+from ..runtime import context
+from ..runtime.sim import SimCommunicator, SimWorld
 
 _LOCK = threading.Lock()
 _STEP = threading.local()  # per dry-run rank: `open`, the host-device contexts its optimizer steps entered
@@ -33,23 +33,6 @@ _STEP = threading.local()  # per dry-run rank: `open`, the host-device contexts 
 
 def _meta_device(device_type: str) -> torch.device:
     return torch.device("meta")
-
-
-def _wrap_on_placement_device(cls: type, local: torch.Tensor, layout: Any, shape: tuple, key: Any,
-                              requires_grad: bool = False) -> Any:
-    """`tensor._wrap` for a dry run: a meta shard's wrapper reports its placement's device type.
-
-    Torch picks some decompositions by the device it sees (scaled_dot_product_attention takes CPU's
-    flash kernel on cpu, the math path on meta), so the wrapper must look like the real run's for the
-    dispatcher to see the same ops; the shard stays meta. Swapped in only while `explain` runs, so
-    the dispatch path of real runs is untouched.
-    """
-    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=layout.placement.device_type
-                                            if local.is_meta else local.device, requires_grad=requires_grad)
-    r._local = local
-    r._layout = layout
-    r._key = key
-    return r
 
 
 def _step_on_host(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -101,12 +84,10 @@ def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float |
             context.set_thread(None)
 
     with _LOCK:  # one dry run at a time: the swap and the hooks below are process-wide
-        real = _tensor._wrap
-        _tensor._wrap = _wrap_on_placement_device
         hooks = (register_optimizer_step_pre_hook(_step_on_host), register_optimizer_step_post_hook(_step_done))
         try:
-            return world.run(body)
+            with dry_run_devices():
+                return world.run(body)
         finally:
-            _tensor._wrap = real
             for hook in hooks:
                 hook.remove()

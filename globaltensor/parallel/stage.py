@@ -1,337 +1,30 @@
-"""Converting a single-device nn.Module: parameters and buffers become GlobalTensors in place.
+"""A pipeline stage: a module whose parameters are all used on one placement while the model's span several.
 
-`plan` maps name patterns (fnmatch globs, e.g. "*.mlp.fc.weight") to one of two
-things; the first matching pattern of each kind wins:
-
-- an nd-SBP, for the parameters and buffers whose names match (unmatched ones
-  are Broadcast). A tensor reachable under several names (tied weights) is
-  converted once, under its first name, and stays one Parameter.
-- a `ModuleLayout`, for the submodules whose names match (the root is ""):
-  the layouts its first positional input and its output are converted to,
-  and the layouts their gradients take. This is how a user states activation
-  layouts where the per-op choice should not decide them, as DTensor's
-  `ColwiseParallel(input_layouts=, output_layouts=)` and OneFlow's
-  `to_global(grad_sbp=)` do; e.g. Megatron's row-parallel output is
-  `ModuleLayout(output=B)` (all-reduce forward) and its column-parallel input
-  `ModuleLayout(input_grad=B)` (all-reduce of the input gradient backward).
-
-Each converted parameter's gradient, once accumulated, is noted as pending (if Partial, or laid out
-otherwise than its parameter) so that the optimizer's first read reduces (converts) all of them
-together, one collective per bucket as DDP does, instead of one per parameter and read
-(`dispatch.defer_reduction`).
+`to_global` installs a `StageForward` as such a module's `forward` (`stage_hooks` finds them): inputs from
+elsewhere are sent to the stage's placement first (a stage boundary: point-to-point at the lower bound),
+a stage of one rank runs on plain local tensors, and a rank outside the stage makes the empty output
+directly once a step has shown it the layouts. `gt.Pipeline` opens and closes the stages' steps, so that
+parameters take their gradients once per step rather than once per micro-batch.
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
-import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 
 from . import early_exit, replay
-from .layout import Layout, normalize_sbp
-from .ops import dispatch
-from .ops.scope import enter_named_here
-from .placement import Placement
-from .plain import PlainRegion
-from .runtime import context, fiber
-from .ragged import boundary_cut, convert as convert_ragged
-from .sbp import SBP_TYPES, Broadcast, Partial, Ragged
-from .tensor import GlobalTensor, _FromLocal, _wrap, distribute, grad_layout
-from .zero import ParamGroup, compute_layout, kept_output, reinstall, runs_plain
+from ..layout import Layout
+from ..placement import Placement
+from ..runtime import context, fiber
+from ..sbp import Broadcast
+from ..tensor import FromLocal, GlobalTensor, OnBackward, grad_layout
+from .zero import kept_output, reinstall, runs_plain
 
 
-@dataclass(frozen=True)
-class ModuleLayout:
-    """Layouts at a module's boundary and of its parameters while it runs; each an nd-SBP (one entry
-    per mesh axis) or None (leave alone).
-
-    `input`/`output`: the layout the module's first positional argument is converted to before
-    `forward`, and the layout its output is converted to after. `input_grad`/`output_grad`: the
-    layout the gradient of that tensor is converted to in the backward (default: the dual of its
-    forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
-    axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
-    SBP stands for a 1-D mesh's tuple. An `output` entry may be `gt.ragged(d)`: dim d cut as the
-    module's input arrived cut on that axis (its ragged sizes, or a balanced split where it arrived
-    split): MoE's experts hand their output back to the tokens' cut of the groups.
-
-    `params`: the compute layout of the module's parameters (recursively, except those of
-    submodules with their own `params`): stored as the plan's nd-SBP says, they take this layout
-    while the module runs, gathered together, and their gradients come back to the stored layout
-    together (ZeRO / FSDP: `globaltensor/zero.py`). `reshard_after_forward`: free the gathered
-    copies after the forward and gather again for the backward (ZeRO-3), or keep them (ZeRO-2).
-    `param_dtype`: the dtype they are gathered and used in (mixed precision; the module's floating
-    inputs are cast to it); `reduce_dtype`: the dtype their gradients are reduced in.
-    """
-    input: Any = None
-    input_grad: Any = None
-    output: Any = None
-    output_grad: Any = None
-    params: Any = None
-    reshard_after_forward: bool = True
-    param_dtype: Optional[torch.dtype] = None
-    reduce_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self) -> None:
-        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")):
-            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params")
-        for name in ("param_dtype", "reduce_dtype"):
-            d = getattr(self, name)
-            if d is not None and (not isinstance(d, torch.dtype) or not d.is_floating_point):
-                raise TypeError(f"ModuleLayout({name}=): {d!r} is not a floating dtype; give e.g. torch.bfloat16 "
-                                "or None (keep the parameters' dtype)")
-            if d is not None and self.params is None:
-                raise ValueError(f"ModuleLayout({name}=): needs params= (the layout the parameters are used in, "
-                                 "e.g. params=gt.broadcast)")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise TypeError(f"ModuleLayout(reshard_after_forward=): expected True (ZeRO-3) or False (ZeRO-2), "
-                            f"got {self.reshard_after_forward!r}")
-
-
-def _hint(spec: Any, ndim: int, arg: str, ragged: bool = False) -> Optional[tuple]:
-    """An nd-SBP whose entries may be None; checked against the mesh. `ragged`: an output's, which may
-    name `gt.ragged(d)`: dim d cut on that axis as the module's input arrived cut (its sizes)."""
-    if spec is None:
-        return None
-    if isinstance(spec, (tuple, list)) and any(s is None for s in spec):
-        if len(spec) != ndim:
-            raise ValueError(f"{arg}: has {len(spec)} entries but the placement mesh has {ndim} axes")
-        for s in spec:
-            if s is not None and not isinstance(s, SBP_TYPES + ((Ragged,) if ragged else ())):
-                raise TypeError(f"{arg}: {s!r} is not an SBP; use gt.split(d), gt.broadcast, gt.partial(op) "
-                                "or None (keep the axis)")
-        return tuple(spec)
-    return normalize_sbp(spec, ndim, arg)
-
-
-@dataclass(frozen=True)
-class _Boundary:
-    """One tensor's conversion at a module boundary (checked hints, None entries still open)."""
-    sbp: Optional[tuple]
-    grad: Optional[tuple]
-    where: str
-
-    def apply(self, x: Any, arrived: Any = None) -> Any:
-        """x laid out; a `gt.ragged(d)` entry takes the cut the module's input `arrived` in on that axis
-        ((sbp, sizes, unit): its sizes where it was ragged, a balanced split where it was split)."""
-        if not isinstance(x, GlobalTensor):
-            raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
-                            "convert the model's inputs with gt.to_global first")
-        sbp = x.sbp if self.sbp is None else tuple(o if h is None else h for h, o in zip(self.sbp, x.sbp))
-        try:
-            x, sbp, sizes, unit = boundary_cut(x, sbp, self.sbp, arrived)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{self.where}: {e}") from None
-        grad = None
-        if self.grad is not None:
-            dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
-            grad = tuple(d if h is None else h for h, d in zip(self.grad, dual))
-        try:
-            if sizes is not None:
-                if grad is not None:
-                    raise ValueError(f"gradient layout {grad} beside a ragged layout: a ragged tensor's gradient "
-                                     "keeps its sizes; drop the gradient's hint")
-                return convert_ragged(x, Layout(x.placement, sbp), sizes, unit)
-            return x.to_global(x.placement, sbp, grad)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{self.where}: {e}") from None
-
-    # the hooks are bound methods, not closures, so that a converted module pickles (torch.save(model))
-    def before(self, module: torch.nn.Module, args: tuple) -> tuple:
-        """Forward pre-hook: the first positional input laid out."""
-        if not args:
-            raise TypeError(f"{self.where}: the module was called without a positional input")
-        return (self.apply(args[0]),) + tuple(args[1:])
-
-    def after(self, module: torch.nn.Module, args: tuple, output: Any, arrived: Any = None) -> Any:
-        """Forward hook: the output laid out."""
-        return self.apply(output, arrived)
-
-
-class _OnBackward(torch.autograd.Function):
-    """Identity whose backward calls `then()` before the gradient goes on: marks where a module's
-    backward begins or ends (the named scope), or where a gradient crosses a stage boundary (a
-    pipeline fiber's stops), placed where the forward passed that point."""
-
-    @staticmethod
-    def forward(ctx, x: GlobalTensor, then: Callable[[], None]) -> GlobalTensor:  # type: ignore[override]
-        ctx.then = then
-        if type(x) is not GlobalTensor:  # a ragged or zigzag tensor carries more than its layout: its own view
-            return x.view_as(x)
-        # the same shard, layout and key as `x.view_as(x)` would give, without its dispatch (~0.1 ms; a
-        # pipeline marks every crossing of every micro-batch)
-        return _wrap(GlobalTensor, x._local.view_as(x._local), x._layout, x._key.shape, x._key)
-
-    @staticmethod
-    def backward(ctx, grad: Any) -> Any:  # type: ignore[override]
-        ctx.then()
-        return grad, None
-
-
-class _Armed(threading.local):
-    def __init__(self) -> None:
-        self.stack: list = []
-
-
-_ARMED = _Armed()  # per thread (simulated rank): per open module call, whether it marked its backward and the
-# cut its input arrived in ((sbp, sizes): what a ragged output hint takes)
-
-
-@dataclass(frozen=True)
-class _NamedModule:
-    """A module whose boundary layouts the user named: convert them, and run its forward and backward in
-    the named scope, where the cost model takes Partial outputs as the plan's (`ops/scope.py`)."""
-    inp: Optional[_Boundary]
-    out: Optional[_Boundary]
-
-    # bound methods, not closures, so that a converted module pickles (torch.save(model))
-    def before(self, module: torch.nn.Module, args: tuple) -> tuple:
-        x = args[0] if args else None
-        arrived = (x.sbp, getattr(x, "sizes", None), getattr(x, "_unit", None)) if isinstance(x, GlobalTensor) else None
-        if self.inp is not None:
-            args = self.inp.before(module, args)
-        dispatch.enter_named()
-        x = args[0] if args else None
-        armed = isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled()
-        _ARMED.stack.append((armed, arrived))
-        # the module's backward ends at its input: leave the named scope there
-        return (_OnBackward.apply(x, dispatch.leave_named),) + tuple(args[1:]) if armed else args
-
-    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        dispatch.leave_named()
-        armed, arrived = _ARMED.stack.pop() if _ARMED.stack else (False, None)
-        if self.out is not None:
-            output = self.out.after(module, args, output, arrived)
-        if isinstance(output, GlobalTensor) and output.requires_grad and torch.is_grad_enabled():
-            # an input that needs no gradient (an embedding's indices) marks no end: the module's backward is
-            # the last of its branch, so the scope lasts until the backward ends
-            output = _OnBackward.apply(output, dispatch.enter_named if armed else _named_until_backward_ends)
-        return output
-
-
-def _named_until_backward_ends() -> None:
-    """Enter the named scope for the rest of this backward: autograd calls back at its end (on the thread that
-    called `backward()`, which need not be the one running this node: the leave is this thread's)."""
-    torch.autograd.Variable._execution_engine.queue_callback(enter_named_here())
-
-
-def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
-    where = f"to_global(plan[{name!r}])"
-    if all(getattr(hint, f) is None for f in ("input", "input_grad", "output", "output_grad")):
-        return None, None  # only parameters: their group runs the module in the named scope (zero.py)
-    inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
-                    f"{where} on the input")
-    out = _Boundary(_hint(hint.output, ndim, f"{where}.output", ragged=True),
-                    _hint(hint.output_grad, ndim, f"{where}.output_grad"), f"{where} on the output")
-    for b in (inp, out):
-        if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):
-            raise ValueError(f"{where}: a gradient cannot be laid out as {b.grad} (gradients add up)")
-    named = _NamedModule(inp if inp.sbp is not None or inp.grad is not None else None,
-                         out if out.sbp is not None or out.grad is not None else None)
-    return named.before, named.after
-
-
-def _defer_grad_reduction(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced, or,
-    where it has none but is laid out otherwise than its parameter, in the parameter's layout. The latter is
-    where the backward chose a split the parameter does not have (an embedding's gradient split on the hidden
-    dim when a step's tokens are fewer than its rows: their gradients exchanged, not the table's reduced), and
-    an optimizer reads the gradient several times (AdamW: three): converted once, at the first read, with the
-    other pending gradients."""
-    g = param.grad
-    if not isinstance(g, GlobalTensor):
-        return
-    lay = g._layout
-    if lay.has_partial:
-        dispatch.defer_reduction(g, Layout(lay.placement, tuple(
-            Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)), in_place=True)
-    elif isinstance(param, GlobalTensor) and lay != param._layout and lay.placement == param._layout.placement \
-            and not lay.zigzag_axes and not param._layout.zigzag_axes:
-        dispatch.defer_reduction(g, param._layout, in_place=True)
-
-
-def _matched_hints(module: torch.nn.Module, plan: Mapping[str, Any]) -> dict:
-    """{module: (name, pattern, ModuleLayout)}: per module the first pattern that matches it, where a
-    pattern applies to the outermost modules it matches ("blocks.*" is each block, not also each
-    block's layers, as FSDP wraps each block)."""
-    out: dict = {}
-    taken: dict[str, list] = {}  # pattern -> names of the modules it matched
-    for prefix, mod in module.named_modules():
-        for pattern, hint in plan.items():
-            if not isinstance(hint, ModuleLayout) or not fnmatch.fnmatchcase(prefix, pattern):
-                continue
-            if any(m == "" or prefix.startswith(m + ".") for m in taken.get(pattern, ())):
-                continue
-            taken.setdefault(pattern, []).append(prefix)
-            out.setdefault(mod, (prefix, pattern, hint))
-            break
-    return out
-
-
-def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) -> dict:
-    """{module: ParamGroup} for the modules whose hint names `params`: each gathers its parameters,
-    recursively, except those under a submodule that gathers its own."""
-    owners = {mod: (name, pattern, hint) for mod, (name, pattern, hint) in hints.items() if hint.params is not None}
-    groups = {}
-    for mod, (name, pattern, hint) in owners.items():
-        where = f"to_global(plan[{pattern!r}].params)"
-        if type(mod).forward is torch.nn.Module.forward:
-            raise ValueError(f"to_global(plan[{pattern!r}]): module {name!r} ({type(mod).__name__}) is a container "
-                             f"that is never called, so it would never gather its parameters; name its children "
-                             f"instead, e.g. {name + '.*'!r}")
-        target = None  # the compute placement: the stored one, or a Layout's (a tied weight used on another stage)
-        if isinstance(hint.params, Layout):
-            target = hint.params.placement
-            spec: Any = hint.params.sbp
-        else:
-            spec = hint.params
-        sbp = _hint(spec, placement.ndim, where)
-        if any(isinstance(s, Partial) for s in sbp if s is not None):
-            raise ValueError(f"{where}: parameters cannot be used Partial ({sbp}); give Broadcast or a split")
-        params: list = []
-        index: dict[int, int] = {}
-        slots = []
-        stack = [mod]
-        while stack:  # the module's own parameters and those of submodules without their own group
-            m = stack.pop()
-            for pname, p in m._parameters.items():
-                if p is None:
-                    continue
-                if id(p) not in index:
-                    index[id(p)] = len(params)
-                    params.append(p)
-                slots.append((m, pname, index[id(p)]))
-            stack.extend(c for c in m.children() if c not in owners)
-        compute = []
-        for p in params:
-            if target is not None and target.shape != p._layout.placement.shape:
-                raise ValueError(f"{where}: the compute layout's mesh {target.shape} differs from the stored mesh "
-                                 f"{p._layout.placement.shape} of a parameter of {name or 'the root module'!r}; a "
-                                 "compute placement must have the stored mesh's shape (give an nd-SBP, e.g. "
-                                 "gt.broadcast, to use the stored placement)")
-            lay = compute_layout(p._layout, sbp, target)
-            lay.check_shape(tuple(p.shape), f"{where} for a parameter of {name or 'the root module'!r}")
-            compute.append(lay)
-        groups[mod] = ParamGroup(f"{where} on {name or 'the root module'!r}", tuple(params), tuple(slots),
-                                 tuple(compute), hint.reshard_after_forward, hint.param_dtype, hint.reduce_dtype)
-    return groups
-
-
-def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement) -> Layout:
-    """The first matching entry: an nd-SBP on `placement`, or a `gt.Layout` with its own placement (a
-    pipeline stage); unmatched tensors are Broadcast on `placement`."""
-    for pattern, value in plan.items():
-        if isinstance(value, Layout) and fnmatch.fnmatchcase(name, pattern):
-            return value
-        if not isinstance(value, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
-            return Layout(placement, normalize_sbp(value, placement.ndim, f"to_global(plan[{pattern!r}])"))
-    return Layout(placement, (Broadcast(),) * placement.ndim)
-
-
-class _StageForward:
+class StageForward:
     """The forward of a module whose parameters are all used on one placement while the model's span
     several (a pipeline stage): GlobalTensor inputs from elsewhere are sent here first, keeping their
     SBP where the meshes match (a stage boundary: point-to-point at the lower bound).
@@ -398,7 +91,7 @@ class _StageForward:
                 if g is not None:
                     lay = p._layout
                     if not lay.has_partial and not lay.zigzag_axes and g.dtype is p.dtype:  # its own key
-                        _accumulate(p, _wrap(GlobalTensor, g, lay, p._key.shape, p._key))
+                        _accumulate(p, p.with_local(g))
                     else:
                         _accumulate(p, GlobalTensor(g, grad_layout(lay), tuple(p.shape)))
             if owed:
@@ -647,7 +340,7 @@ def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bo
     `nn.Parameter`, or a gathered copy kept for the step). The plain tensor: the local tensor where no
     gradient is taken; a gathered copy's `to_local()`, whose gradient goes back through its gather; given
     `leaves` (a pipeline step), the step's plain leaf per parameter and per kept gathered copy, whose
-    gradient the step hands on once (`_StageForward.hand_on`, `close_step`)."""
+    gradient the step hands on once (`StageForward.hand_on`, `close_step`)."""
     swaps, stored = [], True
     for params, buffers in tables:
         for name, t in params.items():
@@ -719,8 +412,8 @@ def _as_global(obj: Any, layout: Layout) -> Any:
     return obj
 
 
-class _StageOutput(_FromLocal):
-    """A plain stage's output as a GlobalTensor (`_FromLocal`, whose backward it keeps), remembering the plain
+class _StageOutput(FromLocal):
+    """A plain stage's output as a GlobalTensor (`FromLocal`, whose backward it keeps), remembering the plain
     tensor it wraps: a stage that takes it as its input on the same rank runs on that tensor itself
     (`_plain_input`), so consecutive plain stages form one plain autograd graph, with no unwrapping node, nor
     a backward through the wrap and the unwrap, per boundary between them."""
@@ -728,7 +421,7 @@ class _StageOutput(_FromLocal):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple) -> GlobalTensor:  # type: ignore[override]
         ctx.local, ctx.version = local, local._version
-        return _FromLocal.forward(ctx, local, layout, shape)
+        return FromLocal.forward(ctx, local, layout, shape)
 
 
 _STAGE_OUTPUT = _StageOutput._backward_cls
@@ -746,7 +439,7 @@ def _plain_input(x: GlobalTensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class _GradLayout:
-    """Tensor hook: remember the layout a gradient arrives in (see `_StageForward`)."""
+    """Tensor hook: remember the layout a gradient arrives in (see `StageForward`)."""
     into: list
     index: int
 
@@ -854,7 +547,7 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
         moved = obj.to_global(placement, sbp)
         if side is not None and moved.requires_grad:
             # the gradient crosses back here: the sending side receives it (entering), the other leaves
-            return _OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
+            return OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
         return moved
     if isinstance(obj, (tuple, list)):  # the same container where nothing moved
         moved = [_moved(o, placement, side) for o in obj]
@@ -867,7 +560,7 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
     return obj
 
 
-def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
+def stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
     """{module: its stage's placement} for the outermost modules whose parameters are used on one placement, when
     the model's span several; empty otherwise (no hook, no cost). A module that gathers its parameters
     uses them where its group's compute layouts are (a tied head on the last stage)."""
@@ -897,100 +590,3 @@ def _stage_hooks(module: torch.nn.Module, groups: dict) -> dict:
     return out
 
 
-def _plain_candidates(groups: dict, stages: dict, hooks: dict) -> list:
-    """The modules that may run their later calls on plain tensors (`globaltensor/plain.py`): each gathering
-    module with nothing inside it that gathers, lays out or is a stage of its own (their hooks need
-    GlobalTensors), and that is not a stage itself (whose forward is the stage's)."""
-    out = []
-    for mod in groups:
-        inner = [m for m in mod.modules() if m is not mod]
-        if mod not in stages and not any(m in groups or m in stages or m in hooks for m in inner):
-            out.append(mod)
-    return out
-
-
-def _check_plan(module: torch.nn.Module, plan: Mapping[str, Any]) -> None:
-    names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in module.named_buffers(remove_duplicate=False)}
-    modules = {n for n, _ in module.named_modules(remove_duplicate=False)}
-    unused = [p for p, v in plan.items()
-              if not any(fnmatch.fnmatchcase(n, p) for n in (modules if isinstance(v, ModuleLayout) else names))]
-    if unused:
-        raise ValueError(f"to_global(plan): patterns {unused} match no parameter or buffer (an nd-SBP) or "
-                         f"no module (a ModuleLayout); parameter names look like {sorted(names)[:4]}, module "
-                         f"names like {sorted(modules)[1:5]}")
-
-
-def _check_tied(name: str, converted: GlobalTensor, plan: Mapping[str, Any], placement: Placement,
-                first: str) -> None:
-    """One tensor under two names (tied weights) is converted once, under the first; an entry naming another of its
-    names exactly (no wildcard: a generic pattern like "*.weight" matching both is routine) that asks for another
-    layout would be dropped unseen: an error instead."""
-    if not any(pattern == name and not isinstance(v, ModuleLayout) for pattern, v in plan.items()):
-        return
-    asked = _layout_for(name, plan, placement)
-    if asked != converted._layout:
-        raise ValueError(f"to_global(plan): {name!r} is the same tensor as {first!r} (tied), which the plan lays out "
-                         f"as {converted._layout}, but an entry for {name!r} asks for {asked}; give the tied names one "
-                         f"layout, or untie them (models/gpt.py: GPTConfig(tied_head=False))")
-
-
-def module_to_global(module: torch.nn.Module, placement: Placement,
-                     plan: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
-    """Convert `module` in place (and return it); values are unchanged, gradients arrive as GlobalTensors."""
-    if plan is not None and not isinstance(plan, Mapping):
-        raise TypeError(f"to_global(plan): expected a dict {{name pattern: sbp or gt.ModuleLayout}}, "
-                        f"got {type(plan).__name__}")
-    plan = plan or {}
-    _check_plan(module, plan)
-    hints = _matched_hints(module, plan)
-    hooks = {mod: _layout_hooks(pattern, hint, placement.ndim) for mod, (_, pattern, hint) in hints.items()}
-    done: dict[int, torch.Tensor] = {}
-    first_names: dict[int, str] = {}
-    for prefix, mod in module.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            table = getattr(mod, kind)
-            for name, t in list(table.items()):
-                if t is None:
-                    continue
-                full = f"{prefix}.{name}" if prefix else name
-                if id(t) in done:  # a tied tensor's other name: a layout the plan gives it must be the one it has
-                    _check_tied(full, done[id(t)], plan, placement, first_names[id(t)])
-                else:
-                    first_names[id(t)] = full
-                    layout = _layout_for(full, plan, placement)
-                    layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
-                    g = distribute(t, layout)
-                    done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
-                        if isinstance(t, torch.nn.Parameter) else g
-                    if isinstance(t, torch.nn.Parameter) and t.requires_grad:
-                        done[id(t)].register_post_accumulate_grad_hook(_defer_grad_reduction)
-                table[name] = done[id(t)]
-    for mod in module.modules():  # a second conversion replaces the first one's layout hooks
-        for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
-            handle.remove()
-        mod.__dict__.pop("_gt_gather_group", None)
-        if isinstance(mod.__dict__.get("forward"), (_StageForward, PlainRegion)):
-            del mod.__dict__["forward"]
-    groups = _param_groups(module, hints, placement)
-    stages = _stage_hooks(module, groups)
-    for mod, where in stages.items():
-        mod.__dict__["forward"] = _StageForward(mod, where)
-    for mod in _plain_candidates(groups, stages, hooks):
-        mod.__dict__["forward"] = PlainRegion(mod)
-    for mod in set(hooks) | set(groups) | set(stages):
-        pre, post = hooks.get(mod, (None, None))
-        handles = []
-
-        if pre is not None:
-            handles.append(mod.register_forward_pre_hook(pre))
-        if mod in groups:
-            handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
-            handles.append(mod.register_forward_hook(groups[mod].after))
-            onto = {c.placement for c in groups[mod].compute}
-            if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
-                mod.__dict__["_gt_gather_group"] = groups[mod]  # only gathers, onto one placement: may run plain there
-        if post is not None:
-            handles.append(mod.register_forward_hook(post))
-        mod.__dict__["_gt_layout_hooks"] = handles
-    return module

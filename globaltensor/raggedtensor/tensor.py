@@ -13,18 +13,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .boxing import convert_local
-from .boxing.boxes import intersect, numel, relative
-from .boxing import ragged as _recut
-from .layout import Layout, normalize_sbp, slice_box
-from .placement import Placement
-from .runtime import context
-from .sbp import Broadcast, Ragged, Split, split_sizes
-from .tensor import GlobalTensor, _wrap, _tensor_key, grad_layout
-from .ragged_cuts import (Sizes, _balanced, _balanced_sbp, _box_at, _cuts, _inside, _outer_splits_ragged,
+from ..boxing import convert_local
+from ..boxing.boxes import intersect, numel, relative
+from ..boxing import ragged as _recut
+from ..layout import Layout, normalize_sbp, slice_box
+from ..placement import Placement
+from ..runtime import context
+from ..sbp import Broadcast, Ragged, Split, split_sizes
+from ..tensor import GlobalTensor, grad_layout
+from .cuts import (Sizes, _balanced, _balanced_sbp, _box_at, _cuts, _inside, _outer_splits_ragged,
                           _recut_units, _runs_of_layout, _unit_sizes, check_sizes, runs_sizes)
 
-# `globaltensor/ragged.py` puts its op path (`_run`) here when imported: it builds tensors of this class
+# `globaltensor/raggedtensor/ops.py` puts its op path (`_run`) here when imported: it builds tensors of this class
 DISPATCH: dict = {"run": None}
 # what an op handler (`_reshape`, `_permute`, `_mm`, `_by_rule`) gives where it does not take the call
 _NOT_TAKEN = object()
@@ -93,7 +93,7 @@ def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes
     if not layout.ragged_axes:
         return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
     layout, sizes = _outer_splits_ragged(layout, shape, sizes)
-    r = _wrap(RaggedTensor, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
+    r = GlobalTensor.__new__(RaggedTensor, local, layout, shape, requires_grad)
     r._sizes = sizes
     r._unit = unit
     return r
@@ -216,7 +216,7 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: Optional[int]
 
 
 def boundary_cut(x: GlobalTensor, sbp: tuple, hint: Optional[tuple], arrived: Any) -> tuple:
-    """A module boundary's target (`globaltensor/module.py`): (x, sbp, sizes, unit) for the layout `sbp` (the
+    """A module boundary's target (`globaltensor/parallel/module.py`): (x, sbp, sizes, unit) for the layout `sbp` (the
     hint over x's own, its None entries kept). A `gt.ragged(d)` entry of the hint takes the cut the module's
     input `arrived` in ((sbp, sizes, unit): its sizes where it was ragged, a balanced split where it was
     split); x's own ragged axes keep x's sizes. Where a kept ragged axis would sit in an outer cut that
@@ -358,7 +358,7 @@ class _Convert(torch.autograd.Function):
         return out, None, None, None
 
 
-class _FromLocal(torch.autograd.Function):
+class FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: Layout, shape: tuple, sizes: Sizes) -> GlobalTensor:  # type: ignore[override]
         ctx.layout, ctx.sizes = grad_layout(layout), sizes

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .runtime import context
-from .tensor import GlobalTensor
+from ..runtime import context
+from ..tensor import GlobalTensor
 
 ENABLED = True  # tests turn it off to compare the states a full step leaves
 

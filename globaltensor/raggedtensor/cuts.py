@@ -14,11 +14,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .boxing import ragged as _recut
-from .layout import Layout
-from .placement import Placement
-from .runtime import context
-from .sbp import Broadcast, Ragged, Split, split_sizes
+from ..boxing import ragged as _recut
+from ..layout import Layout
+from ..placement import Placement
+from ..runtime import context
+from ..sbp import Broadcast, Ragged, Split, split_sizes
 
 Sizes = tuple  # per mesh axis: None, or one size per rank of the axis
 

@@ -33,14 +33,14 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import boxing
-from .layout import Layout
-from .ops import dispatch
-from .ops.scope import enter_named_here
+from .. import boxing
+from ..layout import Layout
+from ..ops import dispatch
+from ..ops.scope import enter_named_here
 from .replay import RECORDING
-from .runtime import context
-from .sbp import Broadcast, Partial
-from .tensor import GlobalTensor, grad_layout
+from ..runtime import context
+from ..sbp import Broadcast, Partial
+from ..tensor import GlobalTensor, grad_layout
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,7 +162,7 @@ _OPEN = _Open()  # per thread (simulated rank, pipeline fiber): the module calls
 
 
 def runs_plain(group: ParamGroup) -> None:
-    """The group's module computes on plain local tensors (a one-rank pipeline stage, `module._StageForward`)."""
+    """The group's module computes on plain local tensors (a one-rank pipeline stage, `stage.StageForward`)."""
     _state(group)["plain"] = True
 
 
@@ -436,7 +436,7 @@ class _Accumulation:
     def owe_outside(self) -> None:
         """A rank replaying its part of a pipeline step (replay.py) ran a kept group's gather outside the placement
         it computes on (the tied head's weight, sent from its stage) but no backward through it: its share of the
-        gradients is empty, as the program's backward gives it (`module._Elsewhere`), so that the close reduces
+        gradients is empty, as the program's backward gives it (`stage._Elsewhere`), so that the close reduces
         (receives) as there."""
         rank = context.current().rank
         for group, call in self.calls.items():

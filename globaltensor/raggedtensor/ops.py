@@ -7,7 +7,7 @@ one, and they run here, not in the dispatcher, whose decisions assume balanced s
 
 - pointwise ops (sizes pass through; a Broadcast operand is sliced to the rows each rank holds),
   `*_like` factories, unsqueeze/expand (a sum's backward), sums (over the ragged dim: Partial),
-  conversions (`to_global`), and the grouped ops of `globaltensor/grouped.py`;
+  conversions (`to_global`), and the grouped ops of `globaltensor/raggedtensor/grouped.py`;
 - generally, every op whose rule lets a split of the ragged dim pass through (it works along other
   dims: softmax, topk, one_hot, cumsum and argsort along others, bmm over it as the batch):
   `_by_rule`, on the shards, no data moved;
@@ -31,19 +31,19 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .boxing import convert_local
-from .boxing import ragged as _recut
-from .layout import Layout
-from .ops.pointwise import cast_meta, elementwise_meta
-from .ops.registry import RULES, is_inplace
-from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split, split_range
-from .tensor import GlobalTensor, device_for
-from .ragged_cuts import Sizes, _balanced, _balanced_sbp, _shown, _take_ragged, check_sizes, local_shape, runs_sizes
-from .ragged_tensor import (DISPATCH, _NOT_TAKEN, RaggedTensor, _balance, _FromLocal, boundary_cut, convert,
+from ..boxing import convert_local
+from ..boxing import ragged as _recut
+from ..layout import Layout
+from ..ops.pointwise import cast_meta, elementwise_meta
+from ..ops.registry import RULES, is_inplace
+from ..runtime import context
+from ..sbp import Broadcast, Partial, Ragged, Split, split_range
+from ..tensor import GlobalTensor, device_for
+from .cuts import Sizes, _balanced, _balanced_sbp, _shown, _take_ragged, check_sizes, local_shape, runs_sizes
+from .tensor import (DISPATCH, _NOT_TAKEN, RaggedTensor, _balance, FromLocal, boundary_cut, convert,
                             make)
-from .ragged_views import _MATMULS, _PERMUTES, _RESHAPES, _mm, _permute, _reshape
-from .ragged_rules import _by_rule
+from .views import _MATMULS, _PERMUTES, _RESHAPES, _mm, _permute, _reshape
+from .rules import _by_rule
 
 aten = torch.ops.aten
 
@@ -92,7 +92,7 @@ def from_local(local: torch.Tensor, layout: Layout, sizes: Any, shape: Sequence[
                              "must be its entry of sizes")
     if not inside:
         local = local.reshape(-1)[:0]
-    return _FromLocal.apply(local.to(device_for(p)), layout, shape, norm)
+    return FromLocal.apply(local.to(device_for(p)), layout, shape, norm)
 
 
 def _as_lists(v: Any) -> Any:

@@ -8,7 +8,7 @@ micro-batches' kernels that is the whole gap in step time.
 
 What a rank's part is, once shown: per (micro-batch, chunk) a tape of
 - the receives that start it (source, key, size: the program's own messages),
-- its stages' calls on plain tensors (`_StageForward`s of one rank, swapped onto the step's parameter leaves),
+- its stages' calls on plain tensors (`StageForward`s of one rank, swapped onto the step's parameter leaves),
 - the glue between them that computes on its shards (dispatched ops decided as a plain kernel: `x + pos`),
 - the sends that end it, and where the micro-batch's loss is, if it holds it.
 Recorded while the program runs (`Recorder`: the stage calls, the dispatcher's decisions and the communicator's
@@ -36,7 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .plain import _not_local
-from .tensor import GlobalTensor, _wrap
+from ..tensor import GlobalTensor
 
 
 class NotReplayable(Exception):
@@ -65,7 +65,7 @@ class _Segment:
         self.entries: list = []
         self.recvs: list = []   # [slot, source, key, numel, dtype, shape, device, requires grad, backward key]
         self.sends: list = []   # [slot, destination, key, numel, dtype, device, backward key]
-        self.loss: Any = None   # ("slot", slot, layout, shape, key) on the rank that holds it, else ("value", t)
+        self.loss: Any = None   # ("slot", slot, t) on the rank that holds it (t: its layout and key), else ("value", t)
         self.slots = 0
         self.constants: list = []  # plain tensors the forward made (compared by value between two recordings)
         self._kept: Optional[frozenset] = None
@@ -82,8 +82,8 @@ class _Segment:
         entries = tuple((e[0], e[1], *(_sig(x) for x in e[2:])) for e in self.entries)
         recvs = tuple(tuple(r[1:]) for r in self.recvs)
         sends = tuple(tuple(s) for s in self.sends)
-        loss = None if self.loss is None else (self.loss[0],) + (
-            self.loss[1:] if self.loss[0] == "slot" else (self.loss[1]._layout, tuple(self.loss[1].shape)))
+        loss = None if self.loss is None else (self.loss[0], self.loss[1] if self.loss[0] == "slot" else None,
+                                               self.loss[-1]._key)
         return entries, recvs, sends, loss, self.slots
 
     def same(self, other: "_Segment") -> bool:
@@ -251,9 +251,9 @@ class Recorder:
         seg = self.segments.setdefault((i, c), _Segment())
         found = self._by_id.get(i, {}).get(id(loss)) if isinstance(loss, GlobalTensor) else None
         if found is not None and found[0] == c:
-            seg.loss = ("slot", found[1], loss._layout, tuple(loss.shape), loss._key)
+            seg.loss = ("slot", found[1], loss.with_local(loss._local.detach()))
         elif isinstance(loss, GlobalTensor) and not loss._local.numel():  # held elsewhere: its empty value, kept
-            seg.loss = ("value", _wrap(type(loss), loss._local.detach(), loss._layout, loss._key.shape, loss._key))
+            seg.loss = ("value", loss.with_local(loss._local.detach()))
         else:
             self.fail("the loss is not a tensor this rank's last chunk computed")
         for maps in (self._by_id, self._by_data, self._keep):  # its forward is over: what it computed may go
@@ -444,8 +444,8 @@ class Tapes:
             return None
         if loss[0] == "value":
             return loss[1]
-        _, slot, layout, shape, key = loss
-        return _wrap(GlobalTensor, env[slot].detach(), layout, shape, key)
+        _, slot, like = loss
+        return like.with_local(env[slot].detach())
 
     def backward(self, i: int, c: int, comm: Any) -> None:
         """Chunk c of micro-batch i's backward: its sends' gradients received, autograd over the chunk, its receives'
@@ -486,7 +486,7 @@ def _put(env: list, slots: tuple, out: Any) -> None:
 
 def _plain_call(stage: Any, args: tuple, kwargs: dict) -> Any:
     """The stage module's class forward on plain tensors, its parameters swapped for the step's leaves
-    (`module._plain_forward` without the wraps in and out of GlobalTensors)."""
+    (`stage._plain_forward` without the wraps in and out of GlobalTensors)."""
     swaps = stage._swaps()
     for table, name, t, plain in swaps:
         table[name] = t.to_local() if plain is None else plain

@@ -34,11 +34,11 @@ from typing import Any, Optional
 
 import torch
 
-from .layout import Layout
-from .ragged import RaggedTensor, convert, local_shape, make, runs_sizes
-from .runtime import context
-from .sbp import Broadcast, Partial, Ragged, Split, split_range
-from .tensor import GlobalTensor, grad_layout
+from ..layout import Layout
+from .ops import RaggedTensor, convert, local_shape, make, runs_sizes
+from ..runtime import context
+from ..sbp import Broadcast, Partial, Ragged, Split, split_range
+from ..tensor import GlobalTensor, grad_layout
 
 
 @dataclass(frozen=True)
