@@ -22,7 +22,7 @@ from . import cost as C
 from . import zigzag
 from .exchange import direct, relocate
 from .plan import Plan, Step
-from .rules import transition
+from .transitions import transition
 
 
 def check(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:

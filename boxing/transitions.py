@@ -16,7 +16,7 @@ from ..sbp import SBP, Broadcast, Partial, Split
 from .boxes import intersect, numel
 from .plan import Step
 
-RULES = {
+TRANSITIONS = {
     ("S", "B"): "all_gather",
     ("S", "S"): "all_to_all",
     ("B", "S"): "slice",
@@ -43,7 +43,7 @@ def transition(src: Layout, axis: int, target: SBP, shape: tuple[int, ...],
                dtype: torch.dtype) -> Optional[Step]:
     """The step that sets `src.sbp[axis]` to `target`, or None when no 1-D primitive does it exactly."""
     s = src.sbp[axis]
-    prim = RULES.get((kind(s), kind(target)))
+    prim = TRANSITIONS.get((kind(s), kind(target)))
     if prim is None or s == target:
         return None
     for x in (s, target):
