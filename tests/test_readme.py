@@ -1,9 +1,11 @@
-"""The README's samples are what its snippets print (issue 17 item 9).
+"""The docs' samples are what their snippets print (issue 17 item 9; issue 33: README.md and docs/*.md
+but design.md).
 
-Every ```python block of README.md followed directly by a ```text block is run (in order, in one
-namespace, so a later snippet may use an earlier one's imports) and must print exactly that text;
-the other Python blocks are fragments (a plan without its model) and must at least compile.
-`python tests/test_readme.py` rewrites the text blocks from what the snippets print now.
+Every ```python block followed directly by a ```text block is run, each in a fresh namespace (every
+snippet is self-contained, as a reader copies it), and must print exactly that text; the other Python
+blocks must at least compile. Snippets run with `__name__ == "__readme__"`, so a gloo example's
+`if __name__ == "__main__":` launch is compiled, not spawned. `python tests/test_readme.py` rewrites
+the text blocks from what the snippets print now.
 """
 from __future__ import annotations
 
@@ -14,12 +16,17 @@ import sys
 import warnings
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# design.md is the lead's contract, written in signatures rather than programs: not run
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")]
 FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 
 
 def snippets(text: str) -> list[tuple[str, re.Match | None]]:
-    """(python source, the match of its output block or None) for every python block, in order."""
+    """(python source, the match of its output block or None) for every python block, in order; the source
+    starts on its line of the page, so a traceback names the page's line."""
     blocks = list(FENCE.finditer(text))
     out = []
     for i, b in enumerate(blocks):
@@ -27,45 +34,46 @@ def snippets(text: str) -> list[tuple[str, re.Match | None]]:
             continue
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         follows = nxt is not None and nxt.group(1) == "text" and not text[b.end():nxt.start()].strip()
-        out.append((b.group(2), nxt if follows else None))
+        out.append(("\n" * text.count("\n", 0, b.start(2)) + b.group(2), nxt if follows else None))
     return out
 
 
-def printed(source: str, namespace: dict) -> str:
+def printed(source: str, page: Path) -> str:
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(source, str(README), "exec"), namespace)
+        exec(compile(source, str(page), "exec"), {"__name__": "__readme__"})
     return buf.getvalue()
 
 
-def test_readme_samples_are_what_the_snippets_print():
-    text = README.read_text()
-    found = snippets(text)
-    assert sum(o is not None for _, o in found) >= 2, "the README's runnable snippets went missing"
-    namespace: dict = {"__name__": "__readme__"}
-    for source, output in found:
+def test_the_pages_have_runnable_snippets():
+    found = [o for page in PAGES for _, o in snippets(page.read_text())]
+    assert sum(o is not None for o in found) >= 20, "the docs' runnable snippets went missing"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_samples_are_what_the_snippets_print(page: Path):
+    for source, output in snippets(page.read_text()):
         if output is None:
-            compile(source, str(README), "exec")
+            compile(source, str(page), "exec")
             continue
-        got = printed(source, namespace)
-        assert got == output.group(2), (f"README sample differs from what its snippet prints; run "
-                                        f"`python tests/test_readme.py` to regenerate.\n--- README:\n"
+        got = printed(source, page)
+        assert got == output.group(2), (f"{page.name}: a sample differs from what its snippet prints; run "
+                                        f"`python tests/test_readme.py` to regenerate.\n--- page:\n"
                                         f"{output.group(2)}--- printed:\n{got}")
 
 
-def regenerate() -> None:
-    text = README.read_text()
-    namespace: dict = {"__name__": "__readme__"}
+def regenerate(page: Path) -> None:
+    text = page.read_text()
     pieces, at = [], 0
     for source, output in snippets(text):
         if output is None:
             continue
-        pieces += [text[at:output.start(2)], printed(source, namespace)]
+        pieces += [text[at:output.start(2)], printed(source, page)]
         at = output.end(2)
-    README.write_text("".join(pieces) + text[at:])
+    page.write_text("".join(pieces) + text[at:])
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(README.parent))
-    regenerate()
+    for page in PAGES if len(sys.argv) < 2 else [Path(a).resolve() for a in sys.argv[1:]]:
+        regenerate(page)
