@@ -63,6 +63,29 @@ def test_samples_are_what_the_snippets_print(page: Path):
                                         f"{output.group(2)}--- printed:\n{got}")
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_reach_their_pages_and_headings():
+    """A newcomer follows the contents table from page to page: every relative link must land."""
+    broken = []
+    for page in [*PAGES, ROOT / "docs" / "design.md"]:
+        text = FENCE.sub("", page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path, _, frag = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}")
+            elif frag and dest.suffix == ".md" and frag not in {
+                    anchor(h) for h in re.findall(r"^#+ (.*)$", FENCE.sub("", dest.read_text()), re.M)}:
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
+
+
 def regenerate(page: Path) -> None:
     text = page.read_text()
     pieces, at = [], 0
