@@ -4,7 +4,7 @@ but design.md).
 Every ```python block followed directly by a ```text block is run, each in a fresh namespace (every
 snippet is self-contained, as a reader copies it), and must print exactly that text; the other Python
 blocks must at least compile. Snippets run with `__name__ == "__readme__"`, so a gloo example's
-`if __name__ == "__main__":` launch is compiled, not spawned. `python tests/test_readme.py` rewrites
+`if __name__ == "__main__":` launch is not spawned there; the gloo-marked test runs those as scripts. `python tests/test_readme.py` rewrites
 the text blocks from what the snippets print now.
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -61,6 +62,19 @@ def test_samples_are_what_the_snippets_print(page: Path):
         assert got == output.group(2), (f"{page.name}: a sample differs from what its snippet prints; run "
                                         f"`python tests/test_readme.py` to regenerate.\n--- page:\n"
                                         f"{output.group(2)}--- printed:\n{got}")
+
+
+GLOO = [(page, source) for page in PAGES for source, _ in snippets(page.read_text()) if 'backend="gloo"' in source]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("page, source", GLOO, ids=[p.name for p, _ in GLOO])
+def test_gloo_snippets_run_as_scripts(page: Path, source: str, tmp_path: Path):
+    """The snippets that spawn processes run as a reader runs them: saved as a script, `python script.py`."""
+    script = tmp_path / "snippet.py"
+    script.write_text(source.lstrip("\n"))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{page.name}:\n{done.stderr[-3000:]}"
 
 
 def anchor(heading: str) -> str:
