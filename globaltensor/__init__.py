@@ -1,10 +1,16 @@
-"""globaltensor: global tensors for PyTorch in the SBP style."""
-from .api import from_local, to_global
+"""globaltensor: global tensors for PyTorch in the SBP style.
+
+Start at README.md and docs/: `gt.placement` (ranks as a mesh), `gt.split`/`gt.broadcast`/`gt.partial`
+(one SBP per mesh axis), `gt.to_global`/`gt.from_local` (tensors and modules), `gt.launch` (ranks).
+"""
+from importlib import metadata as _metadata
+
+from .api import PlanLike, from_local, to_global
 from .layout import Layout
 from .parallel.module import ModuleLayout
 from .placement import Placement, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
-from .sbp import SBP, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
+from .sbp import SBP, SbpLike, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
 from .raggedtensor.ops import RaggedTensor
 from .raggedtensor.grouped import Routing, by_expert, by_group, grouped_linear
 from .tensor import GlobalTensor, ZigzagTensor
@@ -18,7 +24,12 @@ from .tools.report import comm_report
 from .tools.visualize import visualize
 from .tools.explain import explain
 
-__all__ = ["from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
+try:
+    __version__ = _metadata.version("globaltensor")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject's version
+    __version__ = "0.1.0"
+
+__all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
            "Zigzag", "zigzag", "ZigzagTensor",

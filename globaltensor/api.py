@@ -1,17 +1,23 @@
 """The front door: creating global tensors from full tensors or from local shards."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence, TypeVar, Union, overload
 
 import torch
 
 from .layout import Layout, normalize_sbp
-from .parallel.module import module_to_global
+from .parallel.module import ModuleLayout, module_to_global
 from .placement import Placement
 from .runtime import context
-from .sbp import Split, Zigzag
+from .sbp import SbpLike, Split, Zigzag
 from .raggedtensor import ops as _ragged
 from .tensor import GlobalTensor, FromLocal, device_for, distribute
+
+
+# What `to_global(module, placement, plan)` accepts: parameter-name patterns to an SBP (or a Layout on
+# another placement: a pipeline stage) and module-name patterns to a ModuleLayout (fnmatch patterns).
+PlanLike = Mapping[str, Union[SbpLike, Layout, ModuleLayout]]
+M = TypeVar("M", bound=torch.nn.Module)
 
 
 def _check_placement(placement: Any, fn: str) -> Placement:
@@ -21,11 +27,22 @@ def _check_placement(placement: Any, fn: str) -> Placement:
     return placement
 
 
-def to_global(obj: Any, placement: Placement, sbp: Any = None, grad_sbp: Any = None, sizes: Any = None) -> Any:
+@overload
+def to_global(obj: torch.Tensor, placement: Placement, sbp: SbpLike, grad_sbp: SbpLike | None = None,
+              sizes: Sequence[int] | None = None) -> GlobalTensor: ...
+
+
+@overload
+def to_global(obj: M, placement: Placement, sbp: PlanLike | None = None) -> M: ...
+
+
+def to_global(obj: torch.Tensor | torch.nn.Module, placement: Placement, sbp: SbpLike | PlanLike | None = None,
+              grad_sbp: SbpLike | None = None, sizes: Sequence[int] | None = None) -> GlobalTensor | torch.nn.Module:
     """Lay out a full tensor (the same on every rank) as `sbp` over `placement`; no communication.
 
     A GlobalTensor is boxed instead (`GlobalTensor.to_global`, where `grad_sbp` is explained);
-    a module is converted by `plan` (`globaltensor.parallel.module`).
+    a module is converted in place (and returned) by the plan passed as `sbp` (a `PlanLike`;
+    `globaltensor.parallel.module`).
 
     Like DTensor's `distribute_tensor`, the result is a leaf that keeps `requires_grad`; its
     shard is a copy, so in-place ops on it never reach `t` (or, simulated, another rank).
@@ -102,8 +119,8 @@ def _discover_shape(local: torch.Tensor, layout: Layout) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def from_local(local: torch.Tensor, placement: Placement, sbp: Any,
-               shape: Sequence[int] | None = None, sizes: Any = None) -> GlobalTensor:
+def from_local(local: torch.Tensor, placement: Placement, sbp: SbpLike,
+               shape: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> GlobalTensor:
     """Build a GlobalTensor from each rank's shard (differentiable).
 
     Without `shape`, the ranks exchange their shards' shapes with one small collective:

@@ -1,14 +1,14 @@
 """gt.randn/rand/zeros/ones/empty: global tensors made where they live, values independent of the layout."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from .layout import Layout, normalize_sbp
 from .placement import Placement
 from .runtime import context
-from .sbp import Partial
+from .sbp import Partial, SbpLike
 from .tensor import GlobalTensor, device_for, distribute
 
 
@@ -21,7 +21,7 @@ def _shape(shape: tuple) -> tuple[int, ...]:
 
 
 def _make(fill: Callable[[tuple, dict], torch.Tensor], random: bool, shape: tuple, placement: Placement,
-          sbp: Any, dtype: Any, requires_grad: bool) -> GlobalTensor:
+          sbp: SbpLike, dtype: torch.dtype | None, requires_grad: bool) -> GlobalTensor:
     if not isinstance(placement, Placement):
         raise TypeError(f"placement: expected a gt.placement, got {type(placement).__name__}")
     shape = _shape(shape)
@@ -39,15 +39,33 @@ def _make(fill: Callable[[tuple, dict], torch.Tensor], random: bool, shape: tupl
     return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
 
 
-def _factory(fill: Callable, random: bool):
-    def make(*shape: int, placement: Placement, sbp: Any, dtype: torch.dtype | None = None,
+class Factory(Protocol):
+    """The signature the five factories share: a shape as torch takes it, then where and how it lives."""
+
+    def __call__(self, *shape: int | Sequence[int], placement: Placement, sbp: SbpLike,
+                 dtype: torch.dtype | None = None, requires_grad: bool = False) -> GlobalTensor: ...
+
+
+def _factory(name: str, fill: Callable, random: bool, doc: str) -> Factory:
+    def make(*shape: int | Sequence[int], placement: Placement, sbp: SbpLike, dtype: torch.dtype | None = None,
              requires_grad: bool = False) -> GlobalTensor:
         return _make(fill, random, shape, placement, sbp, dtype, requires_grad)
+    make.__name__ = make.__qualname__ = name
+    make.__doc__ = doc
     return make
 
 
-randn = _factory(lambda s, o: torch.randn(s, **o), True)
-rand = _factory(lambda s, o: torch.rand(s, **o), True)
-zeros = _factory(lambda s, o: torch.zeros(s, **o), False)
-ones = _factory(lambda s, o: torch.ones(s, **o), False)
-empty = _factory(lambda s, o: torch.empty(s, **o), False)
+_RANDOM = ("Every rank draws the whole tensor from its generator and keeps its shard, so the values equal one "
+           "device's with the same seed whatever the layout.")
+randn = _factory("randn", lambda s, o: torch.randn(s, **o), True,
+                 f"`torch.randn(*shape)` laid out as `sbp` over `placement`. {_RANDOM}")
+rand = _factory("rand", lambda s, o: torch.rand(s, **o), True,
+                f"`torch.rand(*shape)` laid out as `sbp` over `placement`. {_RANDOM}")
+zeros = _factory("zeros", lambda s, o: torch.zeros(s, **o), False,
+                 "`torch.zeros(*shape)` laid out as `sbp` over `placement`; each rank allocates its shard only.")
+ones = _factory("ones", lambda s, o: torch.ones(s, **o), False,
+                "`torch.ones(*shape)` laid out as `sbp` over `placement`; each rank allocates its shard only "
+                "(a Partial(sum) axis: ones on its first rank, zeros on the others, so the sum is ones).")
+empty = _factory("empty", lambda s, o: torch.empty(s, **o), False,
+                 "`torch.empty(*shape)` laid out as `sbp` over `placement`: uninitialised shards, allocated where "
+                 "they live.")

@@ -38,6 +38,11 @@ def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
 
 @dataclass(frozen=True)
 class Layout:
+    """Where a tensor lives: a placement and one SBP per mesh axis (a single SBP for a 1-D placement).
+
+    Immutable and hashed once, because layouts key every plan and dispatch cache; `x.global_layout` is a
+    GlobalTensor's (torch's own `x.layout` is `torch.strided`).
+    """
     placement: Placement
     sbp: tuple[SBP, ...]
 

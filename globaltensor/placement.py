@@ -128,8 +128,12 @@ class Placement:
         return f"placement({self.device_type!r}, {self.ranks})"
 
 
-def placement(device_type: str, ranks: Any) -> Placement:
-    """`placement("cpu", [[0, 1], [2, 3]])` is a 2x2 mesh over ranks 0-3."""
+def placement(device_type: str, ranks: Sequence[int] | Sequence[Sequence[Any]]) -> Placement:
+    """`placement("cpu", [[0, 1], [2, 3]])` is a 2x2 mesh over ranks 0-3.
+
+    `ranks` nests one level per mesh axis (a flat list is a 1-D mesh); `device_type` is "cpu" or
+    "cuda".
+    """
     if not isinstance(device_type, str) or device_type not in DEVICE_TYPES:
         raise ValueError(f"placement(device_type): must be one of {DEVICE_TYPES}, got {device_type!r}")
     shape, flat = _shape_and_flat(ranks)

@@ -7,13 +7,15 @@ They are frozen and hashable because layouts (tuples of them) key every cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Sequence, Union
 
 REDUCE_OPS = ("sum", "max", "min")
 
 
 @dataclass(frozen=True, slots=True)
 class Split:
+    """`S(dim)`: each rank of the mesh axis holds one `numpy.array_split` piece of `dim` (uneven and
+    empty pieces are normal)."""
     dim: int
 
     def __post_init__(self) -> None:
@@ -33,6 +35,8 @@ class Split:
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
+    """`B`: every rank of the mesh axis holds the whole tensor (the same values)."""
+
     def __repr__(self) -> str:
         return "B"
 
@@ -42,6 +46,8 @@ class Broadcast:
 
 @dataclass(frozen=True, slots=True)
 class Partial:
+    """`P(op)`: the global value is the `op`-reduction ("sum", "max" or "min") of the ranks' local values;
+    what a row-parallel matmul or a gradient leaves before its all-reduce."""
     op: str = "sum"
 
     def __post_init__(self) -> None:
@@ -99,23 +105,29 @@ class Zigzag:
 
 
 SBP = Union[Split, Broadcast, Partial, Ragged, Zigzag]
+# What an `sbp` argument accepts: one SBP (a 1-D placement) or one per mesh axis, in mesh-axis order.
+SbpLike = Union[SBP, Sequence[SBP]]
 SBP_TYPES = (Split, Broadcast, Partial)   # what a plan, a factory or an op may name
 LAYOUT_TYPES = SBP_TYPES + (Ragged, Zigzag)  # what a Layout may hold: ragged and zigzag tensors' too
 
 
 def split(dim: int) -> Split:
+    """`S(dim)`, a mesh axis cutting tensor dim `dim` (>= 0) into `numpy.array_split` pieces."""
     return Split(dim)
 
 
 def ragged(dim: int) -> Ragged:
+    """`R(dim)`, a split of `dim` whose per-rank sizes the tensor carries (`from_local(..., sizes=)`)."""
     return Ragged(dim)
 
 
 def zigzag(dim: int) -> Zigzag:
+    """`Z(dim)`, causal attention's load-balanced split: rank i of n holds chunks i and 2n-1-i of 2n."""
     return Zigzag(dim)
 
 
 def partial(op: str = "sum") -> Partial:
+    """`P(op)`, the global value is the `op`-reduction of the locals; `op` is "sum", "max" or "min"."""
     return Partial(op)
 
 

@@ -16,6 +16,7 @@ def stats() -> dict[str, dict[str, int]]:
 
 
 def reset_stats() -> None:
+    """Zero the counts `stats()` reports, e.g. between a warm-up step and the step to inspect."""
     for c in STATS.values():
         c.clear()
 

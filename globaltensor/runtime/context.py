@@ -57,10 +57,12 @@ def _init_process() -> Communicator:
 
 
 def rank() -> int:
+    """This process's (or simulated rank's) global rank; 0 outside `gt.launch` and torchrun."""
     return current().rank
 
 
 def world_size() -> int:
+    """The number of ranks of the running program; 1 outside `gt.launch` and torchrun."""
     return current().world_size
 
 
