@@ -291,10 +291,10 @@ class StageForward:
     def _inside(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         if not self._runs_plain():
             return forward(self.module, *args, **kwargs)
-        local = functools.partial(_plain_input, grad=torch.is_grad_enabled())
-        out = call_local(self.module, self._swaps(), map_tensors(local, args, GlobalTensor),
-                         map_tensors(local, kwargs, GlobalTensor) if kwargs else kwargs)
-        return map_tensors(functools.partial(_as_global, layout=self._whole), out)
+        grad = torch.is_grad_enabled()
+        out = call_local(self.module, self._swaps(), map_tensors(_plain_input, args, GlobalTensor, grad),
+                         map_tensors(_plain_input, kwargs, GlobalTensor, grad) if kwargs else kwargs)
+        return map_tensors(_as_global, out, torch.Tensor, self._whole)
 
     def _watching_draws(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         """The call, warning if it drew random numbers (a pipeline's first step asks): the ranks outside a stage
@@ -502,7 +502,7 @@ def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
     """`obj`'s GlobalTensors sent to `placement` (`obj` itself where none moves); with `side` (a pipeline
     fiber's crossing), marked so that the backward tells the fiber where the gradient crosses back (the
     receiving side sends it)."""
-    return map_tensors(functools.partial(_move, placement=placement, side=side), obj, GlobalTensor)
+    return map_tensors(_move, obj, GlobalTensor, placement, side)
 
 
 def _move(t: GlobalTensor, placement: Placement, side: Optional[bool]) -> GlobalTensor:

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 
 def _flat(obj: Any) -> bool:
-    """Whether `obj` is a plain tuple of tensors (no pytree needed)."""
+    """Whether `obj` is a plain tuple of tensors (a module's positional arguments, mostly): no pytree needed."""
     if type(obj) is not tuple:
         return False
     for o in obj:
@@ -25,20 +25,23 @@ def _flat(obj: Any) -> bool:
     return True
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, kind: type = torch.Tensor) -> Any:
-    """`obj` with `fn(t)` in place of each tensor `t` of type `kind` in it; `obj` itself where `fn` changed
-    nothing (callers compare by identity, and rebuilding costs)."""
+def map_tensors(fn: Callable[..., Any], obj: Any, kind: type = torch.Tensor, *args: Any) -> Any:
+    """`obj` with `fn(t, *args)` in place of each tensor `t` of type `kind` in it; `obj` itself where `fn`
+    changed nothing (callers compare by identity, and rebuilding costs)."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj) if isinstance(obj, kind) else obj
+        return fn(obj, *args) if isinstance(obj, kind) else obj
     if _flat(obj):
-        out = tuple([fn(o) if isinstance(o, kind) else o for o in obj])
-        leaves = obj
-    else:
-        leaves, spec = pytree.tree_flatten(obj)
-        out = [fn(o) if isinstance(o, kind) else o for o in leaves]
+        out, changed = [], False
+        for o in obj:
+            new = fn(o, *args) if isinstance(o, kind) else o
+            changed = changed or new is not o
+            out.append(new)
+        return tuple(out) if changed else obj
+    leaves, spec = pytree.tree_flatten(obj)
+    out = [fn(o, *args) if isinstance(o, kind) else o for o in leaves]
     for new, old in zip(out, leaves):
         if new is not old:
-            return out if type(out) is tuple else pytree.tree_unflatten(out, spec)
+            return pytree.tree_unflatten(out, spec)
     return obj
 
 
