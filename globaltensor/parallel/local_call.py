@@ -12,13 +12,15 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..tensor import GlobalTensor
+
 
 class Swap(NamedTuple):
     """One parameter or buffer slot: `table[name]` holds `plain` while the forward runs, `tensor` before and
     after; `plain` None: `tensor.to_local()`, made at each call (a differentiable one, a new autograd node)."""
     table: dict
     name: str
-    tensor: Any
+    tensor: GlobalTensor
     plain: Optional[torch.Tensor]
 
 
