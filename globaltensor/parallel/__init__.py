@@ -5,5 +5,7 @@
 gradients (ZeRO/FSDP); `plain` runs a gathering module's later calls on local tensors; `pipeline`
 schedules micro-batches over stages, with `early_exit` (ranks leaving a forward past their last
 stage) and `replay` (a rank's part of a step run again without the global program); `optim_skip`
-lets optimizer steps skip parameters a rank holds nothing of.
+lets optimizer steps skip parameters a rank holds nothing of. Beneath them: `trees` walks a module's inputs
+and outputs (torch's pytree), `local_call` runs a module on its local tensors (plain regions, one-rank
+stages, replays).
 """

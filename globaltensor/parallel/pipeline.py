@@ -41,6 +41,7 @@ from ..runtime.comm import PostedMismatch
 from ..runtime.failure import CollectiveError
 from ..sbp import Broadcast, Partial, Split
 from .stage import StageForward
+from .trees import tensors
 from ..runtime.fiber import Fiber
 from ..tensor import GlobalTensor, distribute, grad_layout
 from .zero import accumulating, gathered_storages, owe_outside
@@ -520,7 +521,7 @@ class Pipeline:
             if recorder is not None:
                 recorder.source(xd, "x")
             out = self.model(xd)
-            o = out[0] if isinstance(out, (tuple, list)) else out
+            o = out if isinstance(out, GlobalTensor) else tensors(out)[0]  # where the loss is: its first tensor
             loss = self._losses.get(o.placement)
             if loss is None:
                 loss = self._losses[o.placement] = StageForward(_Loss(self.loss_fn), o.placement)

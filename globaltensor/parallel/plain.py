@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -58,6 +58,7 @@ from ..runtime import context
 from ..runtime.trace import watching
 from ..sbp import Broadcast, Partial, Split
 from ..tensor import GlobalTensor, grad_layout
+from .local_call import Swap, call_local
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,23 @@ class _Verdict:
     outs: tuple = ()
     in_grads: tuple = ()
     slot_grads: tuple = ()
+
+
+class _Call(NamedTuple):
+    """One call of a region's module, as the key, the watch, the verdict, the shape check and the plain run
+    read it: its inputs, flattened, and its parameter and buffer slots with what they hold at this call."""
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    leaves: list
+    spec: Any
+    slots: list    # (table, name) per parameter and buffer of the module's modules
+    tensors: list  # what each slot holds
+
+    def swaps(self, plains: list) -> list:
+        """`call_local`'s swaps: each GlobalTensor slot for its plain tensor in `plains` (one per slot)."""
+        return [Swap(table, name, t, p) for (table, name), t, p in zip(self.slots, self.tensors, plains)
+                if isinstance(t, GlobalTensor)]
 
 
 _NOT_KEYED = object()
@@ -119,20 +137,22 @@ class PlainRegion:
         if slots is None:
             return forward(self.module, *args, **kwargs)
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        slot_tensors = [table[name] for table, name in slots]
-        key = _key(leaves, spec, slots, slot_tensors, self.module.training)
+        call = _Call(self.module, args, kwargs, leaves, spec, slots, [table[name] for table, name in slots])
+        key = _key(call)
         verdict = self.verdicts.get(key) if key is not _NOT_KEYED else _Verdict(False, "an argument is not hashable")
         if verdict is None:
             if len(self.verdicts) >= MAX_KEYS:  # shapes that change every call: watching would cost each one
                 return forward(self.module, *args, **kwargs)
-            out, verdict = _watched(self.module, forward, args, kwargs, leaves, spec, slots, slot_tensors)
+            out, verdict = _watched(call)
             self.verdicts[key] = verdict
             return out
         if not verdict.plain or context.current().rank not in verdict.members:  # outside: empty shards
             return forward(self.module, *args, **kwargs)
-        return self._plain(verdict, forward, leaves, spec, slots, slot_tensors)
+        return self._plain(verdict, call)
 
-    def _plain(self, v: _Verdict, forward: Any, leaves: list, spec: Any, slots: list, slot_tensors: list) -> Any:
+    def _plain(self, v: _Verdict, call: _Call) -> Any:
+        """The call in plain torch: its inputs and slots as local tensors, its outputs in the watched layouts."""
+        leaves, slot_tensors = call.leaves, call.tensors
         grad = torch.is_grad_enabled()
         ins = [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
         local_leaves = list(leaves)
@@ -151,18 +171,12 @@ class PlainRegion:
         else:
             for i in ins:
                 local_leaves[i] = leaves[i]._local
-        for (table, name), local in zip(slots, locals_):
-            table[name] = local
-        try:
-            args, kwargs = pytree.tree_unflatten(local_leaves, spec)
-            out = forward(self.module, *args, **kwargs)
-        finally:
-            for (table, name), t in zip(slots, slot_tensors):
-                table[name] = t
+        args, kwargs = pytree.tree_unflatten(local_leaves, call.spec)
+        out = call_local(call.module, call.swaps(locals_), args, kwargs)
         out_leaves, out_spec = pytree.tree_flatten(out)
         at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
         if len(at) != len(v.outs):
-            raise RuntimeError(f"{type(self.module).__name__}.forward returned {len(at)} tensors where its watched "
+            raise RuntimeError(f"{type(call.module).__name__}.forward returned {len(at)} tensors where its watched "
                                f"call with the same inputs returned {len(v.outs)}: a forward whose outputs depend on "
                                "values cannot run as a plain region")
         if grad and any(out_leaves[i].requires_grad for i in at):
@@ -174,9 +188,9 @@ class PlainRegion:
         return pytree.tree_unflatten(out_leaves, out_spec)
 
 
-def _key(leaves: list, spec: Any, slots: list, slot_tensors: list, training: bool) -> Any:
-    parts: list = [spec, training, torch.is_grad_enabled(), tuple(name for _, name in slots)]
-    for x in leaves:
+def _key(call: _Call) -> Any:
+    parts: list = [call.spec, call.module.training, torch.is_grad_enabled(), tuple(name for _, name in call.slots)]
+    for x in call.leaves:
         if isinstance(x, GlobalTensor):
             parts.append((x._key, x.requires_grad))
         elif isinstance(x, torch.Tensor):
@@ -187,7 +201,7 @@ def _key(leaves: list, spec: Any, slots: list, slot_tensors: list, training: boo
             except TypeError:
                 return _NOT_KEYED
             parts.append((type(x), x))
-    for t in slot_tensors:
+    for t in call.tensors:
         parts.append((t._key, t.requires_grad) if isinstance(t, GlobalTensor) else
                      None if t is None else (tuple(t.shape), t.dtype, t.requires_grad))
     try:
@@ -225,6 +239,7 @@ class _FromPlain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, outs: tuple, *locals_: torch.Tensor) -> tuple:  # type: ignore[override]
         ctx.duals = [grad_layout(lay) for lay, _ in outs]
+        ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros of its global shape
         return tuple(GlobalTensor(t.view_as(t), lay, shape) for t, (lay, shape) in zip(locals_, outs))
 
     @staticmethod
@@ -283,17 +298,15 @@ def _values(args: tuple, kwargs: dict) -> tuple:
     return (spec, tuple(None if isinstance(x, (torch.Tensor, torch.device)) else x for x in leaves))
 
 
-def _watched(module: torch.nn.Module, forward: Any, args: tuple, kwargs: dict, leaves: list, spec: Any,
-             slots: list, slot_tensors: list) -> tuple:
+def _watched(call: _Call) -> tuple:
     """The call through the dispatcher, watched; and the verdict."""
     watch = _Watch()
     with context.comm_log() as log, watching(watch):
-        out = forward(module, *args, **kwargs)
-    return out, _judge(module, forward, watch, log, leaves, spec, slots, slot_tensors, out)
+        out = type(call.module).forward(call.module, *call.args, **call.kwargs)
+    return out, _judge(call, watch, log, out)
 
 
-def _judge(module: torch.nn.Module, forward: Any, watch: _Watch, log: Any, leaves: list, spec: Any, slots: list,
-           slot_tensors: list, out: Any) -> _Verdict:
+def _judge(call: _Call, watch: _Watch, log: Any, out: Any) -> _Verdict:
     if watch.why:
         return _Verdict(False, watch.why)
     if log.events:
@@ -302,8 +315,8 @@ def _judge(module: torch.nn.Module, forward: Any, watch: _Watch, log: Any, leave
     outs = [o for o in out_leaves if isinstance(o, torch.Tensor)]
     if not outs or not all(isinstance(o, GlobalTensor) for o in outs):
         return _Verdict(False, "an output is not a GlobalTensor")
-    ins = [x for x in leaves if isinstance(x, GlobalTensor)]
-    tensors = ins + [t for t in slot_tensors if isinstance(t, GlobalTensor)] + outs
+    ins = [x for x in call.leaves if isinstance(x, GlobalTensor)]
+    tensors = ins + [t for t in call.tensors if isinstance(t, GlobalTensor)] + outs
     placement = outs[0].placement
     if any(t.placement != placement for t in tensors) or any(t._layout.zigzag_axes for t in tensors):
         return _Verdict(False, "its tensors are not all on one placement in plain splits")
@@ -319,13 +332,13 @@ def _judge(module: torch.nn.Module, forward: Any, watch: _Watch, log: Any, leave
             split_axes.append(False)
         else:
             return _Verdict(False, f"its outputs and inputs mix layouts on mesh axis {a}")
-    why = _shape_check(module, forward, watch, leaves, spec, slots, slot_tensors, placement)
+    why = _shape_check(call, watch, placement)
     if why:
         return _Verdict(False, why)
     return _Verdict(True, "", frozenset(placement.flat_ranks), tuple((o._layout, tuple(o.shape)) for o in outs),
                     tuple(_plain_grad_layout(x._layout, split_axes) for x in ins),
                     tuple(_plain_grad_layout(t._layout, split_axes) if isinstance(t, GlobalTensor) else None
-                          for t in slot_tensors))
+                          for t in call.tensors))
 
 
 def _plain_grad_layout(lay: Layout, split_axes: list) -> Layout:
@@ -366,8 +379,7 @@ class _Calls(TorchDispatchMode):
         return out
 
 
-def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: list, spec: Any, slots: list,
-                slot_tensors: list, placement: Any) -> str:
+def _shape_check(call: _Call, watch: _Watch, placement: Any) -> str:
     """The forward in plain torch on one rank's local shapes: the same calls as watched, the same arguments
     (sizes excepted, which must be the shard's). The rank: the one whose shards differ most from the whole,
     the same on every rank. Its inputs and parameters are this rank's own shards where they have that rank's
@@ -378,7 +390,7 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
     on a broadcast one; CUDA's efficient attention computes its log-sum-exp only under autograd). torch's
     FakeTensorMode would allocate nothing, but its first use imports 67 MiB and 1.2 s of compiler modules.
     The forward writes in place into nothing (`_not_local`), and the random state is put back after it."""
-    gts = [t for t in leaves + slot_tensors if isinstance(t, GlobalTensor)]
+    gts = [t for t in call.leaves + call.tensors if isinstance(t, GlobalTensor)]
 
     def differ(r: int) -> int:
         return sum(a != b for t in gts for a, b in zip(t._layout.local_shape(tuple(t.shape), r), t.shape))
@@ -394,20 +406,15 @@ def _shape_check(module: torch.nn.Module, forward: Any, watch: _Watch, leaves: l
             x = torch.zeros(shape, dtype=t.dtype, device=t.device)
         # taking a gradient where the real one does: composites read it (attention computes its log-sum-exp)
         return x.requires_grad_() if t.requires_grad and x.is_floating_point() else x
-    stand_ins = {id(t): stand_in(t) for t in leaves + slot_tensors if isinstance(t, torch.Tensor)}
+    stand_ins = {id(t): stand_in(t) for t in call.leaves + call.tensors if isinstance(t, torch.Tensor)}
     mode = _Calls([stand_ins[id(t)] for t in gts])
     cuda = sorted({t.device.index or 0 for t in gts if t.device.type == "cuda"})
     try:
-        for (table, name), t in zip(slots, slot_tensors):
-            table[name] = stand_ins.get(id(t), t)
-        args, kwargs = pytree.tree_unflatten([stand_ins.get(id(x), x) for x in leaves], spec)
+        args, kwargs = pytree.tree_unflatten([stand_ins.get(id(x), x) for x in call.leaves], call.spec)
         with torch.random.fork_rng(devices=cuda), mode:  # in the call's grad mode; the graph is dropped after
-            forward(module, *args, **kwargs)
+            call_local(call.module, call.swaps([stand_ins.get(id(t), t) for t in call.tensors]), args, kwargs)
     except Exception as e:  # noqa: BLE001 - any failure only means: not plain
         return f"its forward on one rank's shard shapes raised {type(e).__name__}: {e}"
-    finally:
-        for (table, name), t in zip(slots, slot_tensors):
-            table[name] = t
     mode.calls = [c for c in mode.calls if c[0] not in _COPIES]
     watch.calls = [c for c in watch.calls if c[0] not in _COPIES]
     if len(mode.calls) != len(watch.calls):

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.utils._pytree as pytree
 
+from .local_call import call_local
 from .plain import _not_local
 from ..tensor import GlobalTensor
 
@@ -416,7 +417,7 @@ class Tapes:
             if kind == "call":
                 stage, fill, slots = entry[1], entry[2], entry[3]
                 args, kwargs = fill(env)
-                _put(env, slots, _plain_call(stage, args, kwargs))
+                _put(env, slots, call_local(stage.module, stage._swaps(), args, kwargs))
             elif kind == "kernel":
                 func, fill, slots = entry[1], entry[2], entry[3]
                 args, kwargs = fill(env)
@@ -482,19 +483,6 @@ def _put(env: list, slots: tuple, out: Any) -> None:
     for slot, t in zip(slots, pytree.tree_leaves(out)):
         if slot is not None:
             env[slot] = t
-
-
-def _plain_call(stage: Any, args: tuple, kwargs: dict) -> Any:
-    """The stage module's class forward on plain tensors, its parameters swapped for the step's leaves
-    (`stage._plain_forward` without the wraps in and out of GlobalTensors)."""
-    swaps = stage._swaps()
-    for table, name, t, plain in swaps:
-        table[name] = t.to_local() if plain is None else plain
-    try:
-        return type(stage.module).forward(stage.module, *args, **kwargs)
-    finally:
-        for table, name, t, _ in swaps:
-            table[name] = t
 
 
 __all__ = ["NotReplayable", "Recorder", "RECORDING", "Tapes"]

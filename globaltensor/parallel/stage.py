@@ -21,6 +21,8 @@ from ..placement import Placement
 from ..runtime import context, fiber
 from ..sbp import Broadcast
 from ..tensor import FromLocal, GlobalTensor, OnBackward, grad_layout
+from .local_call import Swap, call_local
+from .trees import map_tensors, tensors
 from .zero import kept_output, reinstall, runs_plain
 
 
@@ -183,9 +185,9 @@ class StageForward:
             return None
         here = self.placement
         inside = self._holds(rank)
-        found = _tensors(args)
+        found = tensors(args)
         if kwargs:
-            _tensors(kwargs, found)
+            tensors(kwargs, found)
         for t in found:
             if isinstance(t, GlobalTensor):
                 there = t._layout.placement
@@ -239,9 +241,9 @@ class StageForward:
             if recorder is not None:  # a pipeline records this rank's part (replay.py)
                 return recorder.stage_call(self, functools.partial(self._inside, forward, args, kwargs), args, kwargs)
             return self._inside(forward, args, kwargs)
-        ins = _tensors(args)
+        ins = tensors(args)
         if kwargs:
-            _tensors(kwargs, ins)
+            tensors(kwargs, ins)
         params, wanting = self._parameters_now()
         from_ins = [t for t in ins if isinstance(t, GlobalTensor) and t.requires_grad]
         key = tuple([(t._key if isinstance(t, GlobalTensor) else (tuple(t.shape), t.dtype), t.requires_grad)
@@ -287,9 +289,12 @@ class StageForward:
         return GlobalTensor(torch.empty((0,), dtype=meta[2], device=device), meta[0], meta[1])
 
     def _inside(self, forward: Any, args: tuple, kwargs: dict) -> Any:
-        if self._runs_plain():
-            return _plain_forward(self.module, forward, self._whole, args, kwargs, self._swaps())
-        return forward(self.module, *args, **kwargs)
+        if not self._runs_plain():
+            return forward(self.module, *args, **kwargs)
+        grad = torch.is_grad_enabled()
+        out = call_local(self.module, self._swaps(), map_tensors(_plain_input, args, GlobalTensor, grad),
+                         map_tensors(_plain_input, kwargs, GlobalTensor, grad) if kwargs else kwargs)
+        return map_tensors(_as_global, out, torch.Tensor, self._whole)
 
     def _watching_draws(self, forward: Any, args: tuple, kwargs: dict) -> Any:
         """The call, warning if it drew random numbers (a pipeline's first step asks): the ranks outside a stage
@@ -334,9 +339,8 @@ def _gathers_onto(module: torch.nn.Module) -> Optional[Placement]:
 
 
 def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bool]:
-    """(table, name, GlobalTensor, the plain tensor it is swapped for while a one-rank stage runs, or None for
-    its `to_local()` made at each call) per GlobalTensor parameter and buffer in the module's (parameters,
-    buffers) `tables`; and whether every parameter is the same tensor at each call of a step (a stored
+    """A `Swap` (`call_local`'s) per GlobalTensor parameter and buffer in the module's (parameters, buffers)
+    `tables`; and whether every parameter is the same tensor at each call of a step (a stored
     `nn.Parameter`, or a gathered copy kept for the step). The plain tensor: the local tensor where no
     gradient is taken; a gathered copy's `to_local()`, whose gradient goes back through its gather; given
     `leaves` (a pipeline step), the step's plain leaf per parameter and per kept gathered copy, whose
@@ -348,36 +352,18 @@ def _swap_in(tables: list, grad: bool, leaves: Optional[dict]) -> tuple[list, bo
                 kept = leaves is not None and not t.is_leaf and kept_output(t)
                 stored = stored and (isinstance(t, torch.nn.Parameter) or kept)
                 if not (grad and t.requires_grad):
-                    swaps.append((params, name, t, t._local))
+                    swaps.append(Swap(params, name, t, t._local))
                 elif leaves is None or not (t.is_leaf or kept):
-                    swaps.append((params, name, t, None))
+                    swaps.append(Swap(params, name, t, None))
                 else:
                     entry = leaves.get(id(t))  # by id: a tensor's __hash__ is a Python call
                     if entry is None:
                         entry = leaves[id(t)] = (t, t._local.detach().requires_grad_())
-                    swaps.append((params, name, t, entry[1]))
+                    swaps.append(Swap(params, name, t, entry[1]))
         for name, t in buffers.items():
             if isinstance(t, GlobalTensor):
-                swaps.append((buffers, name, t, None if grad and t.requires_grad else t._local))
+                swaps.append(Swap(buffers, name, t, None if grad and t.requires_grad else t._local))
     return swaps, stored
-
-
-def _plain_forward(module: torch.nn.Module, forward: Any, layout: Layout, args: tuple, kwargs: dict,
-                   swaps: list) -> Any:
-    """`forward` on the local tensors of a one-rank placement: parameters and buffers swapped for their plain
-    tensors while it runs (`swaps`, from `_swap_in`), outputs wrapped back in `layout`."""
-    grad = torch.is_grad_enabled()
-    for table, name, t, plain in swaps:
-        table[name] = t.to_local() if plain is None else plain
-    try:
-        if kwargs:
-            out = forward(module, *_as_local(args, grad), **_as_local(kwargs, grad))
-        else:
-            out = forward(module, *_as_local(args, grad))
-    finally:
-        for table, name, t, _ in swaps:
-            table[name] = t
-    return _as_global(out, layout)
 
 
 def _accumulate(p: torch.Tensor, grad: Optional[GlobalTensor]) -> None:
@@ -391,25 +377,12 @@ def _accumulate(p: torch.Tensor, grad: Optional[GlobalTensor]) -> None:
         hook(p)
 
 
-def _as_local(obj: Any, grad: bool) -> Any:
-    if isinstance(obj, GlobalTensor):
-        return _plain_input(obj) if grad and obj.requires_grad else obj._local
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_as_local(o, grad) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _as_local(v, grad) for k, v in obj.items()}
-    return obj
-
-
-def _as_global(obj: Any, layout: Layout) -> Any:
-    if isinstance(obj, torch.Tensor) and not isinstance(obj, GlobalTensor):
-        return _StageOutput.apply(obj, layout, tuple(obj.shape)) if obj.requires_grad else \
-            GlobalTensor(obj, layout, tuple(obj.shape))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_as_global(o, layout) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _as_global(v, layout) for k, v in obj.items()}
-    return obj
+def _as_global(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A plain stage's output tensor in `layout` (a GlobalTensor it returned as it is)."""
+    if isinstance(t, GlobalTensor):
+        return t
+    shape = tuple(t.shape)
+    return _StageOutput.apply(t, layout, shape) if t.requires_grad else GlobalTensor(t, layout, shape)
 
 
 class _StageOutput(FromLocal):
@@ -427,9 +400,12 @@ class _StageOutput(FromLocal):
 _STAGE_OUTPUT = _StageOutput._backward_cls
 
 
-def _plain_input(x: GlobalTensor) -> torch.Tensor:
-    """x's local tensor, differentiable: the plain tensor x wraps where x is a plain stage's output as it came
-    (not written in place since, no hook on it: its gradient is the plain tensor's), else `x.to_local()`."""
+def _plain_input(x: GlobalTensor, grad: bool) -> torch.Tensor:
+    """x's local tensor, differentiable where `grad` and x takes a gradient: the plain tensor x wraps where
+    x is a plain stage's output as it came (not written in place since, no hook on it: its gradient is the
+    plain tensor's), else `x.to_local()`."""
+    if not (grad and x.requires_grad):
+        return x._local
     node = x.grad_fn
     if type(node) is _STAGE_OUTPUT and node.local._version == node.version and not x._backward_hooks \
             and not x.retains_grad:
@@ -446,20 +422,6 @@ class _GradLayout:
     def __call__(self, grad: Any) -> None:
         if isinstance(grad, GlobalTensor):
             self.into[self.index] = (grad._layout, tuple(grad.shape), grad.dtype)
-
-
-def _tensors(obj: Any, into: Optional[list] = None) -> list:
-    """The tensors in `obj` (nested tuples, lists, dicts), in order, appended to `into`."""
-    out = [] if into is None else into
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            _tensors(o, out)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _tensors(o, out)
-    return out
 
 
 def _owed_split(wanting: list, grads: tuple) -> tuple:
@@ -537,27 +499,22 @@ def _anchor(device: Optional[torch.device]) -> torch.Tensor:
 
 
 def _moved(obj: Any, placement: Placement, side: Optional[bool] = None) -> Any:
-    """`obj`'s tensors sent to `placement`; with `side` (a pipeline fiber's crossing), marked so that
-    the backward tells the fiber where the gradient crosses back (the receiving side sends it)."""
-    if isinstance(obj, GlobalTensor):
-        here = obj._layout.placement
-        if here is placement or here == placement:
-            return obj
-        sbp = obj.sbp if here.shape == placement.shape else (Broadcast(),) * placement.ndim
-        moved = obj.to_global(placement, sbp)
-        if side is not None and moved.requires_grad:
-            # the gradient crosses back here: the sending side receives it (entering), the other leaves
-            return OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
-        return moved
-    if isinstance(obj, (tuple, list)):  # the same container where nothing moved
-        moved = [_moved(o, placement, side) for o in obj]
-        for m, o in zip(moved, obj):
-            if m is not o:
-                return type(obj)(moved)
-        return obj
-    if isinstance(obj, dict):
-        return {k: _moved(v, placement, side) for k, v in obj.items()} if obj else obj
-    return obj
+    """`obj`'s GlobalTensors sent to `placement` (`obj` itself where none moves); with `side` (a pipeline
+    fiber's crossing), marked so that the backward tells the fiber where the gradient crosses back (the
+    receiving side sends it)."""
+    return map_tensors(_move, obj, GlobalTensor, placement, side)
+
+
+def _move(t: GlobalTensor, placement: Placement, side: Optional[bool]) -> GlobalTensor:
+    here = t._layout.placement
+    if here is placement or here == placement:
+        return t
+    sbp = t.sbp if here.shape == placement.shape else (Broadcast(),) * placement.ndim
+    moved = t.to_global(placement, sbp)
+    if side is not None and moved.requires_grad:
+        # the gradient crosses back here: the sending side receives it (entering), the other leaves
+        return OnBackward.apply(moved, functools.partial(fiber.cross, entering=not side))
+    return moved
 
 
 def stage_hooks(module: torch.nn.Module, groups: dict) -> dict:

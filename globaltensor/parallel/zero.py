@@ -41,6 +41,7 @@ from .replay import RECORDING
 from ..runtime import context
 from ..sbp import Broadcast, Partial
 from ..tensor import GlobalTensor, grad_layout
+from .trees import map_tensors
 
 
 @dataclass(frozen=True, eq=False)
@@ -598,23 +599,11 @@ class _Regather(torch.autograd.Function):
 
 
 def _mark_outputs(output: Any, call: _Call) -> Any:
-    if isinstance(output, torch.Tensor):
-        return _Regather.apply(output, call) if output.requires_grad else output
-    if isinstance(output, (tuple, list)):
-        return type(output)(_mark_outputs(o, call) for o in output)
-    if isinstance(output, dict):
-        return {k: _mark_outputs(v, call) for k, v in output.items()}
-    return output
+    return map_tensors(lambda t: _Regather.apply(t, call) if t.requires_grad else t, output)
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast_floating(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj)
 
 
 def compute_layout(stored: Layout, hint: tuple, placement: Optional[Any] = None) -> Layout:

@@ -26,6 +26,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..parallel.trees import tensors
 from ..runtime import context
 from ..runtime.comm import CommEvent, CommLog
 from ..runtime.trace import FLAGS, STATE
@@ -398,17 +399,7 @@ class _Hooks:
 
 def _tag(output: Any, frame: _Frame) -> None:
     """Tag the autograd nodes this module call created (sequence numbers since it started) with its path."""
-    roots = []
-    stack = [output]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            if o.grad_fn is not None:
-                roots.append(o.grad_fn)
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
+    roots = [t.grad_fn for t in tensors(output) if t.grad_fn is not None]
     seen: set = set()
     start, body, out = frame.seq
     while roots:
