@@ -4,13 +4,13 @@ An op that works along dims other than the ragged one (softmax, topk, one_hot, c
 along others, bmm over it as the batch) needs no ragged-specific code: its own rule decides as for
 a balanced split of the ragged dim, and a signature that boxes nothing holds for any cut of it.
 This is that general path (`_by_rule`, its decision `_choose_passing`, the kernel's view of the
-true shards `_RaggedLocal`), kept apart from the few ops `ragged.py` handles by name.
+true shards `_RaggedLocal`), kept apart from the few ops `run.py` handles by name.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -19,18 +19,35 @@ from ..boxing import ragged as _recut
 from ..layout import Layout
 from ..ops.decide import valid, axis_candidates, flatten_out, map_tensors
 from ..ops.errors import data_dependent
-from ..ops.registry import RULES, Ctx, Local, is_inplace
+from ..ops.registry import RULES, Ctx, Local, Rule, is_inplace
 from ..placement import Placement
 from ..runtime import context
 from ..sbp import Broadcast, Partial, Ragged, Split
 from ..tensor import GlobalTensor
-from .cuts import Sizes, _balanced_sbp, _inside, _shown
-from .tensor import _NOT_TAKEN, RaggedTensor, make
-
-_BY_RULE: dict = {}  # call key -> (rule, ctx, stand-in input layouts, output layouts, cuts) or None
+from .cuts import _NOT_TAKEN, Sizes, _balanced_sbp, _inside, _shown
 
 
-def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list) -> Any:
+class Passing(NamedTuple):
+    """`_choose_passing`'s decision for one call, cached by its key."""
+    rule: Rule
+    ctx: Ctx
+    stand_ins: tuple     # per input, the layout the rule decided on (a balanced Split(d) for the ragged dim)
+    out_layouts: tuple   # per flattened output (None for a None output)
+    cuts: tuple          # per input, per mesh axis: the dim a whole operand is cut along (None: kept)
+    dtypes: tuple        # per flattened output
+
+
+class Rows(NamedTuple):
+    """The ragged rows the outputs carry on: the ragged mesh axes, their sizes, a reshape's unit (or None)."""
+    axes: tuple
+    sizes: Sizes
+    unit: Optional[int]
+
+
+_BY_RULE: dict[tuple, Optional[Passing]] = {}  # call key -> its decision, None where no signature passes
+
+
+def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list, cls: type) -> Any:
     """An op that works along dims other than the ragged one, run on the shards with no data moved.
 
     Its rule decides as for a balanced split of the ragged dim (the stand-in), taking only a signature
@@ -57,16 +74,17 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list) -> Any:
     if chosen is _NONE:
         if len(_BY_RULE) >= 4096:   # bounded, as the dispatcher's programs are
             _BY_RULE.clear()
-        chosen = _BY_RULE[key] = _choose_passing(func, args, kwargs, tensors, p, axes, length)
+        chosen = _BY_RULE[key] = _choose_passing(func, args, kwargs, tensors, p, axes, length, cls)
     if chosen is None:
         return _NOT_TAKEN
-    rule, ctx, stand_ins, out_layouts, cuts, dtypes = chosen
-    unit = first._unit if all(t._auto for t in ragged) else None
-    if is_inplace(func) and not (isinstance(args[0], RaggedTensor) and out_layouts[0] == stand_ins[0]):
+    rule, ctx, stand_ins, out_layouts, cuts, _ = chosen
+    rows = Rows(axes, sizes, first._unit if all(t._auto for t in ragged) else None)
+    if is_inplace(func) and not (isinstance(args[0], cls) and out_layouts[0] == stand_ins[0]):
         return _NOT_TAKEN   # writes its target where it is, or not here
     if not _inside(first._layout):
-        result = [None if lay is None else first._local.new_empty((0,), dtype=dt) for lay, dt in zip(out_layouts, dtypes)]
-        return _wrap_outputs(func, ctx, result, out_layouts, axes, sizes, unit, args)
+        result = [None if lay is None else first._local.new_empty((0,), dtype=dt)
+                  for lay, dt in zip(out_layouts, chosen.dtypes)]
+        return _wrap_outputs(cls, chosen, rows, result)
     rank = context.current().rank
     coord = p.coord(rank)
 
@@ -86,23 +104,24 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list) -> Any:
         if lay is not None and tuple(o.shape) != where.out_shape(j):
             raise AssertionError(f"{func}: its kernel gave a shard of shape {tuple(o.shape)} for output {j}, "
                                  f"not the {where.out_shape(j)} that {lay.sbp} with sizes {_shown(sizes)} holds")
-    return _wrap_outputs(func, ctx, result, out_layouts, axes, sizes, unit, args, got)
+    return _wrap_outputs(cls, chosen, rows, result, got)
 
 
-def _wrap_outputs(func, ctx, result, out_layouts, axes, sizes, unit, args, got=None) -> Any:
-    """The kernel's shards as global tensors: ragged where the rows passed through, plain where Partial."""
+def _wrap_outputs(cls: type, chosen: Passing, rows: Rows, result: list, got: Any = None) -> Any:
+    """The kernel's shards as global tensors: ragged where the rows passed through, plain where Partial.
+    `got`: the kernel's output, whose structure they take (None: outside the placement, no kernel ran)."""
     wrapped = []
-    for o, lay, shape in zip(result, out_layouts, ctx.out_shapes):
+    for o, lay, shape in zip(result, chosen.out_layouts, chosen.ctx.out_shapes):
         if lay is None or o is None:
             wrapped.append(o)
             continue
-        if any(isinstance(lay.sbp[a], Split) for a in axes):
-            lay = Layout(lay.placement, tuple(Ragged(s.dim) if a in axes else s for a, s in enumerate(lay.sbp)))
-            wrapped.append(make(o, lay, shape, sizes, unit=unit))
+        if any(isinstance(lay.sbp[a], Split) for a in rows.axes):
+            lay = Layout(lay.placement, tuple(Ragged(s.dim) if a in rows.axes else s for a, s in enumerate(lay.sbp)))
+            wrapped.append(cls.make(o, lay, shape, rows.sizes, unit=rows.unit))
         else:
-            wrapped.append(make(o, lay, shape, None))
+            wrapped.append(cls.make(o, lay, shape, None))
     if got is None:
-        return wrapped[0] if len(wrapped) == 1 and len(out_layouts) == 1 else tuple(wrapped)
+        return wrapped[0] if len(wrapped) == 1 and len(chosen.out_layouts) == 1 else tuple(wrapped)
     return flatten_out(got)[1](wrapped)
 
 
@@ -117,9 +136,8 @@ _NONE = object()
 
 
 def _choose_passing(func: Any, args: tuple, kwargs: dict, tensors: list, p: Placement, axes: tuple,
-                    length: int) -> Optional[tuple]:
-    """`_by_rule`'s decision: (rule, ctx, stand-in input layouts, output layouts, per input the dim a
-    whole operand is cut along on each ragged axis), or None where no signature passes the rows through."""
+                    length: int, cls: type) -> Optional[Passing]:
+    """`_by_rule`'s decision, or None where no signature passes the rows through."""
     rule = RULES.get(func)
     if rule is None or rule.decompose is not None and rule.decompose_when is None:
         return None
@@ -139,7 +157,7 @@ def _choose_passing(func: Any, args: tuple, kwargs: dict, tensors: list, p: Plac
     if rule.decompose is not None and rule.decompose_when(ctx, srcs):
         return None
     cands = axis_candidates(ctx, rule, len(tensors), len(outs))
-    ragged = [isinstance(t, RaggedTensor) for t in tensors]
+    ragged = [isinstance(t, cls) for t in tensors]
     per_axis, cut_dims = [], []
     for a in range(p.ndim):
         fits, cuts = [], []
@@ -167,8 +185,8 @@ def _choose_passing(func: Any, args: tuple, kwargs: dict, tensors: list, p: Plac
         partials = sum(lay is not None and lay.has_partial for lay in out_layouts)
         if (best is None or partials < best[0]) and valid(ctx, rule, targets, out_layouts, p):
             cuts = tuple(tuple(cut_dims[a][k][i] for a, k in enumerate(pick)) for i in range(len(tensors)))
-            best = (partials, (rule, ctx, targets, out_layouts, cuts,
-                               tuple(None if o is None else o.dtype for o in outs)))
+            best = (partials, Passing(rule, ctx, targets, out_layouts, cuts,
+                                      tuple(None if o is None else o.dtype for o in outs)))
             if not partials:
                 break
     return None if best is None else best[1]
