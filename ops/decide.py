@@ -14,25 +14,79 @@ An op without a rule, or whose meta kernel cannot say its output shapes
 (data-dependent), or for which no signature checks out, falls back: every
 input Broadcast, run replicated, outputs Broadcast. That too is a decision,
 run by the same program (`ops/program.py`).
+
+A call with ragged inputs (`gt.ragged(d)`: rows cut unevenly, their sizes data) is decided here
+too, on balanced stand-ins, among the choices that move no data (`RaggedRows`); the ragged
+wing runs it on the true shards.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from .. import boxing
 from ..layout import Layout
-from ..sbp import Broadcast, Split
+from ..sbp import Broadcast, Partial, Ragged, Split
 from .errors import data_dependent, kernel_error
 from .registry import RULES, Ctx, Local, Rule, is_inplace
 from .scope import in_named
 from .span import placement_of
 
 MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
+
+
+@dataclass(frozen=True)
+class RaggedRows:
+    """Where a call's rows are cut unevenly (its ragged inputs): the decision reads them as the balanced
+    split (the stand-in) and takes only what moves no data, since conversions and kernels' boxes assume
+    balanced shards. On the ragged mesh axes the ragged inputs keep their split, a whole (Broadcast)
+    operand may be cut along a dim as long as the rows (each rank's rows: a local slice), and the outputs
+    carry the rows (a split of a dim as long as theirs, alike on every ragged axis), are Partial (each
+    rank's rows a term) or Broadcast (what the rule computes whole from any shard); on every other axis
+    every input stays as it is; a kernel that communicates itself is not taken. Such a choice holds for
+    any cut of the rows, not only the balanced one."""
+    axes: tuple      # the mesh axes that cut the rows
+    holders: tuple   # per tensor slot: whether it holds the rows (is ragged)
+    length: int      # the rows' dim's length
+
+    @staticmethod
+    def of(layouts: tuple, tensors: list) -> Optional["RaggedRows"]:
+        """The rows of a call whose tensors arrive in `layouts`; None where none is ragged."""
+        first = next((i for i, lay in enumerate(layouts) if lay.ragged_axes), None)
+        if first is None:
+            return None
+        axes = layouts[first].ragged_axes
+        return RaggedRows(axes, tuple(bool(lay.ragged_axes) for lay in layouts),
+                          tensors[first].shape[layouts[first].sbp[axes[0]].dim])
+
+    @staticmethod
+    def stand_in(layout: Layout) -> Layout:
+        """The balanced split a ragged layout is decided as."""
+        return Layout(layout.placement, tuple(Split(s.dim) if isinstance(s, Ragged) else s for s in layout.sbp))
+
+    def admits(self, ins: tuple, outs: tuple, axis: int, srcs: tuple, ctx: Ctx) -> bool:
+        """Whether mesh axis `axis`'s 1-D signature moves no data (see the class)."""
+        ragged = axis in self.axes
+        for want, src, holds, shape in zip(ins, srcs, self.holders, ctx.shapes):
+            have = src.sbp[axis]
+            if not (want == have and (not ragged or holds or isinstance(have, Broadcast)) or
+                    ragged and isinstance(have, Broadcast) and isinstance(want, Split) and
+                    shape[want.dim] == self.length):
+                return False
+        if not ragged:
+            return True
+        return all(o is None or shape is None or isinstance(o, (Partial, Broadcast)) or
+                   isinstance(o, Split) and shape[o.dim] == self.length for o, shape in zip(outs, ctx.out_shapes))
+
+    def carried_alike(self, out_layouts: tuple) -> bool:
+        """Whether each output's rows pass through on every ragged axis alike, or on none."""
+        return all(lay is None or not any(isinstance(lay.sbp[a], Split) for a in self.axes) or
+                   all(isinstance(lay.sbp[a], Split) and lay.sbp[a].dim == lay.sbp[self.axes[0]].dim
+                       for a in self.axes) for lay in out_layouts)
 
 
 @dataclass(frozen=True)
@@ -48,6 +102,7 @@ class Decision:
     out_dtypes: tuple                 # per flattened output
     inplace: bool
     writeback: bool                   # in-place op computed elsewhere and boxed back into its target
+    rows: Optional[RaggedRows] = None  # ragged inputs: sources and targets are balanced stand-ins
 
     @property
     def boxes(self) -> bool:
@@ -105,41 +160,51 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
     `forced`: (targets, out_layouts) chosen beforehand for this call (a step plan, `ops/step_plan.py`),
     taken if the rule's kernel accepts it for these shapes; None if it does not (the caller decides again).
     """
-    start = _start(func, args, kwargs, tensors, cls)
-    if isinstance(start, Decision):
-        return start
-    ctx, rule, placement, srcs, outs, inplace = start
+    call = _start(func, args, kwargs, tensors, cls)
+    if isinstance(call, Decision):
+        return call
+    ctx, rule, placement, srcs, outs, inplace, rows = call
     if forced is not None:
         if any(lay.placement != placement for lay in forced[0]) or not valid(ctx, rule, *forced, placement):
             return None  # type: ignore[return-value]
         chosen = forced
     else:
-        chosen = _choose(ctx, rule, srcs, tensors, placement, inplace, outs)
+        chosen = _choose(call, tensors)
     if chosen is None:
-        return _fallback(func, placement, srcs, outs, inplace)
+        return _fallback(func, placement, srcs, outs, inplace, rows)
     targets, out_layouts = chosen
     return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
                     tuple(None if o is None else o.dtype for o in outs), inplace,
-                    _writes_back(inplace, srcs, targets, out_layouts))
+                    _writes_back(inplace, srcs, targets, out_layouts), rows)
 
 
 def options(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Optional[tuple]:
     """Every valid choice of this call, for a step plan to weigh against the rest of the step:
     (ctx, source layouts, [(targets, out_layouts), ...]); None where the call is not a kernel decision
     (a decomposition, a fallback: nothing to choose)."""
-    start = _start(func, args, kwargs, tensors, cls)
-    if isinstance(start, Decision):
+    call = _start(func, args, kwargs, tensors, cls)
+    if isinstance(call, Decision):
         return None
-    ctx, rule, placement, srcs, outs, inplace = start
-    found = [c for c in _laid(ctx, rule, srcs, tensors, placement, outs)
+    ctx, rule, placement, srcs, outs, inplace, _ = call
+    found = [c for c in _laid(call, tensors)
              if signature_cost(ctx, srcs, tensors, *c, outs, inplace)[0] != float("inf")
              and valid(ctx, rule, *c, placement)]
     return (ctx, srcs, found) if found else None
 
 
+class Call(NamedTuple):
+    """What choosing a signature for one call needs."""
+    ctx: Ctx
+    rule: Rule
+    placement: Any
+    srcs: tuple                   # per tensor slot: the layout it arrives in (ragged ones: their stand-ins)
+    outs: list                    # the meta outputs
+    inplace: bool
+    rows: Optional[RaggedRows]    # where ragged inputs cut the rows; None: none is ragged
+
+
 def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Any:
-    """Either the decision already (decomposition, fallback) or what choosing a signature needs:
-    (ctx, rule, placement, source layouts, meta outputs, in-place)."""
+    """Either the decision already (decomposition, fallback) or what choosing a signature needs (`Call`)."""
     rule = RULES.get(func)
     inplace = is_inplace(func)
     decomposes = rule is not None and rule.decompose is not None and rule.decompose_when is None
@@ -149,8 +214,11 @@ def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> An
                  placement_of(func, tensors, cls))
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
     srcs = tuple(t._layout if isinstance(t, cls) else bcast for t in tensors)
+    rows = RaggedRows.of(srcs, tensors)
+    if rows is not None:
+        srcs = tuple(RaggedRows.stand_in(lay) for lay in srcs)
     if decomposes:
-        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
+        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False, rows)
     try:
         meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_like(t, t.shape))
         outs, _ = flatten_out(func(*meta_args, **meta_kwargs) if rule is None or rule.meta is None else
@@ -160,15 +228,15 @@ def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> An
             raise kernel_error(func, e, tensors, cls) from None
         outs = None  # no meta kernel (data-dependent output): only a replicated run can say
     if outs is None and rule is not None and rule.decompose is not None:  # e.g. x[mask]: a mask to indices
-        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False)
+        return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False, rows)
     if outs is None or rule is None:
-        return _fallback(func, placement, srcs, outs, inplace)
+        return _fallback(func, placement, srcs, outs, inplace, rows)
     # the context keeps meta stand-ins, not the call's tensors: a cached decision must not pin them
     ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
               tuple(None if o is None else tuple(o.shape) for o in outs), meta_args, meta_kwargs, placement.shape)
     if rule.decompose is not None and rule.decompose_when(ctx, srcs):
-        return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False)
-    return ctx, rule, placement, srcs, outs, inplace
+        return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False, rows)
+    return Call(ctx, rule, placement, srcs, outs, inplace, rows)
 
 
 def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple) -> bool:
@@ -176,7 +244,8 @@ def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple)
     return inplace and (targets[0] != srcs[0] or out_layouts[0] != srcs[0])
 
 
-def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inplace: bool) -> Decision:
+def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inplace: bool,
+              rows: Optional[RaggedRows] = None) -> Decision:
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
     if outs is None:
         out_layouts, out_shapes, out_dtypes = None, None, None
@@ -185,7 +254,7 @@ def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inpl
         out_shapes = tuple(None if o is None else tuple(o.shape) for o in outs)
         out_dtypes = tuple(None if o is None else o.dtype for o in outs)
     return Decision("fallback", None, None, placement, srcs, (bcast,) * len(srcs), out_layouts, out_shapes,
-                    out_dtypes, inplace, inplace and srcs[0] != bcast)
+                    out_dtypes, inplace, inplace and srcs[0] != bcast, rows)
 
 
 def axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:
@@ -282,14 +351,14 @@ def summed(bills: list) -> tuple[tuple, int]:
     return tuple(per_rank), sum(n for _, n in bills)
 
 
-def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, inplace: bool,
-            outs: list) -> Optional[tuple]:
+def _choose(call: Call, tensors: list) -> Optional[tuple]:
     """(targets, out layouts) of the cheapest valid nd signature (one 1-D signature per mesh axis).
 
     A signature is only taken if the local kernel, run on meta shards of every
     rank, yields exactly the shards its output layouts describe.
     """
-    laid = _laid(ctx, rule, srcs, tensors, placement, outs)
+    ctx, rule, placement, srcs, outs, inplace, _ = call
+    laid = _laid(call, tensors)
 
     def owes_nothing(targets: tuple, out_layouts: tuple) -> bool:
         if targets != srcs:
@@ -323,15 +392,23 @@ def _choose(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, in
     return None
 
 
-def _laid(ctx: Ctx, rule: Rule, srcs: tuple, tensors: list, placement: Any, outs: list) -> list:
-    """The nd signatures as (input layouts, output layouts), in the rule's order."""
+def _laid(call: Call, tensors: list) -> list:
+    """The nd signatures as (input layouts, output layouts), in the rule's order (with ragged rows, those
+    that move no data: `RaggedRows`)."""
+    ctx, rule, placement, srcs, outs, _, rows = call
     n_in, n_out = len(tensors), len(outs)
     cands = axis_candidates(ctx, rule, n_in, n_out)
-    combos = itertools.islice(itertools.product(*[cands] * placement.ndim), MAX_COMBOS)
-    return [(tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in)),
+    per_axis = [cands if rows is None else [c for c in cands if rows.admits(*c, a, srcs, ctx)]
+                for a in range(placement.ndim)]
+    combos = itertools.islice(itertools.product(*per_axis), MAX_COMBOS)
+    laid = [(tuple(Layout(placement, tuple(sig[0][i] for sig in combo)) for i in range(n_in)),
              tuple(None if outs[j] is None else Layout(placement, tuple(sig[1][j] for sig in combo))
                    for j in range(n_out)))
             for combo in combos]
+    if rows is None:
+        return laid
+    return [(t, o) for t, o in laid if rows.carried_alike(o) and
+            (rule.kernel_cost is None or rule.kernel_cost(ctx, srcs, t, o) == ((), 0))]
 
 
 def valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: Any) -> bool:

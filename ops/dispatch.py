@@ -152,9 +152,11 @@ def _store(key: tuple, program: Program) -> Program:
     return program
 
 
-def decision_of(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Decision:
-    """The decision the dispatcher takes for this call (cached, or made now): kind, targets, output layouts."""
-    return _program_for(func, args, kwargs or _NO_KWARGS, cls).decision  # type: ignore[attr-defined]
+def decision_of(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Optional[Decision]:
+    """The decision the dispatcher takes for this call (cached, or made now): kind, targets, output layouts;
+    None for an op whose rule always decomposes (nothing to decide). A call with ragged inputs gets its
+    decision here, from the one cache, and is run by the ragged tensor's op path."""
+    return getattr(_program_for(func, args, kwargs or _NO_KWARGS, cls), "decision", None)
 
 
 def cache_size() -> int:

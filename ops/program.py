@@ -41,6 +41,12 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         return [args[i] for i in slots] if slots is not None else _tensor_list(args, kwargs)
 
     rule = dec.rule
+    if dec.rows is not None:  # decided on balanced stand-ins: the ragged wing runs it on the true shards
+        def on_stand_ins(args: tuple, kwargs: dict) -> Any:
+            raise AssertionError(f"{func}: a call with ragged inputs is decided here and run by the ragged "
+                                 "tensor's op path, never by a program")
+        on_stand_ins.decision = dec  # type: ignore[attr-defined]
+        return on_stand_ins
     if dec.kind == "decompose":
         if not rule.overwrites:
             decomposed = compile_decomposition(func, rule, cls)

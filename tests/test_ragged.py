@@ -173,6 +173,21 @@ def test_ops_along_other_dims_keep_a_ragged_split(mesh, sizes, groups, k):
         torch.testing.assert_close(xg.reshape(x.shape), x.grad, **TOL)
 
 
+def _decided_step():
+    from globaltensor.ops import dispatch
+    p = _mesh((2,))
+    x = gt.from_local(torch.ones(gt.rank() + 1, 3), p, gt.ragged(0), sizes=[1, 2])
+    dec = dispatch.decision_of(torch.ops.aten._softmax.default, (x, 1, False), {}, gt.GlobalTensor)
+    again = dispatch.decision_of(torch.ops.aten._softmax.default, (x, 1, False), {}, gt.GlobalTensor)
+    return dec.kind, dec.sources[0].sbp, dec.out_layouts[0].sbp, dec.rows.axes, again is dec
+
+
+def test_a_ragged_call_is_decided_by_the_one_dispatcher():
+    """The general rule's decision is the dispatcher's, on the balanced stand-in, from its one cache."""
+    for kind, src, out, axes, cached in launch(_decided_step, 2):
+        assert (kind, src, out, axes, cached) == ("kernel", (gt.split(0),), (gt.split(0),), (0,), True)
+
+
 def _refuse_step(op):
     p = _mesh((2,))
     x = gt.from_local(torch.ones(gt.rank() + 1, 3), p, gt.ragged(0), sizes=[1, 2])

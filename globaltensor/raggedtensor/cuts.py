@@ -240,3 +240,8 @@ def _box_at(layout: Layout, shape: tuple, unit: int, rank: int) -> Optional[tupl
             start, _ = box[d]
             box[d] = (start + sum(sizes[a][:coord[a]]), sizes[a][coord[a]])
     return tuple(box)
+
+
+# what an op handler (`views.py`'s, `rules.py`'s) gives where it does not take the call: the op path
+# (`run.py`) asks the next, or balances a reshape's rows, or refuses
+_NOT_TAKEN = object()

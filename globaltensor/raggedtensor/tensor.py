@@ -1,10 +1,9 @@
 """The `RaggedTensor` class, `make` (the one way to build one) and its conversions between cuts.
 
 The class and its conversions live together because each needs the other: `to_global` is a
-conversion, and every conversion builds its result with `make`. The op path (`ragged.py`'s `_run`)
-builds its outputs with `make` too, so it sits above this module and puts itself in `DISPATCH`
-when imported (as `ops/view.py`'s RAGGED_VIEW is filled in): the class calls it from
-`__torch_dispatch__` without importing it.
+conversion, and every conversion builds its result with `make`. The op path (`run.py`) sits below:
+the class hands it the call and itself (`__torch_dispatch__`), as `GlobalTensor` hands the dispatcher
+its class, and the handlers build their outputs with `cls.make`.
 """
 from __future__ import annotations
 
@@ -17,17 +16,15 @@ from ..boxing import convert_local
 from ..boxing.boxes import intersect, numel, relative
 from ..boxing import ragged as _recut
 from ..layout import Layout, normalize_sbp, slice_box
+from ..ops import view as _view
 from ..placement import Placement
 from ..runtime import context
 from ..sbp import Broadcast, Ragged, Split, split_sizes
 from ..tensor import GlobalTensor, grad_layout
-from .cuts import (Sizes, _balanced, _balanced_sbp, _box_at, _cuts, _inside, _outer_splits_ragged,
-                          _recut_units, _runs_of_layout, _unit_sizes, check_sizes, runs_sizes)
-
-# `globaltensor/raggedtensor/ops.py` puts its op path (`_run`) here when imported: it builds tensors of this class
-DISPATCH: dict = {"run": None}
-# what an op handler (`_reshape`, `_permute`, `_mm`, `_by_rule`) gives where it does not take the call
-_NOT_TAKEN = object()
+from .cuts import (Sizes, _balanced, _balanced_sbp, _box_at, _cuts, _outer_splits_ragged, _runs_of_layout, check_sizes,
+                   runs_sizes)
+from .run import run as _run_op
+from .views import _balance, _unbalance, merged_view
 
 
 class RaggedTensor(GlobalTensor):
@@ -48,7 +45,26 @@ class RaggedTensor(GlobalTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         """Any call with a ragged input lands here (the subclass is asked first), never in the dispatcher."""
-        return DISPATCH["run"](func, args, kwargs or {})
+        return _run_op(func, args, kwargs or {}, RaggedTensor)
+
+    @classmethod
+    def make(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes,
+             requires_grad: bool = False, unit: Optional[int] = None) -> GlobalTensor:
+        """The tensor for a layout and sizes: ragged where the layout is, a plain GlobalTensor otherwise.
+
+        A classmethod so that the op path below this module (`run.py`, `views.py`, `rules.py`) builds its
+        outputs from the class it is handed, importing nothing above it. `unit`: the ragged split came from
+        a reshape of a balanced one (its sizes are that split's pieces times `unit`), not from the user or a
+        grouped op; an op that does not take ragged inputs then converts it to the balanced split instead
+        of refusing."""
+        shape = tuple(shape)
+        if not layout.ragged_axes:
+            return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+        layout, sizes = _outer_splits_ragged(layout, shape, sizes)
+        r = GlobalTensor.__new__(cls, local, layout, shape, requires_grad)
+        r._sizes = sizes
+        r._unit = unit
+        return r
 
     @property
     def sizes(self) -> Sizes:
@@ -81,22 +97,9 @@ class RaggedTensor(GlobalTensor):
         return convert(self, Layout(self.placement, (Broadcast(),) * self.placement.ndim), None).full_tensor()
 
 
-# -- building ---------------------------------------------------------------------------------------
-def make(local: torch.Tensor, layout: Layout, shape: Sequence[int], sizes: Sizes,
-         requires_grad: bool = False, unit: Optional[int] = None) -> GlobalTensor:
-    """The tensor for a layout and sizes: ragged where the layout is, a plain GlobalTensor otherwise.
-
-    `unit`: the ragged split came from a reshape of a balanced one (its sizes are that split's pieces
-    times `unit`), not from the user or a grouped op; an op that does not take ragged inputs then converts
-    it to the balanced split instead of refusing."""
-    shape = tuple(shape)
-    if not layout.ragged_axes:
-        return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
-    layout, sizes = _outer_splits_ragged(layout, shape, sizes)
-    r = GlobalTensor.__new__(RaggedTensor, local, layout, shape, requires_grad)
-    r._sizes = sizes
-    r._unit = unit
-    return r
+make = RaggedTensor.make
+# `ops/view.py`'s reshape rule builds a reshape's ragged rows through this slot (the ops floor cannot name the class)
+_view.RAGGED_VIEW["run"] = lambda func, args, kwargs: merged_view(func, args, kwargs, RaggedTensor)
 
 
 # -- conversions ------------------------------------------------------------------------------------
@@ -351,7 +354,7 @@ class _Convert(torch.autograd.Function):
                 and not _runs_of(grad, ctx.unit):
             # a reshape's nested runs: by way of the balanced split
             balanced = _convert_now(grad, Layout(ctx.src.placement, _balanced_sbp(ctx.src)), None)
-            return _unbalance(balanced, ctx.src, ctx.unit), None, None, None
+            return _unbalance(RaggedTensor, balanced, ctx.src, ctx.unit), None, None, None
         out = _convert_now(grad, ctx.src, ctx.sizes, unit)
         if ctx.unit is not None and isinstance(out, RaggedTensor):
             out._unit = ctx.unit   # still a reshape's runs: ops that do not keep them balance them
@@ -427,25 +430,3 @@ def _exchange_runs(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: int) -> Glo
     for q, box in pieces:
         slice_box(local, relative(box, want)).copy_(got[q])
     return make(local, dst, shape, sizes if dst.ragged_axes else None)
-
-
-def _balance(x: "RaggedTensor") -> GlobalTensor:
-    """A reshape's ragged tensor on the balanced split of its dim (one uneven all-to-all, nothing where the
-    runs already are the balanced ones)."""
-    axes = x._layout.ragged_axes
-    d, p = x._layout.sbp[axes[0]].dim, x.placement
-    layout = Layout(p, tuple(Split(d) if a in axes else s for a, s in enumerate(x._layout.sbp)))
-    local = x._local
-    if _inside(layout):
-        local = _recut_units(local, p, axes, d, x.shape[d] // x._unit, x._unit, to_units=False)
-    return make(local, layout, tuple(x.shape), None)
-
-
-def _unbalance(y: GlobalTensor, layout: Layout, unit: int) -> GlobalTensor:
-    """The reverse of `_balance`: y (Split(d) where `layout` is ragged) back to the runs in units."""
-    axes = layout.ragged_axes
-    d, p = layout.sbp[axes[0]].dim, layout.placement
-    local = y._local
-    if _inside(layout):
-        local = _recut_units(local, p, axes, d, y.shape[d] // unit, unit, to_units=True)
-    return make(local, layout, tuple(y.shape), _unit_sizes(y.shape[d] // unit, unit, p, axes), unit=unit)

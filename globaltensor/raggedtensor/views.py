@@ -3,9 +3,9 @@
 A reshape that merges an unevenly split dim with the dims inside it makes ragged rows in units
 (`merged_view`, which `ops/view.py`'s reshape rule runs through RAGGED_VIEW); these handlers keep
 such rows ragged, with no data moved, through the reshapes, transposes and products a Linear runs
-on them (no rule passes a split through a merge of dims, so `ragged_rules.py` does not take these,
-and an op nothing takes gets the rows balanced: one uneven all-to-all). They give `_NOT_TAKEN` for
-anything else.
+on them (no rule passes a split through a merge of dims, so `rules.py` does not take these,
+and an op nothing takes gets the rows balanced: `_balance`, one uneven all-to-all). They give
+`_NOT_TAKEN` for anything else, and build their outputs with the class they are handed (`cls.make`).
 """
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from ..ops import view as _view
 from ..runtime import context
 from ..sbp import Broadcast, Partial, Ragged, Split
 from ..tensor import GlobalTensor
-from .cuts import _inside, _is_balanced, _unit_sizes, local_shape
-from .tensor import _NOT_TAKEN, RaggedTensor, make
+from .cuts import _NOT_TAKEN, _inside, _is_balanced, _recut_units, _unit_sizes, local_shape
 
 aten = torch.ops.aten
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.flatten.using_ints,
@@ -37,7 +36,7 @@ def _meta_shape(func: Any, args: tuple, kwargs: dict) -> tuple:
     return tuple(func(*meta[0], **meta[1]).shape)
 
 
-def _reshaped(x: GlobalTensor, layout: Layout, shape: tuple, length: int, unit: int) -> GlobalTensor:
+def _reshaped(cls: type, x: GlobalTensor, layout: Layout, shape: tuple, length: int, unit: int) -> GlobalTensor:
     """x's shard read in `shape` under `layout`, its ragged dim `length` units of `unit` rows (no data moves)."""
     p = layout.placement
     sizes = _unit_sizes(length, unit, p, layout.ragged_axes) if layout.ragged_axes else None
@@ -45,10 +44,10 @@ def _reshaped(x: GlobalTensor, layout: Layout, shape: tuple, length: int, unit: 
     if _inside(layout):
         local = local.reshape(local_shape(layout, shape, sizes, context.current().rank) if sizes else
                               layout.local_shape(shape, context.current().rank))
-    return make(local, layout, shape, sizes, unit=unit if sizes else None)
+    return cls.make(local, layout, shape, sizes, unit=unit if sizes else None)
 
 
-def merged_view(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
+def merged_view(func: Any, args: tuple, kwargs: dict, cls: type) -> GlobalTensor:
     """A reshape that merges an unevenly split dim with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not
     a multiple of the ranks): the output is ragged on the merged dim, its sizes the pieces times the inner
     size (`ops/view.py`'s uneven_merge); no data moves. Run by the reshape rule's decomposition."""
@@ -59,10 +58,10 @@ def merged_view(func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
     cut = Split(o) if _is_balanced(ins[d], unit, x.placement, axes) else Ragged(o)
     sbp = tuple(cut if a in axes else Split(carried[s.dim]) if isinstance(s, Split) else s
                 for a, s in enumerate(x._layout.sbp))
-    return _reshaped(x, Layout(x.placement, sbp), outs, ins[d], unit)
+    return _reshaped(cls, x, Layout(x.placement, sbp), outs, ins[d], unit)
 
 
-def _reshape(func: Any, args: tuple, kwargs: dict) -> Any:
+def _reshape(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     """A reshape of a reshape's ragged rows: the ragged dim, the outer one of its reshape group, carries to
     the outer output dim of the group in units scaled by the inner sizes' ratio ([G*S, d] ragged ->
     [G, S, d] ragged on G, or balanced S(0) where the runs are the balanced ones); other axes broadcast or
@@ -95,15 +94,15 @@ def _reshape(func: Any, args: tuple, kwargs: dict) -> Any:
         cut = Split(o) if _is_balanced(length, unit, x.placement, axes) else Ragged(o)
         sbp = tuple(cut if a in axes else Split(carried[s.dim]) if isinstance(s, Split) else s
                     for a, s in enumerate(x._layout.sbp))
-        return _reshaped(x, Layout(x.placement, sbp), outs, length, unit)
+        return _reshaped(cls, x, Layout(x.placement, sbp), outs, length, unit)
     return _NOT_TAKEN
 
 
-def _permute(func: Any, args: tuple, kwargs: dict) -> Any:
+def _permute(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     """t, transpose, permute: the cut dims move with their dims, sizes unchanged."""
     x = args[0]
     n = x.dim()
-    if not isinstance(x, RaggedTensor):
+    if not isinstance(x, cls):
         return _NOT_TAKEN
     perm = list(range(n))
     if func is aten.t.default:
@@ -116,22 +115,22 @@ def _permute(func: Any, args: tuple, kwargs: dict) -> Any:
     where = {src: dst for dst, src in enumerate(perm)}
     sbp = tuple(type(s)(where[s.dim]) if isinstance(s, (Split, Ragged)) else s for s in x._layout.sbp)
     local = func(x._local, *args[1:], **kwargs) if _inside(x._layout) else x._local
-    return make(local, Layout(x.placement, sbp), tuple(x.shape[p] for p in perm), x._sizes, unit=x._unit)
+    return cls.make(local, Layout(x.placement, sbp), tuple(x.shape[p] for p in perm), x._sizes, unit=x._unit)
 
 
-def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
+def _mm(func: Any, args: tuple, kwargs: dict, cls: type) -> Any:
     """Matrix products with ragged rows: rows @ whole -> rows (mm, bmm, addmm with a whole bias), whole @
     ragged columns -> ragged columns, and a product over the ragged dim of two operands cut alike
     (x.t() @ grad: a Linear's weight gradient) -> Partial on the ragged axes. Every other mesh axis
     broadcasts, or (bmm) splits the batch dim of every operand alike (experts split over an expert axis)."""
     if func is aten.addmm.default:
         bias, a, b = args[:3]
-        if isinstance(bias, RaggedTensor):
+        if isinstance(bias, cls):
             return _NOT_TAKEN
     else:
         bias, (a, b) = None, args[:2]
     off = 1 if func is aten.bmm.default else 0
-    ra, rb = isinstance(a, RaggedTensor), isinstance(b, RaggedTensor)
+    ra, rb = isinstance(a, cls), isinstance(b, cls)
     first = a if ra else b
     layout, p = first._layout, first.placement
     axes = layout.ragged_axes
@@ -143,7 +142,7 @@ def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
             continue
         if t.placement != p or tuple(s for k, s in enumerate(t._layout.sbp) if k not in axes) != others:
             return _NOT_TAKEN
-        if not isinstance(t, RaggedTensor) and not all(isinstance(t._layout.sbp[k], Broadcast) for k in axes):
+        if not isinstance(t, cls) and not all(isinstance(t._layout.sbp[k], Broadcast) for k in axes):
             return _NOT_TAKEN
     if bias is not None and bias.dim() == 2 and bias.shape[0] != 1:
         return _NOT_TAKEN   # a bias with a row per ragged row: not a Linear's
@@ -174,7 +173,27 @@ def _mm(func: Any, args: tuple, kwargs: dict) -> Any:
         local = func(*largs, **kwargs)
     else:
         local = first._local.new_empty((0,))
-    return make(local, out, shape, sizes, unit=unit)
+    return cls.make(local, out, shape, sizes, unit=unit)
 
 
-_view.RAGGED_VIEW["run"] = merged_view
+
+def _balance(x: GlobalTensor) -> GlobalTensor:
+    """A reshape's ragged tensor on the balanced split of its dim (one uneven all-to-all, nothing where the
+    runs already are the balanced ones)."""
+    axes = x._layout.ragged_axes
+    d, p = x._layout.sbp[axes[0]].dim, x.placement
+    layout = Layout(p, tuple(Split(d) if a in axes else s for a, s in enumerate(x._layout.sbp)))
+    local = x._local
+    if _inside(layout):
+        local = _recut_units(local, p, axes, d, x.shape[d] // x._unit, x._unit, to_units=False)
+    return GlobalTensor(local, layout, tuple(x.shape))
+
+
+def _unbalance(cls: type, y: GlobalTensor, layout: Layout, unit: int) -> GlobalTensor:
+    """The reverse of `_balance`: y (Split(d) where `layout` is ragged) back to the runs in units."""
+    axes = layout.ragged_axes
+    d, p = layout.sbp[axes[0]].dim, layout.placement
+    local = y._local
+    if _inside(layout):
+        local = _recut_units(local, p, axes, d, y.shape[d] // unit, unit, to_units=True)
+    return cls.make(local, layout, tuple(y.shape), _unit_sizes(y.shape[d] // unit, unit, p, axes), unit=unit)
