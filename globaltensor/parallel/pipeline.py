@@ -32,18 +32,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import early_exit
-from .replay import RECORDING, Recorder, Tapes
+from .replay import Recorder, Tapes, give_empty_grads, recording
 from ..layout import Layout, normalize_sbp
 from ..placement import Placement
 from ..runtime import context
-from ..runtime.trace import STATE as _TRACE_STATE, watching
+from ..runtime.trace import STATE as _TRACE_STATE
 from ..runtime.comm import PostedMismatch
 from ..runtime.failure import CollectiveError
 from ..sbp import Broadcast, Partial, Split
 from .stage import StageForward
 from ..runtime.fiber import Fiber
 from ..tensor import GlobalTensor, distribute, grad_layout
-from .zero import accumulating, gathered_storages, owe_outside
+from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -372,7 +372,7 @@ class Pipeline:
                 if recorder is not None:
                     recorder.current = ("D",)
                 if tapes is not None:  # a gather this rank ran outside its compute placement: its empty share
-                    owe_outside()
+                    give_empty_grads()
                 for f in stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
                     f.hand_on()
                 comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
@@ -490,18 +490,13 @@ class Pipeline:
         if leave is not _UNWATCHED:  # per thread: set where the forward runs (a fiber's own)
             early_exit.begin(leave)
         recorder = self._recorder
-        recording = contextlib.ExitStack()
-        if recorder is not None:  # per thread too: this rank's part recorded where the forward runs
-            RECORDING.recorder = recorder
-            recording.enter_context(watching(recorder.watch))
         try:
-            loss = self._loss_of(x, target, weight)
+            # per thread too: this rank's part recorded where the forward runs
+            with recording(recorder) if recorder is not None else contextlib.nullcontext():
+                loss = self._loss_of(x, target, weight)
         except early_exit.LeftForward as left:
             return left
         finally:
-            if recorder is not None:
-                recording.close()
-                RECORDING.recorder = None
             if leave is not _UNWATCHED:
                 noted, missed = early_exit.end()
                 if noted is not None:
