@@ -97,7 +97,7 @@ def note(stage: Any, inside: bool) -> bool:
         return False
     if c.expect == (stage, sent) and may_leave(stage.module):
         for f in c.later:  # the skipped calls' parameters: their empty gradients, as at the last step's end
-            f.owe_as_before()
+            f.give_empty_grads_as_before()
         return True
     c.missed = True
     return False

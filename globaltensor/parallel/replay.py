@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.utils._pytree as pytree
 
-from . import zero
 from .plain import _not_local
+from . import zero
 from ..runtime import context
 from ..runtime.trace import watching
 from ..tensor import GlobalTensor, grad_layout
@@ -415,6 +415,11 @@ class Tapes:
     def __init__(self, segments: dict) -> None:
         self.segments = segments
         self._envs: dict = {}  # (micro-batch, chunk) -> the values of its forward, until its backward
+
+    def same(self, other: "Tapes") -> bool:
+        """Whether two steps recorded the same part (the plain tensors their forwards made equal by value)."""
+        return self.segments.keys() == other.segments.keys() and all(
+            self.segments[k].same(seg) for k, seg in other.segments.items())
 
     def why_not(self) -> str:
         """Why these tapes may not be replayed now (a hook registered on one of their stages since), or ""."""
