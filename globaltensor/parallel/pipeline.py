@@ -399,7 +399,7 @@ class Pipeline:
         shown = (signature, torch.is_grad_enabled(), self.model.training)
         tapes, recorder = self._replay_or_record(shown, reported)
         self.replaying = tapes is not None
-        if tapes is not None:  # no stage is called on this rank: the parameters take the empty gradients of the last step
+        if tapes is not None:  # no stage is called here: the parameters take the last step's empty gradients
             for f in self._stage_forwards:
                 f.give_empty_grads_as_before()
         # tags: per micro-batch and direction, and per step (every rank steps as often), so that a message left
