@@ -40,7 +40,7 @@ import threading
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -403,6 +403,7 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv = _pieces(ring, where.in_layouts[2], where.ctx.shapes[2], PIECES)
     q_pieces = [(p, _sub_rows(q_rows, (p,))) for p in _cuts(q.shape[SEQ], pieces_of(q.shape[SEQ], QUERY_PIECES))]
+    queries = _Queries(func, grad_out, q, out, lse, q_pieces, causal, scale)
     grads: dict[str, Optional[torch.Tensor]] = {"q": None, "k": None, "v": None}
     sent = None  # the accumulator passed on last
     home = None  # this rank's own accumulator piece on its last hop: (piece, finish)
@@ -422,8 +423,7 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
                 comm, ring, {"dk": _piece_shape(k, piece), "dv": _piece_shape(v, piece)}, k.dtype, ("grad", j, step))
             if sent is not None:  # its receiver has posted the receive (above): freed before the kernel's peak
                 sent()
-            dk, dv = _piece_backward(func, grad_out, q, out, lse, held, q_pieces,
-                                     _sub_rows(kv.rows[owner], piece), causal, scale, grads)
+            dk, dv = _piece_backward(queries, held, _sub_rows(kv.rows[owner], piece), grads)
             if home is not None:  # landed after the compute, which it overlapped
                 _land(home, grads, k, v)
                 home = None
@@ -442,10 +442,23 @@ def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
     return torch.zeros_like(q) if grads["q"] is None else grads["q"], grads["k"], grads["v"]
 
 
-def _piece_backward(func: Any, grad_out, q, out, lse, held: dict, q_pieces: list, k_rows: tuple, causal: bool,
-                    scale: Any, grads: dict) -> tuple[torch.Tensor, torch.Tensor]:
+class _Queries(NamedTuple):
+    """This rank's side of a ring backward, the same for every key/value piece that passes by: the kernel,
+    the query rows' tensors (gradient, queries, forward output, log-sum-exp) and their pieces."""
+    func: Any
+    grad_out: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    pieces: list      # (piece, its global rows) per query piece
+    causal: bool
+    scale: Any
+
+
+def _piece_backward(queries: _Queries, held: dict, k_rows: tuple, grads: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """One key/value piece's gradient from every query piece that sees it (adding the queries' gradient
     into `grads["q"]`); the query pieces keep the kernel's temporaries a piece's size."""
+    func, grad_out, q, out, lse, q_pieces, causal, scale = queries
     dk = dv = None
     if q.numel() and held["k"].numel():
         for q_piece, q_piece_rows in q_pieces:

@@ -36,23 +36,34 @@ ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 3, 4,
 SEQ = 2  # attention's q, k, v, out: [batch, heads, seq, head_dim]; its log-sum-exp [batch, heads, seq]
 
 
+class ZigzagCall(NamedTuple):
+    """An op called with at least one zigzag operand: what every way of running it reads
+    (`plain(local, layout, shape)` builds a GlobalTensor; one with a zigzag layout comes out as `zig`)."""
+    func: Any
+    args: tuple
+    kwargs: dict
+    plain: type
+    zig: type
+
+
 def run(func: Any, args: tuple, kwargs: dict, plain: type, zig: type) -> Any:
     """`func` on arguments of which at least one is a zigzag tensor (`plain(local, layout, shape)`
     builds a GlobalTensor; one with a zigzag layout comes out as the zigzag class)."""
+    call = ZigzagCall(func, args, kwargs, plain, zig)
     tensors: list = []
     map_tensors(args, kwargs, lambda t, i: tensors.append(t))
     first = next(t for t in tensors if isinstance(t, zig))
     dim = _zig(first._layout)[1]
     key = _reading_of(first)
     if func in ATTENTION:
-        done = _attention(func, args, kwargs, plain, zig, tensors)
+        done = _attention(call, tensors)
         if done is not None:
             return done
     elif not (is_inplace(func) and not isinstance(args[0], zig)):
         ref = next(i for i, t in enumerate(tensors) if t is first)
         alignment = align(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, dim, key.pieces_for)
         if alignment is not None:
-            done = _on_zigzag_reading(func, args, kwargs, plain, zig, key, first, *alignment)
+            done = _on_zigzag_reading(call, key, first._layout.placement, *alignment)
             if done is not None:
                 return done
     if is_inplace(func) and isinstance(args[0], zig):
@@ -192,11 +203,10 @@ def _from_reading(o: Any, dim: int, key: Reading, plain: type) -> Any:
     return _from_reading(_box(o, _uncut(layout, dim), plain), dim, key, plain)
 
 
-def _on_zigzag_reading(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, key: Reading,
-                       first: Any, in_dims: list, out_dims: Any) -> Any:
+def _on_zigzag_reading(call: ZigzagCall, key: Reading, placement: Any, in_dims: list, out_dims: Any) -> Any:
     """Run an op on the zigzag reading `key`: operand i along its dim `in_dims[i]` (None: it has none),
     results read back along `out_dims(results)`; None where an operand cannot be read so."""
-    placement = first._layout.placement
+    func, args, kwargs, plain, zig = call
     failed = []
 
     def read(t: Any, i: int) -> Any:
@@ -240,9 +250,10 @@ def _constant_reading(t: Any, key: Reading, plain: type) -> Any:
     return plain(t._local.as_strided(local, (0,) * len(local)), target.zigzag_as_split(), tuple(t.shape))
 
 
-def _attention(func: Any, args: tuple, kwargs: dict, plain: type, zig: type, tensors: list) -> Any:
+def _attention(call: ZigzagCall, tensors: list) -> Any:
     """Attention on zigzag q, k, v (and in the backward grad_out, out, lse): the ring for causal, any
     method on the zigzag reading without it; None (box to contiguous) where neither is exact."""
+    func, args, kwargs, plain, zig = call
     first_qkv, drop_i, causal_i, mask_i = ATTENTION[func]
     n_main = 6 if first_qkv else 3
     main = tensors[:n_main]

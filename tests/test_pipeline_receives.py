@@ -51,7 +51,7 @@ def _posted_per_step(kind: str, batches: list, virtual: int = 1, ahead: bool = T
             pipe.step(x, t)
         opt.step()
         opt.zero_grad()
-        received = sum(len(heard) for heard in pipe._heard[1])  # the step's receives, as it noted them
+        received = sum(len(heard) for heard in pipe._learnt.receives.shown[1])  # the step's receives, as it noted them
         out.append((len(calls) - before, received, [(e.kind, e.group, e.recv_bytes) for e in log.events]))
     return out
 

@@ -38,7 +38,7 @@ def _trained(n_stages, n_layer, kind, micro, batch, steps, virtual=1, tied_head=
         losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
         events.append([(e.kind, e.group, e.recv_bytes) for e in log.events])
         replaying.append(pipe.replaying)
-        learnt.append(pipe._learnt is not None)  # receives posted ahead: learnt by the program, kept by the replay
+        learnt.append(pipe._learnt.receives.learnt is not None)  # receives posted ahead: learnt by the program, kept by the replay
     state = {k: v.full_tensor() for k, v in model.state_dict().items()}
     held = {k: gt.rank() in v.placement for k, v in model.state_dict().items()}
     return losses, state, held, events, replaying, pipe.replay_why, seen, learnt
@@ -72,7 +72,7 @@ def test_the_tied_head_replays_its_weights_gather_and_its_gradients_return(n_sta
     head's gradient, summed over the micro-batches, comes back. A replay runs the head's gather hooks where the
     program ran them (`zero.ParamGroup.before`/`after`, recorded around the stage call: the gather's own messages),
     and the step's end as the program does; the first stage, outside the head, gives its gather its empty gradient
-    share (`zero.owe_outside`) so that it receives the head's. Values equal one device; the replayed steps' messages
+    share (`replay.give_empty_grads`) so that it receives the head's. Values equal one device; the replayed steps' messages
     are the program's (whose bytes test_pipeline counts against the textbook). The first stages replay a step later
     than the last: their first recording still called the head (no exit learnt yet), the next ones do not."""
     virtual = 2 if kind == "interleaved" else 1

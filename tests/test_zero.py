@@ -742,3 +742,19 @@ def test_gpt_zero_under_gloo_processes(shape, stage):
         for k, v in want_state.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=1e-10, msg=k)
         assert all(c == zero_bytes(layouts, stage, rank) for c in counted)
+
+
+def test_zero_knows_nothing_of_the_pipeline():
+    """The pipeline composes ZeRO, not the reverse: zero.py imports none of the pipeline's modules (a recording
+    hears a gather through `zero.listening`; a replayed step's empty share goes in through `zero.add_kept_grads`)."""
+    import ast
+    from pathlib import Path
+    tree = ast.parse(Path(zero.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.add((node.module or "").rsplit(".", 1)[-1])
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(a.name.rsplit(".", 1)[-1] for a in node.names)
+    assert not names & {"replay", "pipeline", "stage", "early_exit", "RECORDING"}

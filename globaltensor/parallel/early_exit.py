@@ -22,7 +22,7 @@ rank that left; the collective error that ends the step names the opt-out, `leav
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -45,13 +45,26 @@ class LeftForward(BaseException):
                       for t, g in kept]
 
 
+class Note(NamedTuple):
+    """A stage call of a learning forward, as `leave_point` reads it."""
+    stage: Any      # its stage forward
+    sent: int       # this rank's communications in the forward before it
+    inside: bool    # whether this rank is in the stage
+    may: bool       # whether the forward may be left there (`may_leave`)
+
+
+class ExitPoint(NamedTuple):
+    """Where a learnt forward is left (`leave_point`; `begin` arms it)."""
+    at: int         # the index of the stage call to leave at
+    expect: tuple   # the (stage forward, communications before it) the learning saw there
+    later: tuple    # the stage forwards the rest of the forward calls
+
+
 class _Calls(threading.local):
     """This thread's micro-batch forward (a pipeline fiber's, or the rank's), as its stage calls see it."""
     on = False
-    notes: Optional[list] = None  # learning: per stage call (stage forward, communications before it, inside, may leave)
-    leave_at = -1                 # armed: the index of the stage call to leave at
-    expect: Any = None            # ... the (stage forward, communications before it) the learning saw there
-    later: tuple = ()             # ... the stage forwards the rest of the forward calls
+    notes: Optional[list] = None  # learning: a Note per stage call
+    leave: Optional[ExitPoint] = None  # armed
     n = 0                         # stage calls so far
     start = 0                     # communications when the forward began
     missed = False                # the call at `leave_at` was not the learnt one: the forward ran on
@@ -66,11 +79,11 @@ def begin(leave: Any) -> None:
     c = CALLS
     c.on, c.n, c.start, c.missed = True, 0, communications(), False
     if leave is None:
-        c.notes, c.leave_at = [], -1
+        c.notes, c.leave = [], None
     elif leave is False:
-        c.notes, c.leave_at = None, -1
+        c.notes, c.leave = None, None
     else:
-        c.notes, (c.leave_at, c.expect, c.later) = None, leave
+        c.notes, c.leave = None, leave
 
 
 def end() -> tuple[Optional[tuple], bool]:
@@ -79,7 +92,7 @@ def end() -> tuple[Optional[tuple], bool]:
     c = CALLS
     noted = (tuple(c.notes), communications() - c.start) if c.notes is not None else None
     missed = c.missed
-    c.on, c.notes, c.leave_at, c.expect, c.later = False, None, -1, None, ()
+    c.on, c.notes, c.leave = False, None, None
     return noted, missed
 
 
@@ -91,13 +104,14 @@ def note(stage: Any, inside: bool) -> bool:
     c.n = k + 1
     sent = communications() - c.start
     if c.notes is not None:
-        c.notes.append((stage, sent, inside, not inside and may_leave(stage.module)))
+        c.notes.append(Note(stage, sent, inside, not inside and may_leave(stage.module)))
         return False
-    if k != c.leave_at:
+    leave = c.leave
+    if leave is None or k != leave.at:
         return False
-    if c.expect == (stage, sent) and may_leave(stage.module):
-        for f in c.later:  # the skipped calls' parameters: their empty gradients, as at the last step's end
-            f.owe_as_before()
+    if leave.expect == (stage, sent) and may_leave(stage.module):
+        for f in leave.later:  # the skipped calls' parameters: their empty gradients, as at the last step's end
+            f.give_empty_grads_as_before()
         return True
     c.missed = True
     return False
@@ -128,10 +142,10 @@ def may_leave(module: torch.nn.Module) -> bool:
             and not hooks._global_forward_hooks and not hooks._global_forward_pre_hooks)
 
 
-def leave_point(notes: tuple, total: int) -> Optional[tuple]:
-    """Where a learnt forward may be left: the first stage call from which on every call is outside this rank
-    and no communication of its follows, at which it may leave; as `begin`'s `leave` (the call's index, the
-    (stage forward, communications) expected there, the stage forwards from there on). None: nowhere."""
+def leave_point(notes: tuple, total: int) -> Optional[ExitPoint]:
+    """Where a learnt forward may be left, from its `Note`s and its communications in all: the first stage call
+    from which on every call is outside this rank and no communication of its follows, at which it may leave
+    (`begin`'s `leave`). None: nowhere."""
     if not total:  # nothing of this rank's crossed (a rank in no stage): its backward ends at once (`untouched`)
         return None
     best = None
@@ -143,4 +157,4 @@ def leave_point(notes: tuple, total: int) -> Optional[tuple]:
             best = j
     if best is None:
         return None
-    return best, notes[best][:2], tuple(dict.fromkeys(n[0] for n in notes[best:]))
+    return ExitPoint(best, notes[best][:2], tuple(dict.fromkeys(n[0] for n in notes[best:])))

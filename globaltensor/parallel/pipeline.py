@@ -25,18 +25,20 @@ one pass over the whole batch (micro-batches of unequal size, `tensor_split`'s, 
 from __future__ import annotations
 
 import contextlib
+import operator
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import early_exit
-from .replay import RECORDING, Recorder, Tapes
+from .replay import Recorder, Tapes, give_empty_grads, recording
 from ..layout import Layout, normalize_sbp
 from ..placement import Placement
 from ..runtime import context
-from ..runtime.trace import STATE as _TRACE_STATE, watching
+from ..runtime.trace import STATE as _TRACE_STATE
 from ..runtime.comm import PostedMismatch
 from ..runtime.failure import CollectiveError
 from ..sbp import Broadcast, Partial, Split
@@ -44,7 +46,7 @@ from .stage import StageForward
 from .trees import tensors
 from ..runtime.fiber import Fiber
 from ..tensor import GlobalTensor, distribute, grad_layout
-from .zero import accumulating, gathered_storages, owe_outside
+from .zero import accumulating, gathered_storages
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -186,6 +188,84 @@ class _Saved:
         self.meter._release(self.key)
 
 
+class Agreement:
+    """What a step showed for inputs of one signature, learnt once two steps in a row showed the same: a first
+    step runs what later ones skip, and what one step shows may be that step's alone. The pipeline learns three
+    things so (`_Learnt`); a step that shows something else (or nothing: `what` None) unlearns it, unless it
+    `keeps` (what is learnt for one signature stays while steps of another show theirs), and a step whose
+    learnt turned out wrong forgets it."""
+    __slots__ = ("keeps", "shown", "learnt")
+
+    def __init__(self, keeps: bool = False) -> None:
+        self.keeps = keeps
+        self.shown: Optional[tuple] = None   # (signature, what) the last step showed
+        self.learnt: Optional[tuple] = None  # the same, once two steps in a row agreed
+
+    def get(self, signature: Any) -> Any:
+        """What is learnt for inputs of `signature`, or None."""
+        learnt = self.learnt
+        return learnt[1] if learnt is not None and learnt[0] == signature else None
+
+    def show(self, signature: Any, what: Any, same: Callable[[Any, Any], bool] = operator.eq) -> bool:
+        """A step showed `what` (None: nothing to learn); whether that made it learnt (`same` as the last step's)."""
+        now = None if what is None else (signature, what)
+        before, self.shown = self.shown, now
+        if now is not None and before is not None and before[0] == signature and same(before[1], what):
+            self.learnt = now
+            return True
+        if not self.keeps:
+            self.learnt = None
+        return False
+
+    def forget(self) -> None:
+        self.shown = self.learnt = None
+
+
+@dataclass(eq=False)
+class _Learnt:
+    """What steps of equal inputs taught a pipeline on this rank."""
+    receives: Agreement = field(default_factory=Agreement)  # per action, the receives it made: posted ahead
+    exits: Agreement = field(default_factory=Agreement)     # per micro-batch, where its forward may be left
+    tapes: Agreement = field(default_factory=lambda: Agreement(keeps=True))  # this rank's part (`Tapes`): replayed
+    placeholders: dict = field(default_factory=dict)  # micro-batch -> its loss's value from a forward run whole
+                                                      # (a left forward's stand-in)
+    unreplayable: Optional[tuple] = None  # the inputs whose recording failed
+
+
+@dataclass(eq=False)
+class _Step:
+    """One step as its phases (`Pipeline.step`) share it: its plan, then how far it got."""
+    comm: Any
+    xs: Sequence                  # per micro-batch: input, target, share of the batch
+    ts: Sequence
+    weights: list
+    mine: list                    # this rank's actions (act, micro-batch, chunk)
+    signature: tuple              # the inputs' shapes and dtypes: what the learnt is for
+    shown: tuple                  # ... with what else a recording depends on (grad mode, training)
+    saved: tuple                  # the communicator's (p2p_tag, p2p_async, p2p_label) before the step
+    start: float                  # perf_counter() at its start
+    base: int                     # tags: micro-batch i's forward base + 2i, its backward base + 2i + 1
+    deferred: int                 # ... the step's deferred reductions
+    receives: Optional[list]      # learnt receives per action, posted ahead (None: none)
+    leaves: Optional[dict]        # learnt: micro-batch -> where its forward is left (None: learning it)
+    tapes: Optional[Tapes]        # replayed (None: the program runs)
+    recorder: Optional[Recorder]  # recording this rank's part
+    log: contextlib.ExitStack     # the recording's comm log, `recorded`
+    recorded: Any
+    heard: list                   # per action, and the deferred reductions: the receives it made
+    posted: int = 0               # actions whose receives are posted
+    losses: dict = field(default_factory=dict)   # micro-batch -> its loss (its value once backpropagated)
+    fibers: dict = field(default_factory=dict)   # (act, micro-batch) -> its Fiber (interleaved)
+    exited: dict = field(default_factory=dict)   # micro-batch -> where this rank left its forward (LeftForward)
+    noted: dict = field(default_factory=dict)    # learning forwards: micro-batch -> (stage calls, communications)
+    missed: bool = False          # an armed exit found another call than the learnt one
+    held: int = 0                 # chunks whose activations this rank holds (forward run, backward not)
+    peak: int = 0                 # ... their most
+    left_forwards: int = 0
+    flushed: bool = False         # the stages' gradients are in `.grad`
+    unclaimed: list = field(default_factory=list)  # receives posted ahead that nothing claimed
+
+
 class Pipeline:
     """`step(x, target)` trains one batch as `microbatches` micro-batches in the schedule's order and
     returns the batch's loss (a GlobalTensor on the last stage; every rank calls it).
@@ -246,30 +326,17 @@ class Pipeline:
                              f"micro-batch (virtual stages); run it with schedule='interleaved' (or 'gpipe')")
         self.actions = schedule_actions(schedule, len(self.stages), microbatches,
                                         self.virtual if schedule == "interleaved" else 1)
+        self.post_receives, self.leave_early, self.replay = post_receives, leave_early, replay
         # the loss is a stage of its own on the output's placement: plain tensors on a one-rank stage,
         # skipped (after a first step) on the ranks outside it, as the model's stage modules are
         self._losses: dict[Placement, StageForward] = {}
         self._target_layouts: dict = {}  # (output layout, target dims) -> the layout targets take there
-        self.post_receives = post_receives
-        self._heard: Optional[tuple] = None   # (inputs' signature, receives per action) of the last step
-        self._learnt: Optional[tuple] = None  # the same, once two steps in a row agreed: posted ahead
-        self.leave_early = leave_early
-        self._exits_heard: Optional[tuple] = None   # (inputs' signature, where each micro-batch's forward may be left)
-        self._exits_learnt: Optional[tuple] = None  # the same, once two steps in a row agreed: left there
-        self._noted: dict = {}         # this step's learning forwards: micro-batch -> (their stage calls, communications)
-        self._placeholders: dict = {}  # micro-batch -> its loss's value from a forward run whole (a left one's stand-in)
-        self._missed = False           # an armed exit found another call than the learnt one this step
-        self.left_forwards = 0         # ... how many, in the last step
-        self._steps = 0
         self._stage_forwards = [f for f in (mod.__dict__.get("forward") for mod in model.modules())
                                 if isinstance(f, StageForward)]
-        self.replay = replay
-        self.replaying = False
-        self.replay_why = ""
-        self._tapes: Optional[tuple] = None     # (inputs' signature, Tapes): replayed
-        self._recorded: Optional[tuple] = None  # (inputs' signature, the last step's recording)
-        self._recorder: Optional[Recorder] = None  # this step's
-        self._unreplayable: Optional[tuple] = None  # the signature whose recording failed
+        self._learnt = _Learnt()
+        self._steps = 0
+        # the last step's: forwards this rank left, whether it replayed, why not
+        self.left_forwards, self.replaying, self.replay_why = 0, False, ""
 
     def _stop_on_entry(self) -> None:
         """At each step (fibers run only inside one): a pre-hook registered since the last makes the stop a hook."""
@@ -278,188 +345,233 @@ class Pipeline:
                 f.stop_on_entry()
 
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
-        """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them)."""
+        """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them).
+
+        In phases, each its own method: the plan (`_begin`), this rank's actions in its schedule's order (`_action`),
+        the step's end inside its `accumulating()` scope (`_after_actions`), the stages' gradients into `.grad`; a
+        failed step unwound (`_failed`), and either way the communicator as before it (`_restore`); then what the
+        step showed is learnt (`_learn`) and its figures kept (`_measure`)."""
+        run = self._begin(x, target)
+        try:
+            with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
+                for k, (act, i, c) in enumerate(run.mine):
+                    self._action(run, k, act, i, c)
+                self._after_actions(run)
+            for f in self._stage_forwards:
+                f.close_step()
+            run.comm.p2p_heard = None
+            run.flushed = True
+        except BaseException as e:
+            said = self._failed(run, e)
+            if said is None:
+                raise
+            raise said from e
+        finally:
+            self._restore(run)
+        self._learn(run)
+        self._measure(run)
+        for f in self._stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
+            f.promote_watched()                                        # skip their ops from now on
+        return _summed([run.losses[i] for i in range(self.microbatches)])
+
+    def _begin(self, x: torch.Tensor, target: Any) -> "_Step":
+        """The step's plan, before anything runs: its micro-batches, this rank's actions and tags, and what of the
+        learnt applies to inputs of these shapes (receives posted ahead, forwards left early, tapes replayed) or
+        is being learnt (a recording). The stages open their step: their parameters take its gradients once."""
         comm = context.current()
         self._stop_on_entry()
         xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
         weights = [xi.shape[0] / x.shape[0] for xi in xs]  # each loss's share: the step is one pass over the batch
         mine = self.actions[self.stage] if self.stage is not None else _whole(self.actions[-1], self.chunks)
-        losses: dict[int, torch.Tensor] = {}
-        fibers: dict[tuple[str, int], Fiber] = {}
         self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
-        held = peak = 0  # chunks whose activations this rank holds (forward run, backward not), and their most
         if self.activations is not None:
             self.activations.watch_parameters()
-        old = comm.p2p_tag, comm.p2p_async, comm.p2p_label
+        saved = comm.p2p_tag, comm.p2p_async, comm.p2p_label
         comm.p2p_async = True
         start = time.perf_counter()
         comm.p2p_wait_s = 0.0
-        stage_forwards = self._stage_forwards
-        for f in stage_forwards:  # the parameters take the step's gradients once, at its end
+        for f in self._stage_forwards:  # the parameters take the step's gradients once, at its end
             f.open_step()
         signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
-        learnt = self._learnt[1] if (self.post_receives and comm.posts_receives_ahead and self._learnt
-                                     and self._learnt[0] == signature) else None
-        leaves = self._exits_learnt[1] if (self._exits_learnt and self._exits_learnt[0] == signature) else None
+        learnt = self._learnt
+        receives = learnt.receives.get(signature) if self.post_receives and comm.posts_receives_ahead else None
         reported = _TRACE_STATE.reporting > 0  # a comm_report open here: the program runs, its modules' frames seen
         # what a recording depends on besides the inputs' shapes, as far as a pipeline sees it
         shown = (signature, torch.is_grad_enabled(), self.model.training)
-        tapes = self._tapes[1] if (self.replay and self._tapes and self._tapes[0] == shown
-                                   and not reported) else None
-        why = tapes.why_not() if tapes is not None else ""
-        if why:  # a hook on one of its stages since: the program runs, and records
-            self.replay_why, self._tapes, tapes = why, None, None
-        recorder = Recorder() if (self.replay and tapes is None and self._steps >= 1 and not reported
-                                  and self._unreplayable != shown) else None
-        self._recorder, self.replaying = recorder, tapes is not None
-        if tapes is not None:  # no stage is called on this rank: the parameters owe what they owed at the last step
-            for f in stage_forwards:
-                f.owe_as_before()
-        exited: dict[int, early_exit.LeftForward] = {}  # micro-batches whose forward this rank left: their roots
-        self._noted, self._missed = {}, False
-        left_forwards = 0
-        heard: list = [[] for _ in range(len(mine) + 1)]  # per action, and the step's deferred reductions
-        posted = 0  # actions whose receives are posted
-        ahead = len(self.stages) * self.chunks
+        tapes, recorder = self._replay_or_record(shown, reported)
+        self.replaying = tapes is not None
+        if tapes is not None:  # no stage is called here: the parameters take the last step's empty gradients
+            for f in self._stage_forwards:
+                f.give_empty_grads_as_before()
         # tags: per micro-batch and direction, and per step (every rank steps as often), so that a message left
         # over from a step that failed cannot match one of a later step
         base = (self._steps % 1024) * (2 * self.microbatches + 1)
-        deferred = base + 2 * self.microbatches
-        for f in stage_forwards:  # a stage drawing random numbers: said once, at the first step
+        for f in self._stage_forwards:  # a stage drawing random numbers: said once, at the first step
             f.watch_draws = self._steps == 0
         self._steps += 1
-        flushed = False
         log = contextlib.ExitStack()
         recorded = log.enter_context(context.comm_log()) if recorder is not None else None
+        comm.p2p_record = recorder.exchange if recorder is not None else None
+        return _Step(comm=comm, xs=xs, ts=ts, weights=weights, mine=mine, signature=signature, shown=shown,
+                     saved=saved, start=start, base=base, deferred=base + 2 * self.microbatches,
+                     receives=receives, leaves=learnt.exits.get(signature), tapes=tapes, recorder=recorder,
+                     log=log, recorded=recorded, heard=[[] for _ in range(len(mine) + 1)])
+
+    def _replay_or_record(self, shown: tuple, reported: bool) -> tuple[Optional[Tapes], Optional[Recorder]]:
+        """(the tapes this step replays, or the recorder of this step's part): neither under a comm_report, whose
+        view is of the program, nor at the first step (which runs ops later ones skip), nor for inputs whose
+        recording failed."""
+        tapes = self._learnt.tapes.get(shown) if self.replay and not reported else None
+        why = tapes.why_not() if tapes is not None else ""
+        if why:  # a hook on one of its stages since: the program runs, and records
+            self.replay_why, tapes = why, None
+            self._learnt.tapes.forget()
+        recorder = Recorder() if (self.replay and tapes is None and self._steps >= 1 and not reported
+                                  and self._learnt.unreplayable != shown) else None
+        return tapes, recorder
+
+    def _action(self, run: "_Step", k: int, act: str, i: int, c: int) -> None:
+        """This rank's k-th action, (act, i, c): its messages tagged and noted (`heard`), the learnt receives of the
+        actions ahead posted first, then run from the tapes or in the program (a fiber's chunk when interleaved)."""
+        comm = run.comm
+        if run.receives is not None:
+            ahead = len(self.stages) * self.chunks
+            run.posted = _post_ahead(comm, run.mine, run.receives, run.posted, k + 1 + ahead, run.base, run.deferred)
+        t0, w0 = time.perf_counter() - run.start, comm.p2p_wait_s
+        comm.p2p_tag = run.base + 2 * i + (act == "B")
+        comm.p2p_label = _describe(act, i)
+        if act == "F":
+            leave = (None if run.leaves is None else run.leaves[i] or False) if self.leave_early else _UNWATCHED
+            go = partial(self._forward, run, i, leave)
+        elif i in run.exited:  # from the tensors the rest of the forward would have taken
+            go = partial(torch.autograd.backward, run.exited[i].roots, run.exited[i].grads)
+        else:
+            go = partial(run.losses[i].backward, _seed(run.losses[i]))
+        comm.p2p_heard = run.heard[k]
+        if run.recorder is not None:
+            run.recorder.current = (act, i, c)
         try:
-            comm.p2p_record = recorder.exchange if recorder is not None else None
-            with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
-                for k, (act, i, c) in enumerate(mine):
-                    if learnt is not None:
-                        posted = _post_ahead(comm, mine, learnt, posted, k + 1 + ahead, base, deferred)
-                    t0, w0 = time.perf_counter() - start, comm.p2p_wait_s
-                    comm.p2p_tag = base + 2 * i + (act == "B")
-                    comm.p2p_label = _describe(act, i)
-                    if act == "F":
-                        leave = (None if leaves is None else leaves[i] or False) if self.leave_early else _UNWATCHED
-                        run = partial(self._forward, xs[i], ts[i], weights[i], i, leave)
-                    elif i in exited:  # from the tensors the rest of the forward would have taken
-                        run = partial(torch.autograd.backward, exited[i].roots, exited[i].grads)
-                    else:
-                        run = partial(losses[i].backward, _seed(losses[i]))
-                    comm.p2p_heard = heard[k]
-                    if recorder is not None:
-                        recorder.current = (act, i, c)
-                    try:
-                        if tapes is not None:
-                            done, result = self._replayed(tapes, comm, act, i, c, xs[i], ts[i])
-                        else:
-                            done, result = self._chunk(fibers, act, i, c, run)
-                    finally:
-                        comm.p2p_heard = None
-                    if recorder is not None and done and act == "F":
-                        recorder.finish_forward(i, c, self._placeholders[i] if isinstance(
-                            result, early_exit.LeftForward) else result)
-                    held += 1 if act == "F" else -1
-                    peak = max(peak, held)
-                    if done and isinstance(result, early_exit.LeftForward):
-                        exited[i], losses[i] = result, self._placeholders[i]
-                        left_forwards += 1
-                    elif done:
-                        losses[i] = result if act == "F" else _value(losses[i])
-                        if act == "B":
-                            exited.pop(i, None)
-                    self.timeline.append((act, i, c, t0, time.perf_counter() - start, comm.p2p_wait_s - w0))
-                if recorder is not None:
-                    recorder.current = ("D",)
-                if tapes is not None:  # a gather this rank ran outside its compute placement: its empty share
-                    owe_outside()
-                for f in stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
-                    f.hand_on()
-                comm.p2p_tag = deferred  # the step's deferred reductions: a tag no action uses
-                comm.p2p_label = _DEFERRED
-                comm.p2p_heard = heard[-1]
-            for f in stage_forwards:
-                f.close_step()
-            comm.p2p_heard = None
-            flushed = True
-        except BaseException as e:
-            for f in fibers.values():  # micro-batches stopped mid-way: unwind them, the step is lost
-                f.cancel()
-            if tapes is not None:
-                tapes.drop()
-                self._tapes = None
-            self._recorded = None
-            if leaves is not None and isinstance(e, CollectiveError):  # a message after a learnt exit point?
-                raise CollectiveError(f"{e}\n{_LEFT_HINT}") from e
-            if isinstance(e, PostedMismatch):  # a message learnt and posted ahead changed
-                self._learnt = self._heard = None
-                raise PostedMismatch(f"{e}; {_CHANGED_HINT}") from e
-            raise
+            if run.tapes is not None:
+                done, result = self._replayed(run, act, i, c)
+            else:
+                done, result = self._chunk(run.fibers, act, i, c, go)
         finally:
-            comm.p2p_heard = comm.p2p_record = None
-            self._recorder = None
-            log.close()
-            for f in stage_forwards:
-                f.watch_draws = False
-            if not flushed:
-                for f in stage_forwards:
-                    f.close_step(flush=False)
-            left = comm.posted_left()
-            comm.flush_sends()
-            comm.p2p_tag, comm.p2p_async, comm.p2p_label = old
-        if left:
-            self._learnt = self._heard = None
-            raise RuntimeError(f"Pipeline.step: rank {comm.rank} posted receives its program did not ask for "
-                               f"(source rank, tag): {left[:4]}; {_CHANGED_HINT}")
-        self._learn(signature, heard, leaves)
-        if recorder is not None:
-            self._keep_recording(shown, recorder, recorded)
-        self.peak_in_flight = peak if self.chunks == 1 else peak / self.chunks  # in micro-batches
-        self.left_forwards = left_forwards
-        total = time.perf_counter() - start
-        # idle: waiting on other stages inside the actions, and all the time outside them (the last sends'
-        # wait, the tied weight's gradient, the step's own work after the actions: counted idle, not work).
-        # Each moment once: a wait outside the actions is in the second term only.
+            comm.p2p_heard = None
+        self._finished(run, act, i, c, done, result)
+        self.timeline.append((act, i, c, t0, time.perf_counter() - run.start, comm.p2p_wait_s - w0))
+
+    def _finished(self, run: "_Step", act: str, i: int, c: int, done: bool, result: Any) -> None:
+        """An action's outcome: the micro-batch's loss where its forward ended (a left forward's stand-in value, its
+        backward then starting from where it was left), the chunks whose activations this rank holds."""
+        placeholders = self._learnt.placeholders
+        if run.recorder is not None and done and act == "F":
+            run.recorder.finish_forward(i, c, placeholders[i] if isinstance(result, early_exit.LeftForward)
+                                        else result)
+        run.held += 1 if act == "F" else -1
+        run.peak = max(run.peak, run.held)
+        if done and isinstance(result, early_exit.LeftForward):
+            run.exited[i], run.losses[i] = result, placeholders[i]
+            run.left_forwards += 1
+        elif done:
+            run.losses[i] = result if act == "F" else _value(run.losses[i])
+            if act == "B":
+                run.exited.pop(i, None)
+
+    def _after_actions(self, run: "_Step") -> None:
+        """Inside the step's `accumulating()` scope, after the actions: a replayed rank's empty share of a kept
+        gather's gradients, the kept gathered copies' summed gradients handed to their gathers once, and the
+        scope's close (the step's deferred reductions) under a tag no action uses."""
+        comm = run.comm
+        if run.recorder is not None:
+            run.recorder.current = ("D",)
+        if run.tapes is not None:  # a gather this rank ran outside its compute placement: its empty share
+            give_empty_grads()
+        for f in self._stage_forwards:  # kept gathered copies' gradients, summed: into their gathers once
+            f.hand_on()
+        comm.p2p_tag = run.deferred
+        comm.p2p_label = _DEFERRED
+        comm.p2p_heard = run.heard[-1]
+
+    def _failed(self, run: "_Step", e: BaseException) -> Optional[BaseException]:
+        """A step that raised is lost: its micro-batches unwound, and what it would have taught unlearnt. Returns the
+        error to raise instead of `e` where the learnt explains it (None: `e` as it is)."""
+        for f in run.fibers.values():  # micro-batches stopped mid-way: unwind them
+            f.cancel()
+        if run.tapes is not None:
+            run.tapes.drop()
+            self._learnt.tapes.forget()
+        else:
+            self._learnt.tapes.show(run.shown, None)  # a failed step shows nothing
+        if run.leaves is not None and isinstance(e, CollectiveError):  # a message after a learnt exit point?
+            return CollectiveError(f"{e}\n{_LEFT_HINT}")
+        if isinstance(e, PostedMismatch):  # a message learnt and posted ahead changed
+            self._learnt.receives.forget()
+            return PostedMismatch(f"{e}; {_CHANGED_HINT}")
+        return None
+
+    def _restore(self, run: "_Step") -> None:
+        """Whether the step ended or failed: the communicator as before it (its sends flushed, the receives posted
+        ahead that nothing claimed noted), the recording's log closed, and a failed step's gradients dropped."""
+        comm = run.comm
+        comm.p2p_heard = comm.p2p_record = None
+        run.log.close()
+        for f in self._stage_forwards:
+            f.watch_draws = False
+        if not run.flushed:
+            for f in self._stage_forwards:
+                f.close_step(flush=False)
+        run.unclaimed = comm.posted_left()
+        comm.flush_sends()
+        comm.p2p_tag, comm.p2p_async, comm.p2p_label = run.saved
+
+    def _learn(self, run: "_Step") -> None:
+        """What the step showed, learnt where the step before showed the same for the same inputs (`Agreement`): its
+        receives per action, posted ahead from the next step on (a first step also runs the ops the later ones
+        skip); where each micro-batch's forward may be left (`early_exit`: an armed step keeps what it was given,
+        unless a forward missed its exit); its recording, replayed. A receive posted ahead that the program never
+        asked for unlearns the receives, and is an error."""
+        if run.unclaimed:
+            self._learnt.receives.forget()
+            raise RuntimeError(f"Pipeline.step: rank {run.comm.rank} posted receives its program did not ask for "
+                               f"(source rank, tag): {run.unclaimed[:4]}; {_CHANGED_HINT}")
+        self._learnt.receives.show(run.signature, run.heard)
+        if self.leave_early:
+            if run.leaves is None:
+                exits = {i: early_exit.leave_point(*n) for i, n in run.noted.items()}
+                shown = exits if len(exits) == self.microbatches else None
+            else:
+                shown = None if run.missed else run.leaves
+            self._learnt.exits.show(run.signature, shown)
+        if run.recorder is not None:
+            self._keep_recording(run)
+
+    def _measure(self, run: "_Step") -> None:
+        """The step's figures: micro-batches in flight at most, forwards left, and the bubble. Idle is the waiting
+        on other stages inside the actions and all the time outside them (the last sends' wait, the tied weight's
+        gradient, the step's own work after the actions: counted idle, not work); each moment once (a wait
+        outside the actions is in the second term only)."""
+        self.peak_in_flight = run.peak if self.chunks == 1 else run.peak / self.chunks  # in micro-batches
+        self.left_forwards = run.left_forwards
+        total = time.perf_counter() - run.start
         waited = sum(w for *_, w in self.timeline)
         self.bubble = (waited + total - sum(e - s for *_, s, e, _ in self.timeline)) / total
-        for f in stage_forwards + list(self._losses.values()):  # stages seen whole: ranks outside them
-            f.settle()                                             # skip their ops from now on
-        return _summed([losses[i] for i in range(self.microbatches)])
 
-    def _learn(self, signature: tuple, heard: list, leaves: Optional[dict]) -> None:
-        """The step's receives per action: posted ahead from the next step on, once two steps in a row with
-        the same inputs made the same ones (a first step also runs the ops the later ones skip). Likewise
-        where each micro-batch's forward may be left (`early_exit`): an armed step keeps what it was given,
-        unless a forward missed its exit."""
-        now = (signature, heard)
-        self._learnt = now if self._heard == now else None
-        self._heard = now
-        if not self.leave_early:
-            return
-        if leaves is None:
-            exits = {i: early_exit.leave_point(*n) for i, n in self._noted.items()}
-            now = (signature, exits) if len(exits) == self.microbatches else None
-        else:
-            now = None if self._missed else (signature, leaves)
-        self._exits_learnt = now if now is not None and self._exits_heard == now else None
-        self._exits_heard = now
-
-    def _replayed(self, tapes: Tapes, comm: Any, act: str, i: int, c: int, x: torch.Tensor,
-                  target: torch.Tensor) -> tuple[bool, Any]:
+    def _replayed(self, run: "_Step", act: str, i: int, c: int) -> tuple[bool, Any]:
         """Action (act, i, c) from this rank's tapes: (finished, the loss where a forward finishes)."""
         whole = self.stage is None or self.chunks == 1
         if act == "F":
             meter = self.activations
             with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
                   else contextlib.nullcontext()):
-                return whole or c == self.chunks - 1, tapes.forward(i, c, comm, x, target, distribute)
-        tapes.backward(i, c, comm)
+                return whole or c == self.chunks - 1, run.tapes.forward(i, c, run.comm, run.xs[i], run.ts[i],
+                                                                        distribute)
+        run.tapes.backward(i, c, run.comm)
         return whole or c == 0, None
 
-    def _keep_recording(self, signature: tuple, recorder: Recorder, log: Any) -> None:
+    def _keep_recording(self, run: "_Step") -> None:
         """The step's recording: replayed from the next step where it equals the step before's."""
-        for e in log.events:
+        recorder = run.recorder
+        for e in run.recorded.events:
             if e.kind != "send_recv":
                 recorder.fail(f"a {e.kind} in the step (a stage of several ranks, or a weight's per-step reduction)")
         segments = recorder.done()
@@ -469,55 +581,45 @@ class Pipeline:
             recorder.fail("a micro-batch's forward did not end in this rank's last chunk")
             segments = None
         if segments is None:
-            self.replay_why, self._unreplayable, self._recorded = recorder.why, signature, None
-            return
-        before = self._recorded
-        if before is not None and before[0] == signature and before[1].keys() == segments.keys() and all(
-                before[1][k].same(seg) for k, seg in segments.items()):
-            self._tapes, self._recorded, self.replay_why = (signature, Tapes(segments)), None, ""
-        else:
-            self._recorded = (signature, segments)
+            self.replay_why, self._learnt.unreplayable = recorder.why, run.shown
+            self._learnt.tapes.show(run.shown, None)
+        elif self._learnt.tapes.show(run.shown, Tapes(segments), same=Tapes.same):
+            self.replay_why = ""
 
     @property
     def chunks(self) -> int:
         """Chunks of the model each stage runs per micro-batch: its virtual stages when interleaved."""
         return self.virtual if self.kind == "interleaved" else 1
 
-    def _forward(self, x: torch.Tensor, target: torch.Tensor, weight: float, i: int,
-                 leave: Any) -> Any:
+    def _forward(self, run: "_Step", i: int, leave: Any) -> Any:
         """Micro-batch i's forward: its loss, or where this rank left it (`early_exit.LeftForward`). `leave`:
         where it may be left (learnt), None to note its stage calls (learning), False for neither, _UNWATCHED
         for a pipeline that does not leave early."""
         if leave is not _UNWATCHED:  # per thread: set where the forward runs (a fiber's own)
             early_exit.begin(leave)
-        recorder = self._recorder
-        recording = contextlib.ExitStack()
-        if recorder is not None:  # per thread too: this rank's part recorded where the forward runs
-            RECORDING.recorder = recorder
-            recording.enter_context(watching(recorder.watch))
         try:
-            loss = self._loss_of(x, target, weight)
+            # per thread too: this rank's part recorded where the forward runs
+            with recording(run.recorder) if run.recorder is not None else contextlib.nullcontext():
+                loss = self._loss_of(run, i)
         except early_exit.LeftForward as left:
             return left
         finally:
-            if recorder is not None:
-                recording.close()
-                RECORDING.recorder = None
             if leave is not _UNWATCHED:
                 noted, missed = early_exit.end()
                 if noted is not None:
-                    self._noted[i] = noted
-                self._missed |= missed
+                    run.noted[i] = noted
+                run.missed |= missed
         if leave is None:
-            self._placeholders[i] = _value(loss)
+            self._learnt.placeholders[i] = _value(loss)
         return loss
 
-    def _loss_of(self, x: torch.Tensor, target: torch.Tensor, weight: float) -> torch.Tensor:
+    def _loss_of(self, run: "_Step", i: int) -> torch.Tensor:
+        target = run.ts[i]
         meter = self.activations  # saved-tensor hooks are per thread: set where the forward runs
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
-            recorder = self._recorder
-            xd = distribute(x, self.input_layout)
+            recorder = run.recorder
+            xd = distribute(run.xs[i], self.input_layout)
             if recorder is not None:
                 recorder.source(xd, "x")
             out = self.model(xd)
@@ -532,7 +634,7 @@ class Pipeline:
             td = distribute(target, lay)
             if recorder is not None:
                 recorder.source(td, "target")
-            return loss(out, td, weight)
+            return loss(out, td, run.weights[i])
 
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of

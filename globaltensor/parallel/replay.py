@@ -22,22 +22,26 @@ recorded it equal (plain tensors made in the forward compared by value), and any
 rank on the program, the reason in `Pipeline.replay_why`: a stage of several ranks or one with layout conversions or
 module hooks, a collective, an op that converts an input or writes in place, a message of several peers, a tensor
 crossing from one of the rank's chunks into another. A weight kept gathered for the step (the tied head's) is on the
-tape: its gather's hooks where they ran (`gather_open`, `gather_close`; their messages are theirs), the step's end as
+tape: its gather's hooks where they ran (`Recorder.opening`, `closed`; their messages are theirs), the step's end as
 in the program. What no recording can see is Python
 state the forward reads besides its inputs' shapes: hence opt-in (`gt.Pipeline(replay=True)`), for programs whose
 forward, given equal shapes, computes the same way (as a CUDA graph or `torch.compile` assumes).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
 from .local_call import call_local
 from .plain import _not_local
-from ..tensor import GlobalTensor
+from . import zero
+from ..runtime import context
+from ..runtime.trace import watching
+from ..tensor import GlobalTensor, grad_layout
 
 
 class NotReplayable(Exception):
@@ -47,10 +51,22 @@ class NotReplayable(Exception):
 class _Recording(threading.local):
     recorder: Optional["Recorder"] = None  # the forward running on this thread is recorded (a fiber's own thread)
     paused = 0  # inside a stage call: its own calls are the call's
-    gathering = 0  # inside a kept gather's hook (`gather_open`): its messages are the hook's, which a replay runs
+    gathering = 0  # inside a kept gather's hook (`Recorder.opening`): its messages are the hook's, which a replay runs
 
 
 RECORDING = _Recording()
+
+
+@contextlib.contextmanager
+def recording(recorder: "Recorder") -> Iterator[None]:
+    """The forward running on this thread recorded by `recorder`: its stage calls (`RECORDING`), the
+    dispatcher's decisions (`watching`) and its gathering modules' hooks (`zero.listening`)."""
+    RECORDING.recorder = recorder
+    try:
+        with watching(recorder.watch), zero.listening(recorder):
+            yield
+    finally:
+        RECORDING.recorder = None
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -162,15 +178,22 @@ class Recorder:
         self._outputs(("call", stage, fill), out)
         return out
 
-    def gather_open(self, group: Any, module: Any) -> None:
+    @contextlib.contextmanager
+    def opening(self, group: Any, module: Any) -> Iterator[None]:
         """A module that gathers its parameters for the step (the tied head, `zero.ParamGroup.before`) entered on
         this rank, outside a stage call: the replay runs the same hook there (the step's one gather: its messages
-        the program's), and its closing hook after the stage call, if any, between them."""
+        the program's, not recorded as the tape's), and its closing hook after the stage call, if any, between
+        them (`zero.GatherListener`)."""
         if group.param_dtype is not None and not (self.why or RECORDING.paused):  # a replay passes no inputs
             self.fail(f"{group.where} casts its inputs to {group.param_dtype} on entry")
         self._gather_entry("open", group, module)
+        RECORDING.gathering += 1
+        try:
+            yield
+        finally:
+            RECORDING.gathering -= 1
 
-    def gather_close(self, group: Any, module: Any) -> None:
+    def closed(self, group: Any, module: Any) -> None:
         self._gather_entry("close", group, module)
 
     def _gather_entry(self, kind: str, group: Any, module: Any) -> None:
@@ -394,6 +417,11 @@ class Tapes:
         self.segments = segments
         self._envs: dict = {}  # (micro-batch, chunk) -> the values of its forward, until its backward
 
+    def same(self, other: "Tapes") -> bool:
+        """Whether two steps recorded the same part (the plain tensors their forwards made equal by value)."""
+        return self.segments.keys() == other.segments.keys() and all(
+            self.segments[k].same(seg) for k, seg in other.segments.items())
+
     def why_not(self) -> str:
         """Why these tapes may not be replayed now (a hook registered on one of their stages since), or ""."""
         stages = {id(e[1]): e[1] for seg in self.segments.values() for e in seg.entries if e[0] == "call"}
@@ -476,6 +504,19 @@ class Tapes:
         self._envs.clear()
 
 
+def give_empty_grads() -> None:
+    """At a replayed step's end: a gather kept for the step that this rank ran outside the placement it computes
+    on (the tied head's weight, sent from its stage), with no backward through it here, takes this rank's share of
+    the gradients empty, as the program's backward gives it (`stage._Elsewhere`), so that the step's close reduces
+    (receives) as there."""
+    rank = context.current().rank
+    for group in zero.kept_without_grads():
+        if rank not in group.compute[0].placement:
+            zero.add_kept_grads(group, tuple(
+                GlobalTensor(torch.empty((0,), dtype=p.dtype, device=p._local.device), grad_layout(c), tuple(p.shape))
+                if p.requires_grad else None for p, c in zip(group.params, group.compute)))
+
+
 def _put(env: list, slots: tuple, out: Any) -> None:
     if len(slots) == 1 and isinstance(out, torch.Tensor):
         env[slots[0]] = out
@@ -485,4 +526,4 @@ def _put(env: list, slots: tuple, out: Any) -> None:
             env[slot] = t
 
 
-__all__ = ["NotReplayable", "Recorder", "RECORDING", "Tapes"]
+__all__ = ["NotReplayable", "Recorder", "RECORDING", "Tapes", "give_empty_grads", "recording"]

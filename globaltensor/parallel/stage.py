@@ -33,7 +33,7 @@ class StageForward:
 
     A rank outside the stage need not run the module's ops on empty shards: once a whole step has
     shown it the output's layout and the layouts the gradients of the inputs and parameters arrive in
-    (decided by the ranks inside, which a boundary's backward must agree on), `settle()` (called by
+    (decided by the ranks inside, which a boundary's backward must agree on), `promote_watched()` (called by
     `gt.Pipeline` after each step) lets it make the empty output directly, connected to the inputs
     and parameters by autograd (`_Elsewhere`) so that the boundaries' backward runs here as inside.
     Installed as the module's `forward` attribute (the class's is untouched).
@@ -110,7 +110,7 @@ class StageForward:
                     empties[id(p)] = (p, empty)
                 _accumulate(p, empty)
 
-    def owe_as_before(self) -> None:
+    def give_empty_grads_as_before(self) -> None:
         """A rank outside that left the forward before calling this stage (`early_exit`): its parameters take
         the empty gradients they took at the last step's end, as if it had called it."""
         if self.owed is not None and self._owed_before:
@@ -319,7 +319,7 @@ class StageForward:
                 stacklevel=3)
         return out
 
-    def settle(self) -> None:
+    def promote_watched(self) -> None:
         """After a step: what the watched calls showed is known; later calls like them skip the ops."""
         for key, (out, layouts) in self.watching.items():
             self.seen[key] = out + (tuple(layouts),)

@@ -29,7 +29,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional, Protocol
 
 import torch
 
@@ -37,7 +37,6 @@ from .. import boxing
 from ..layout import Layout
 from ..ops import dispatch
 from ..ops.scope import enter_named_here
-from .replay import RECORDING
 from ..runtime import context
 from ..sbp import Broadcast, Partial
 from ..tensor import GlobalTensor, grad_layout
@@ -76,15 +75,11 @@ class ParamGroup:
 
         The next module is the one that followed this one in the previous forward (inside the same
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
-        recorder = RECORDING.recorder
-        if recorder is None:
+        listener = _LISTENING.listener
+        if listener is None:
             return self._before(module, args, kwargs)
-        recorder.gather_open(self, module)  # a pipeline records this rank's part (replay.py): its messages are ours
-        RECORDING.gathering += 1
-        try:
+        with listener.opening(self, module):
             return self._before(module, args, kwargs)
-        finally:
-            RECORDING.gathering -= 1
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         mine = _state(self)
@@ -124,9 +119,9 @@ class ParamGroup:
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
         and marks the output so that its backward gathers them again first."""
-        recorder = RECORDING.recorder
-        if recorder is not None:
-            recorder.gather_close(self, module)
+        listener = _LISTENING.listener
+        if listener is not None:
+            listener.closed(self, module)
         dispatch.leave_named()
         call = _OPEN.stack.pop()
         _OPEN.installed.pop()
@@ -162,8 +157,37 @@ _OPEN = _Open()  # per thread (simulated rank, pipeline fiber): the module calls
                  # and the group whose forward started last
 
 
+class GatherListener(Protocol):
+    """Told of this thread's gathering modules' hooks (`listening`): whoever must see a gather as it runs
+    (a recording of what a rank does, to run it again) without ZeRO knowing who it is."""
+
+    def opening(self, group: ParamGroup, module: torch.nn.Module) -> ContextManager[None]:
+        """Around the forward pre-hook's work: what happens inside (its collectives) is the hook's."""
+
+    def closed(self, group: ParamGroup, module: torch.nn.Module) -> None:
+        """The forward hook: the module's gathered parameters are put back."""
+
+
+class _Listening(threading.local):
+    listener: Optional[GatherListener] = None
+
+
+_LISTENING = _Listening()
+
+
+@contextlib.contextmanager
+def listening(listener: GatherListener) -> Iterator[None]:
+    """`listener` is told of the gathering modules' hooks run on this thread while the scope is open."""
+    before, _LISTENING.listener = _LISTENING.listener, listener
+    try:
+        yield
+    finally:
+        _LISTENING.listener = before
+
+
 def runs_plain(group: ParamGroup) -> None:
-    """The group's module computes on plain local tensors (a one-rank pipeline stage, `stage.StageForward`)."""
+    """The group's module computes on its gathered copies' plain local tensors, outside the dispatcher (whoever
+    runs it so swaps them in): its backward dispatches nothing, so its outputs take no `_Regather` mark."""
     _state(group)["plain"] = True
 
 
@@ -434,18 +458,6 @@ class _Accumulation:
             if g is not None:
                 have[i] = g if have[i] is None else have[i] + g
 
-    def owe_outside(self) -> None:
-        """A rank replaying its part of a pipeline step (replay.py) ran a kept group's gather outside the placement
-        it computes on (the tied head's weight, sent from its stage) but no backward through it: its share of the
-        gradients is empty, as the program's backward gives it (`stage._Elsewhere`), so that the close reduces
-        (receives) as there."""
-        rank = context.current().rank
-        for group, call in self.calls.items():
-            if call not in self.grads and rank not in group.compute[0].placement:
-                self.add(call, tuple(GlobalTensor(torch.empty((0,), dtype=p.dtype, device=p._local.device),
-                                                  grad_layout(c), tuple(p.shape)) if p.requires_grad else None
-                                     for p, c in zip(group.params, group.compute)))
-
     def close(self) -> None:
         """Reduce each group's summed gradients into the stored layouts (one bucket per group, in the
         order the groups were first called: the same on every rank) and free the gathered copies. The
@@ -463,11 +475,20 @@ class _Accumulation:
 _SCOPES: "weakref.WeakKeyDictionary[Any, _Accumulation]" = weakref.WeakKeyDictionary()  # per rank (communicator)
 
 
-def owe_outside() -> None:
-    """This rank's step scope: `_Accumulation.owe_outside`."""
+def kept_without_grads() -> list[ParamGroup]:
+    """The groups this rank's `accumulating()` scope keeps gathered whose gathers took no gradient yet (in the
+    order they were first called)."""
     scope = _SCOPES.get(context.current())
-    if scope is not None:
-        scope.owe_outside()
+    if scope is None:
+        return []
+    return [group for group, call in scope.calls.items() if call not in scope.grads]
+
+
+def add_kept_grads(group: ParamGroup, grads: tuple) -> None:
+    """Gradients (in the compute layouts, None where none) for the gather of a group kept for this rank's
+    `accumulating()` scope, as its backward would give them: summed with the others, reduced at the close."""
+    scope = _SCOPES[context.current()]
+    scope.add(scope.calls[group], grads)
 
 
 @contextlib.contextmanager
