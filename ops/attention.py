@@ -60,7 +60,7 @@ import torch
 
 from ..layout import Layout
 from ..sbp import Split
-from .registry import B, P, Ctx, Local, S, Rule, aten, pointwise_dims, register, split_on
+from .registry import B, P, Ctx, ShardSite, S, Rule, aten, pointwise_dims, register, split_on
 from .ring_attention import ring_axes, ring_backward, ring_forward, ring_recv_bytes
 
 METHODS = ("auto", "ring", "ulysses", "allgather")
@@ -146,7 +146,7 @@ def _local(backward: bool):
     """The ring's kernel where the keys are split on the sequence, else the kernel on its shards."""
     ring, k_slot = (ring_backward, 2) if backward else (ring_forward, 1)
 
-    def local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
+    def local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
         if ring_axes(where.in_layouts[k_slot]):
             return ring(func, args, kwargs, where)
         if where.ctx.arg(causal_at, "is_causal", False):
@@ -284,6 +284,6 @@ def _check_ulysses(ctx: Ctx, sources: tuple, off: int) -> None:
 
 for _backward, _op in ((False, aten._scaled_dot_product_flash_attention_for_cpu.default),
                        (True, aten._scaled_dot_product_flash_attention_for_cpu_backward.default)):
-    register([_op], Rule(attention_signatures(_backward), local=_local(_backward),
+    register([_op], Rule(attention_signatures(_backward), kernel=_local(_backward),
                          scalar_key=_scalar_key(_backward), kernel_cost=_sequence_cost(_backward),
                          keep_converted_inputs=not _backward, plain_when=_rows_whole))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .registry import B, Ctx, Local, S, Rule, overloads, pointwise_dims, register
+from .registry import B, Ctx, ShardSite, S, Rule, overloads, pointwise_dims, register
 
 # arguments and returns that hold no rows: random state and varlen bookkeeping
 _AUX = {"philox_seed", "philox_offset", "rng_state", "unused", "cum_seq_q", "cum_seq_k"}
@@ -79,7 +79,7 @@ def _local_for(op: Any):
     Whether q is the first tensor or follows the incoming gradient (a backward) is the op's schema."""
     at = 1 if op._schema.arguments[0].name.startswith("grad") else 0
 
-    def local(func: Any, args: tuple, kwargs: dict, where: Local) -> Any:
+    def local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
         q = [a for a in args if isinstance(a, torch.Tensor)][at]
         if q.numel() or q.device.type == "meta":
             return func(*args, **kwargs)
@@ -105,5 +105,5 @@ def _no_dropout(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
 for _packet in overloads("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
                          "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
                          "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
-    register([_packet.default], Rule(_signatures, local=_local_for(_packet.default), scalar_key=_dropout_key(_packet.default),
+    register([_packet.default], Rule(_signatures, kernel=_local_for(_packet.default), scalar_key=_dropout_key(_packet.default),
                                      plain_when=_no_dropout))

@@ -32,7 +32,7 @@ from .. import boxing
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Ragged, Split
 from .errors import data_dependent, kernel_error
-from .registry import RULES, Ctx, Local, Rule, is_inplace
+from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
 from .scope import in_named
 from .span import placement_of
 
@@ -432,11 +432,11 @@ def valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: A
         shapes, expect = combo[:n_in], iter(combo[n_in:])
         try:
             largs, lkwargs = map_tensors(ctx.args, ctx.kwargs, lambda t, i: meta_like(t, shapes[i]))
-            where = Local(ctx, targets, out_layouts, placement.flat_ranks[k], checking=True)
-            if rule.local is None:
+            where = ShardSite(ctx, targets, out_layouts, placement.flat_ranks[k], checking=True)
+            if rule.kernel is None:
                 got = rule.meta(ctx.func, largs, lkwargs) if rule.meta is not None else ctx.func(*largs, **lkwargs)
             else:
-                got = rule.local(ctx.func, largs, lkwargs, where)
+                got = rule.kernel(ctx.func, largs, lkwargs, where)
             got, _ = flatten_out(got)
         except Exception:
             return False

@@ -10,7 +10,7 @@ table's gradient transiently.
 """
 from __future__ import annotations
 
-from .registry import B, Ctx, Local, P, Rule, S, aten, register
+from .registry import B, Ctx, ShardSite, P, Rule, S, aten, register
 
 
 def _vocab_mask(indices, start: int, size: int):
@@ -25,7 +25,7 @@ def embedding_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def embedding_local(func, args, kwargs, where: Local):
+def embedding_local(func, args, kwargs, where: ShardSite):
     weight, indices = args[0], args[1]
     start, size = where.in_box(0)[0]
     if size == where.ctx.shapes[0][0]:
@@ -46,7 +46,7 @@ def embedding_backward_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def embedding_backward_local(func, args, kwargs, where: Local):
+def embedding_backward_local(func, args, kwargs, where: ShardSite):
     grad, indices, num_weights, padding_idx = args[0], args[1], args[2], args[3]
     start, size = where.out_box(0)[0]
     if size == num_weights:
@@ -57,6 +57,6 @@ def embedding_backward_local(func, args, kwargs, where: Local):
     return func(grad, local_idx, size, pad, *args[4:], **kwargs)
 
 
-register([aten.embedding.default], Rule(embedding_signatures, local=embedding_local))
+register([aten.embedding.default], Rule(embedding_signatures, kernel=embedding_local))
 register([aten.embedding_dense_backward.default],
-         Rule(embedding_backward_signatures, local=embedding_backward_local))
+         Rule(embedding_backward_signatures, kernel=embedding_backward_local))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .registry import PMAX, PMIN, B, Ctx, Local, P, Rule, S, aten, is_inplace, pointwise_dims, register
+from .registry import PMAX, PMIN, B, Ctx, ShardSite, P, Rule, S, aten, is_inplace, pointwise_dims, register
 
 
 def _dim(ctx: Ctx) -> int:
@@ -72,7 +72,7 @@ def gather_signatures(ctx: Ctx) -> list:
     return sigs + [((p, B), (p,)) for p in (P, PMAX, PMIN)]
 
 
-def read_along_dim(func, args, kwargs, where: Local):
+def read_along_dim(func, args, kwargs, where: ShardSite):
     """gather / index_select of a self split along `dim`: entries held elsewhere read 0 (the output is P)."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
     start, size = where.in_box(0)[dim]
@@ -114,7 +114,7 @@ def _scatter_value_is_zero(args: tuple, kwargs: dict) -> bool:
     return not isinstance(v, torch.Tensor) and v == 0
 
 
-def write_along_dim(func, args, kwargs, where: Local):
+def write_along_dim(func, args, kwargs, where: ShardSite):
     """scatter / index_add into a self split along `dim`: writes for rows held elsewhere land in a spare row."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
     start, size = where.in_box(0)[dim]
@@ -164,7 +164,7 @@ def index_signatures(ctx: Ctx) -> list:
     return sigs + [((p,) + wb, (p,)) for p in (P, PMAX, PMIN)]
 
 
-def _indexed_dims_held(args: tuple, where: Local, spare: bool):
+def _indexed_dims_held(args: tuple, where: ShardSite, spare: bool):
     """The indices made local for the indexed dims this rank holds only part of: (indices, masks, dims)."""
     indices = list(args[1])
     box = where.in_box(0)
@@ -181,7 +181,7 @@ def _indexed_dims_held(args: tuple, where: Local, spare: bool):
     return indices, masks, dims
 
 
-def index_local(func, args, kwargs, where: Local):
+def index_local(func, args, kwargs, where: ShardSite):
     indices, masks, _ = _indexed_dims_held(args, where, spare=False)
     if not masks:
         return func(*args, **kwargs)
@@ -223,7 +223,7 @@ def index_put_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def index_put_local(func, args, kwargs, where: Local):
+def index_put_local(func, args, kwargs, where: ShardSite):
     indices, _, dims = _indexed_dims_held(args, where, spare=True)
     if not dims:
         return func(*args, **kwargs)
@@ -257,14 +257,14 @@ def index_add_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-register([aten.gather.default], Rule(gather_signatures, local=read_along_dim))
-register([aten.scatter.src, aten.scatter_.src], Rule(scatter_signatures(False, False), local=write_along_dim))
+register([aten.gather.default], Rule(gather_signatures, kernel=read_along_dim))
+register([aten.scatter.src, aten.scatter_.src], Rule(scatter_signatures(False, False), kernel=write_along_dim))
 register([aten.scatter.value, aten.scatter_.value],
-         Rule(scatter_signatures(False, True), local=write_along_dim, scalar_key=_scatter_value_is_zero))
+         Rule(scatter_signatures(False, True), kernel=write_along_dim, scalar_key=_scatter_value_is_zero))
 register([aten.scatter_add.default, aten.scatter_add_.default],
-         Rule(scatter_signatures(True, False), local=write_along_dim))
-register([aten.index.Tensor, aten._unsafe_index.Tensor], Rule(index_signatures, local=index_local))
+         Rule(scatter_signatures(True, False), kernel=write_along_dim))
+register([aten.index.Tensor, aten._unsafe_index.Tensor], Rule(index_signatures, kernel=index_local))
 register([aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
-          aten._unsafe_index_put.default], Rule(index_put_signatures, local=index_put_local))
-register([aten.index_select.default], Rule(index_select_signatures, local=read_along_dim))
-register([aten.index_add.default, aten.index_add_.default], Rule(index_add_signatures, local=write_along_dim))
+          aten._unsafe_index_put.default], Rule(index_put_signatures, kernel=index_put_local))
+register([aten.index_select.default], Rule(index_select_signatures, kernel=read_along_dim))
+register([aten.index_add.default, aten.index_add_.default], Rule(index_add_signatures, kernel=write_along_dim))

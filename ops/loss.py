@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .registry import B, Ctx, Local, P, Rule, S, aten, pointwise_dims, reduce_partial, register, split_on
+from .registry import B, Ctx, ShardSite, P, Rule, S, aten, pointwise_dims, reduce_partial, register, split_on
 
 NONE, MEAN, SUM = 0, 1, 2
 
@@ -53,7 +53,7 @@ def forward_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def forward_local(func, args, kwargs, where: Local):
+def forward_local(func, args, kwargs, where: ShardSite):
     x, target, weight, reduction, ignore = _args(args, kwargs, FWD)
     (rstart, rsize), (cstart, csize) = where.in_box(0)
     n, c = where.ctx.shapes[0]
@@ -83,7 +83,7 @@ def backward_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-def backward_local(func, args, kwargs, where: Local):
+def backward_local(func, args, kwargs, where: ShardSite):
     grad, x, target, weight, reduction, ignore, tw = _args(args, kwargs, BWD)
     cstart, csize = where.in_box(1)[1]
     if csize != where.ctx.shapes[1][1]:
@@ -106,8 +106,8 @@ def _mean_as_sum(func, args, kwargs):
 
 
 register([aten.nll_loss_forward.default],
-         Rule(forward_signatures, local=forward_local, decompose=_mean_as_sum, decompose_when=_batch_split_mean))
-register([aten.nll_loss_backward.default], Rule(backward_signatures, local=backward_local))
+         Rule(forward_signatures, kernel=forward_local, decompose=_mean_as_sum, decompose_when=_batch_split_mean))
+register([aten.nll_loss_backward.default], Rule(backward_signatures, kernel=backward_local))
 
 
 # -- mse_loss ------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def mse_backward_signatures(ctx: Ctx) -> list:
 
 def _mean_over_global(count_of, reduction_arg: int):
     """A 'mean' kernel on shards: the 'sum' kernel divided by the global element count."""
-    def local(func, args, kwargs, where: Local):
+    def local(func, args, kwargs, where: ShardSite):
         reduction = args[reduction_arg] if len(args) > reduction_arg else kwargs.get("reduction", MEAN)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if reduction != MEAN or all(tuple(t.shape) == s for t, s in zip(tensors, where.ctx.shapes)):
@@ -149,7 +149,7 @@ def _mean_over_global(count_of, reduction_arg: int):
 
 
 register([aten.mse_loss.default],
-         Rule(mse_signatures, local=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(2))), 2)))
+         Rule(mse_signatures, kernel=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(2))), 2)))
 register([aten.mse_loss_backward.default],
-         Rule(mse_backward_signatures, local=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(1, 3))),
+         Rule(mse_backward_signatures, kernel=_mean_over_global(lambda c: math.prod(_broadcast_shape(c, range(1, 3))),
                                                                3)))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .registry import B, Ctx, Local, P, Rule, S, aten, overloads, pointwise_dims, register
+from .registry import B, Ctx, ShardSite, P, Rule, S, aten, overloads, pointwise_dims, register
 
 
 def mm_signatures(ctx: Ctx) -> list:
@@ -129,7 +129,7 @@ def _group_rows(offs: torch.Tensor, first: int, count: int) -> tuple[int, int]:
     return start, (int(offs[first + count - 1]) if count else start)
 
 
-def grouped_mm_local(func, args, kwargs, where: Local):
+def grouped_mm_local(func, args, kwargs, where: ShardSite):
     """Local experts and tokens: the rows both hold, with their groups' offsets made local."""
     a, b = args[0], args[1]
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
@@ -160,4 +160,4 @@ def grouped_mm_local(func, args, kwargs, where: Local):
     return out
 
 
-register(overloads("_grouped_mm"), Rule(grouped_mm_signatures, local=grouped_mm_local, meta=grouped_mm_meta))
+register(overloads("_grouped_mm"), Rule(grouped_mm_signatures, kernel=grouped_mm_local, meta=grouped_mm_meta))

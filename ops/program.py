@@ -23,7 +23,7 @@ from ..sbp import Broadcast
 from .decide import Decision, flatten_out, map_tensors
 from .errors import kernel_error
 from .inputs import box, local_of
-from .registry import Local
+from .registry import ShardSite
 from .stats import STATS, note_fallback
 
 _FRESH = WeakIdKeyDictionary()  # shards of outputs that hold no values yet (rule.fresh)
@@ -64,7 +64,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                                                           dec.inplace, dec.writeback)
     members = frozenset(placement.flat_ranks)
     kernel = getattr(func, "_op", func)  # the C++ op under OpOverload.__call__: one Python frame less
-    local_hook = None if rule is None else rule.local
+    own_kernel = None if rule is None else rule.kernel  # a rule's kernel, told where its shards sit
     overwrites = rule is not None and rule.overwrites
     fresh = rule is not None and rule.fresh
     keep_converted = rule is not None and rule.keep_converted_inputs and not inplace
@@ -76,7 +76,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
                      for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
-    where: dict = {}  # rank -> Local, built only where the rule has a local hook
+    where: dict = {}  # rank -> ShardSite, built only where the rule has its own kernel
 
     # positions of the tensor slots (flat calls): the common call is rebuilt without a tensor list
     direct_at = tuple(slots[k] for k in direct) if slots is not None else ()
@@ -117,13 +117,13 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 locs[0] = locs[0].clone()
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
         try:  # free until something raises (Python 3.11's exceptions cost nothing on the way through)
-            if local_hook is None:
+            if own_kernel is None:
                 result = kernel(*largs, **kwargs)
             else:
                 loc = where.get(rank)
                 if loc is None:
-                    loc = where[rank] = Local(dec.ctx, targets, out_layouts, rank)
-                result = local_hook(func, tuple(largs), kwargs, loc)
+                    loc = where[rank] = ShardSite(dec.ctx, targets, out_layouts, rank)
+                result = own_kernel(func, tuple(largs), kwargs, loc)
         except Exception as e:  # a value the meta kernel could not see (an index out of range): say where
             err = kernel_error(func, e, tensors_of(args, kwargs), cls, rank)
             if err is e:

@@ -12,7 +12,7 @@ import torch
 
 from ..layout import slice_box
 from ..sbp import Partial
-from .registry import B, Ctx, Local, P, Rule, S, aten, register
+from .registry import B, Ctx, ShardSite, P, Rule, S, aten, register
 
 
 def any_layout(out_of: callable):
@@ -32,7 +32,7 @@ def _broadcast(s):
     return B
 
 
-def draw_global(fill, where: Local, like: torch.Tensor, i: int = 0) -> torch.Tensor:
+def draw_global(fill, where: ShardSite, like: torch.Tensor, i: int = 0) -> torch.Tensor:
     """Draw the whole output with `fill` on a fresh global-size tensor and keep this rank's shard."""
     shape = where.ctx.out_shapes[i]
     full = fill(torch.empty(shape, dtype=like.dtype, device=like.device))
@@ -44,11 +44,11 @@ def draw_global(fill, where: Local, like: torch.Tensor, i: int = 0) -> torch.Ten
     return local.contiguous()
 
 
-def random_like_local(func, args, kwargs, where: Local):
+def random_like_local(func, args, kwargs, where: ShardSite):
     return draw_global(lambda full: func(full, *args[1:], **kwargs), where, args[0])
 
 
-def random_inplace_local(func, args, kwargs, where: Local):
+def random_inplace_local(func, args, kwargs, where: ShardSite):
     if args[0].device.type == "meta":
         return func(*args, **kwargs)
     args[0].copy_(draw_global(lambda full: func(full, *args[1:], **kwargs), where, args[0]))
@@ -58,7 +58,7 @@ def random_inplace_local(func, args, kwargs, where: Local):
 register([aten.zeros_like.default, aten.ones_like.default, aten.full_like.default], Rule(any_layout(_no_partial)))
 register([aten.empty_like.default], Rule(any_layout(_no_partial), fresh=True))
 register([aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype],
-         Rule(any_layout(_no_partial), local=random_like_local))
+         Rule(any_layout(_no_partial), kernel=random_like_local))
 def new_like(keep):
     """`x.new_*(size)`: of x's own size it is laid out like x (autograd's grad buffers are
     `new_empty_strided(...).copy_(grad)`, which must not gather); any other size is Broadcast."""
@@ -68,7 +68,7 @@ def new_like(keep):
     return signatures
 
 
-def new_like_local(func, args, kwargs, where: Local):
+def new_like_local(func, args, kwargs, where: ShardSite):
     """The size argument is global; the shard is this rank's piece of it (a split x gives a split output)."""
     size = list(where.out_shape(0))
     if func == aten.new_empty_strided.default:
@@ -79,10 +79,10 @@ def new_like_local(func, args, kwargs, where: Local):
     return func(args[0], size, *args[2:], **kwargs)
 
 
-register([aten.new_zeros.default], Rule(new_like(lambda s: s), local=new_like_local))
+register([aten.new_zeros.default], Rule(new_like(lambda s: s), kernel=new_like_local))
 register([aten.new_empty.default, aten.new_empty_strided.default],
-         Rule(new_like(lambda s: s), fresh=True, local=new_like_local))
-register([aten.new_ones.default, aten.new_full.default], Rule(new_like(_no_partial), local=new_like_local))
+         Rule(new_like(lambda s: s), fresh=True, kernel=new_like_local))
+register([aten.new_ones.default, aten.new_full.default], Rule(new_like(_no_partial), kernel=new_like_local))
 register([aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default, aten.exponential_.default,
           aten.random_.default, aten.random_.to],
-         Rule(any_layout(lambda s: s), local=random_inplace_local))
+         Rule(any_layout(lambda s: s), kernel=random_inplace_local))

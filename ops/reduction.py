@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..runtime import context
-from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, aten, is_inplace, register
+from .registry import PMAX, PMIN, Ctx, ShardSite, P, Rule, S, aten, is_inplace, register
 
 
 def reduced_dims(ctx: Ctx) -> tuple[list[int], bool]:
@@ -39,7 +39,7 @@ def reduction(partial, n_out: int = 1) -> Rule:
     return Rule(signatures)
 
 
-def mean_local(func, args, kwargs, where: Local):
+def mean_local(func, args, kwargs, where: ShardSite):
     """Sum the shard, divide by the global count: the shards' results add up to the mean."""
     dims, keep = reduced_dims(where.ctx)
     count = math.prod(where.ctx.shapes[0][d] for d in dims)
@@ -49,10 +49,10 @@ def mean_local(func, args, kwargs, where: Local):
 
 SUM = reduction(P)
 register([aten.sum.default, aten.sum.dim_IntList], SUM)
-register([aten.mean.default, aten.mean.dim], Rule(SUM.signatures, local=mean_local))
+register([aten.mean.default, aten.mean.dim], Rule(SUM.signatures, kernel=mean_local))
 def extreme_local(identity: str):
     """max()/min() of an empty shard (a split smaller than the mesh) is the reduction's identity."""
-    def local(func, args, kwargs, where: Local):
+    def local(func, args, kwargs, where: ShardSite):
         x = args[0]
         if x.numel() or func not in (aten.max.default, aten.min.default):
             return func(*args, **kwargs)
@@ -63,8 +63,8 @@ def extreme_local(identity: str):
     return local
 
 
-register([aten.amax.default, aten.max.default], Rule(reduction(PMAX).signatures, local=extreme_local("max")))
-register([aten.amin.default, aten.min.default], Rule(reduction(PMIN).signatures, local=extreme_local("min")))
+register([aten.amax.default, aten.max.default], Rule(reduction(PMAX).signatures, kernel=extreme_local("max")))
+register([aten.amin.default, aten.min.default], Rule(reduction(PMIN).signatures, kernel=extreme_local("min")))
 register([aten.max.dim, aten.min.dim], reduction(None, n_out=2))
 register([aten.argmax.default, aten.argmin.default], reduction(None))
 
@@ -128,7 +128,7 @@ def scan_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> t
     return tuple(out), len(axes)
 
 
-def scan_local(func: Any, args: tuple, kwargs: dict, where: Local) -> torch.Tensor:
+def scan_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
     """The shard's scan, then the totals of the ranks before it combined in (`SCANS`' comment).
 
     Integers are exact. Floating point: a rank's values are its local scan plus (or times) the sum
@@ -186,5 +186,5 @@ def histc_signatures(ctx: Ctx) -> list:
     return [((S(d),), (P,)) for d in range(len(ctx.shapes[0]))]
 
 
-register(list(SCANS), Rule(scan_signatures, local=scan_local, kernel_cost=scan_cost))
+register(list(SCANS), Rule(scan_signatures, kernel=scan_local, kernel_cost=scan_cost))
 register([aten.histc.default], Rule(histc_signatures, scalar_key=_histc_range))

@@ -1,7 +1,7 @@
 """Rules as data: an op's 1-D signatures (input SBPs -> output SBPs on one mesh axis).
 
 A rule's `signatures(ctx)` lists what one mesh axis may do; all-Broadcast is
-implied for every op. `local` is the kernel run on local shards (default: the
+implied for every op. `kernel` is what runs on the local shards (default: the
 op itself); it only needs writing where a shard must know where it sits
 (view sizes, vocab offsets). `decompose` marks ops that are run as several
 other dispatched ops (the `_foreach_*` family) rather than as one kernel;
@@ -57,7 +57,7 @@ class Ctx:
 
 
 @dataclass(frozen=True)
-class Local:
+class ShardSite:
     """What a local kernel gets besides the local args: where this rank's shards sit."""
     ctx: Ctx
     in_layouts: tuple
@@ -88,7 +88,7 @@ class Local:
 @dataclass(frozen=True)
 class Rule:
     signatures: Callable[[Ctx], Sequence[Signature]]
-    local: Optional[Callable[..., Any]] = None  # local(func, args, kwargs, where: Local) -> outputs
+    kernel: Optional[Callable[..., Any]] = None  # kernel(func, args, kwargs, where: ShardSite) -> outputs
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
@@ -105,9 +105,9 @@ class Rule:
     # key/value blocks between ranks): kernel_cost(ctx, sources, targets, out_layouts) -> (bytes received per
     # global rank, collectives), added to the choice's cost; None: this choice is not to be taken
     kernel_cost: Optional[Callable[[Ctx, tuple, tuple, tuple], Optional[tuple]]] = None
-    # for a rule with a `local` hook: whether, under these layouts, the hook computes what the op itself computes on
-    # the shards when the sizes in its arguments are read off them (a view's: the hook only restates sizes for the
-    # shard). A module whose ops are all so may run on its plain local tensors (`globaltensor/parallel/plain.py`); a hook
+    # for a rule with a `kernel`: whether, under these layouts, the kernel computes what the op itself computes on
+    # the shards when the sizes in its arguments are read off them (a view's only restates sizes for the
+    # shard). A module whose ops are all so may run on its plain local tensors (`globaltensor/parallel/plain.py`); a kernel
     # that must know where its shard sits (vocab offsets, a global count, causal rows) says False or leaves None.
     # plain_when(ctx, input layouts, output layouts) -> bool
     plain_when: Optional[Callable[[Ctx, tuple, tuple], bool]] = None
@@ -165,5 +165,5 @@ def no_signatures(ctx: Ctx) -> list:
     return []
 
 
-__all__ = ["Ctx", "Local", "Rule", "RULES", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
+__all__ = ["Ctx", "ShardSite", "Rule", "RULES", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
            "B", "P", "PMAX", "PMIN", "S", "aten", "always", "field", "no_signatures", "reduce_partial", "split_on"]

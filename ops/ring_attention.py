@@ -47,7 +47,7 @@ import torch
 from ..layout import Layout
 from ..runtime import context
 from ..sbp import Split, Zigzag
-from .registry import Local
+from .registry import ShardSite
 
 SEQ = 2  # q, k, v are [batch, heads, seq, head_dim]
 
@@ -337,7 +337,7 @@ def _pieces(ring: Ring, layout: Layout, shape: tuple, most: int) -> _Pieces:
     return _Pieces(count, {m: _range_cuts([n for _, n in r], count) for m, r in rows.items()}, rows)
 
 
-def ring_forward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = args[:3]
     causal = bool(where.ctx.arg(4, "is_causal", False))
     scale = kwargs.get("scale")
@@ -388,7 +388,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tenso
     return out.add_(o.to(out.dtype).mul_((l - new).exp_().unsqueeze(-1))), new
 
 
-def ring_backward(func: Any, args: tuple, kwargs: dict, where: Local) -> tuple:
+def ring_backward(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> tuple:
     grad_out, q, k, v, out, lse = args[:6]
     causal = bool(where.ctx.arg(7, "is_causal", False))
     scale = kwargs.get("scale")

@@ -21,7 +21,7 @@ from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
 from ..sbp import Broadcast, Split
-from .registry import PMAX, PMIN, Ctx, Local, P, Rule, S, always, aten, register
+from .registry import PMAX, PMIN, Ctx, ShardSite, P, Rule, S, always, aten, register
 
 
 def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:
@@ -30,7 +30,7 @@ def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) 
         sigs = [((S(d),) * n_in, (S(o),) * n_out) for d, o in dim_map(ctx).items()]
         sigs.append(((P,) * n_in, (P,) * n_out))
         return sigs
-    return Rule(signatures, local=local, plain_when=None if local is None else always)  # hooks that size views
+    return Rule(signatures, kernel=local, plain_when=None if local is None else always)  # hooks that size views
 
 
 def _d(d: int, n: int) -> int:
@@ -133,7 +133,7 @@ def reshape_signatures(ctx: Ctx) -> list:
     return [((S(d),) * n_in, (S(o),)) for d, o in pairs] + [((P,) * n_in, (P,))]
 
 
-def reshape_local(func, args, kwargs, where: Local):
+def reshape_local(func, args, kwargs, where: ShardSite):
     """Local data keeps its order, so reshaping to this rank's output shard shape is the view.
 
     When a decision is made (`where.checking`) the nd layouts are checked too: a split carried by
@@ -204,7 +204,7 @@ def _ragged_view(func, args, kwargs):
 
 # globaltensor/raggedtensor/views.py puts its builder here when imported (the ops do not import the front door)
 RAGGED_VIEW: dict = {"run": None}
-RESHAPE = Rule(reshape_signatures, local=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when,
+RESHAPE = Rule(reshape_signatures, kernel=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when,
                plain_when=always)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,
           aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
@@ -279,7 +279,7 @@ def backward_map(insert: bool) -> Callable[[Ctx], dict]:
     return m
 
 
-def sized_backward(func, args, kwargs, where: Local):
+def sized_backward(func, args, kwargs, where: ShardSite):
     return func(args[0], list(where.out_shape(0)), *args[2:], **kwargs)
 
 
@@ -351,7 +351,7 @@ def flip_takes(layout: Layout, shape: tuple, flipped: frozenset, rank: int) -> t
 _FLIP_KEY = zlib.crc32(b"flip")  # its messages' key (`Communicator.exchange`), the same in every process
 
 
-def flip_local(func: Any, args: tuple, kwargs: dict, where: Local) -> torch.Tensor:
+def flip_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
     """The shard flipped, then exchanged with the mirror ranks (`flip_takes`) where a flipped dim is split."""
     out = func(*args, **kwargs)
     layout, shape, flipped, rank = where.in_layouts[0], where.ctx.shapes[0], _flipped(where.ctx), where.rank
@@ -402,4 +402,4 @@ def _flips_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
 
 
 register([aten.flip.default],
-         Rule(flip_signatures, local=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))
+         Rule(flip_signatures, kernel=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))

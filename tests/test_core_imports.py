@@ -55,6 +55,16 @@ def _ancestors(name: str) -> set[str]:
     return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
+def source_of(node: ast.ImportFrom, package: str) -> str | None:
+    """The dotted module a `from ... import` in `package` reads from; None outside globaltensor."""
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+    if node.module and node.module.split(".")[0] == "globaltensor":
+        return node.module
+    return None
+
+
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package's modules that `name` (at `path`) imports, anywhere in its source."""
     package = name if path.stem == "__init__" else name.rpartition(".")[0]
@@ -74,12 +84,8 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 if alias.name.split(".")[0] == "globaltensor":
                     add(alias.name)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.split(".")[0] == "globaltensor":
-                source = node.module
-            else:
+            source = source_of(node, package)
+            if source is None:
                 continue
             add(source)
             for alias in node.names:
@@ -170,14 +176,8 @@ def private_imports() -> list[tuple[str, str]]:
         tree = ast.parse(path.read_text(), str(path))
         aliases: dict[str, str] = {}  # local name -> module it is
         for node in ast.walk(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                source = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and node.module.split(".")[0] == "globaltensor":
-                source = node.module
-            else:
+            source = source_of(node, package) if isinstance(node, ast.ImportFrom) else None
+            if source is None:
                 continue
             for alias in node.names:
                 target = f"{source}.{alias.name}"

@@ -16,7 +16,7 @@ What makes a call local (`_judge`), from its dispatcher decisions, the same on e
 - every op a kernel (no fallback, no decomposition), no input converted, no collective in the forward;
 - no op that writes in place, none that draws random numbers (the dispatcher gives each shard its part
   of one global stream: their rules' hooks say so, as attention's does with dropout on);
-- a rule's `local` hook only where the rule says it computes what the plain op would (`Rule.plain_when`:
+- a rule's own `kernel` only where the rule says it computes what the plain op would (`Rule.plain_when`:
   a view's sizes; attention without a sequence split);
 - no rank holds an empty shard of an input (a plain kernel on an empty shard may fail where the dispatcher
   skips it);
@@ -269,7 +269,7 @@ class _Watch:
         self.why = _not_local(func, dec)
         if not self.why:
             rule = dec.rule
-            sized = rule is not None and rule.local is not None  # its sizes are the shard's: compared by shape
+            sized = rule is not None and rule.kernel is not None  # its sizes are the shard's: compared by shape
             self.calls.append((func, None if sized else _values(args, kwargs), dec.out_shapes, dec.out_layouts))
 
 
@@ -284,7 +284,7 @@ def _not_local(func: Any, dec: Any) -> str:
     if dec.inplace:  # (the shape check runs the forward on real shards: it must not write into them)
         return f"{name} writes in place"
     rule = dec.rule
-    if rule is not None and rule.local is not None and (
+    if rule is not None and rule.kernel is not None and (
             rule.plain_when is None or not rule.plain_when(dec.ctx, dec.targets, dec.out_layouts)):
         return f"{name}'s local kernel must know where its shard sits"
     if dec.out_shapes is None:

@@ -4,7 +4,7 @@ An op that works along dims other than the ragged one (softmax, topk, one_hot, c
 along others, bmm over it as the batch) needs no ragged-specific code: the one dispatcher decides
 it (`ops/decide.py`'s `RaggedRows`: its rule, on a balanced split of the ragged dim, taking only a
 signature that moves no data, which holds for any cut of it), from its one cache. This is where
-such a decision runs (`_by_rule`, the kernel's view of the true shards `_RaggedLocal`), kept apart
+such a decision runs (`_by_rule`, the kernel's view of the true shards `_RaggedShardSite`), kept apart
 from the few ops `run.py` handles by name.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ..boxing import ragged as _recut
 from ..layout import Layout
 from ..ops.decide import Decision, flatten_out, map_tensors
 from ..ops.dispatch import decision_of
-from ..ops.registry import Local, is_inplace
+from ..ops.registry import ShardSite, is_inplace
 from ..runtime import context
 from ..sbp import Broadcast, Ragged, Split
 from ..tensor import GlobalTensor
@@ -35,7 +35,7 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list, cls: type) -> A
 
     The dispatcher's decision (`RaggedRows`) keeps the ragged inputs' split, and on the ragged axes
     may cut a whole operand along a dim as long as the ragged one: it gets this rank's rows (a local
-    slice). The kernel sees the true shards (`_RaggedLocal`: shapes and boxes from the sizes). Not
+    slice). The kernel sees the true shards (`_RaggedShardSite`: shapes and boxes from the sizes). Not
     taken where the dispatcher finds no such signature (a fallback or a decomposition), nor for ragged
     inputs cut differently: the caller balances a reshape's rows or refuses."""
     first = ragged[0]
@@ -70,8 +70,8 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list, cls: type) -> A
                 local = _recut.take(local, want.dim, sizes[a], coord[a])
         return local
     largs, lkwargs = map_tensors(args, kwargs, shard)
-    where = _RaggedLocal(dec.ctx, dec.targets, dec.out_layouts, rank, sizes=sizes, axes=axes)
-    got = func(*largs, **lkwargs) if dec.rule.local is None else dec.rule.local(func, largs, lkwargs, where)
+    where = _RaggedShardSite(dec.ctx, dec.targets, dec.out_layouts, rank, sizes=sizes, axes=axes)
+    got = func(*largs, **lkwargs) if dec.rule.kernel is None else dec.rule.kernel(func, largs, lkwargs, where)
     if is_inplace(func):
         return args[0]
     result, _ = flatten_out(got)
@@ -101,7 +101,7 @@ def _wrap_outputs(cls: type, dec: Decision, rows: Rows, result: list, got: Any =
 
 
 @dataclass(frozen=True)
-class _RaggedLocal(Local):
+class _RaggedShardSite(ShardSite):
     """A kernel's `Local` where the ragged axes cut as the sizes say: the layouts hold the balanced
     stand-ins (Split(d)), the shapes and boxes are the true shards' (a random op draws its true rows)."""
     sizes: Sizes = ()
