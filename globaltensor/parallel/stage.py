@@ -51,20 +51,20 @@ class StageForward:
         self.watching: dict = {}  # call key -> (output meta, gradient layouts recorded by hooks so far)
         self.plain: Optional[bool] = None  # whether it runs on plain tensors (see `_runs_plain`)
         self.leaves: Optional[dict] = None  # in a step, inside: id(parameter) -> (it, its plain leaf for the step)
-        self.owed: Optional[dict] = None    # in a step, outside: id(parameter) -> (it, the layout its gradient takes)
+        self.empty_grads: Optional[dict] = None    # in a step, outside: id(parameter) -> (it, the layout its gradient takes)
         self._tables: Optional[list] = None  # (its modules' _parameters, _buffers) dicts: walked once, read each call
         self._step_params: Optional[tuple] = None  # in a step, outside: (parameters, those taking a gradient)
-        self._step_splits: dict = {}  # ... and per call key, how their gradients split (`_owed_split`)
+        self._step_splits: dict = {}  # ... and per call key, how their gradients split (`_empty_grads_split`)
         self._step_swaps: Optional[list] = None  # in a step, inside, plain: the swaps its first call made (`_swap_in`)
         self._empties: dict = {}  # outside: id(parameter) -> (it, the empty gradient it takes at each step's end)
         self._whole = Layout(placement, (Broadcast(),) * placement.ndim)  # a plain stage's outputs
         self._ranks: dict = {}  # rank -> whether the placement holds it
-        self._owed_before: dict = {}  # outside: the empty gradients its parameters took at the last step's end
+        self._empty_grads_before: dict = {}  # outside: the empty gradients its parameters took at the last step's end
         self.enters_inline = False  # whether a pipeline's fibers stop at the start of its calls (`stop_on_entry`)
         self.watch_draws = False  # whether its calls inside warn when they draw random numbers (a pipeline's first step)
 
     def open_step(self) -> None:
-        self.leaves, self.owed = {}, {}
+        self.leaves, self.empty_grads = {}, {}
         self._step_params, self._step_splits, self._step_swaps = None, {}, None
 
     def hand_on(self) -> None:
@@ -83,7 +83,7 @@ class StageForward:
     def close_step(self, flush: bool = True) -> None:
         """The step's gradients into the parameters' `.grad`, as autograd's accumulation would have
         left them (post-accumulate hooks included, once); `flush=False` drops them (a failed step)."""
-        leaves, owed, self.leaves, self.owed = self.leaves, self.owed, None, None
+        leaves, empty, self.leaves, self.empty_grads = self.leaves, self.empty_grads, None, None
         self._step_params, self._step_splits, self._step_swaps = None, {}, None
         if not flush or leaves is None:
             return
@@ -96,10 +96,10 @@ class StageForward:
                         _accumulate(p, p.with_local(g))
                     else:
                         _accumulate(p, GlobalTensor(g, grad_layout(lay), tuple(p.shape)))
-            if owed:
-                self._owed_before = dict(owed)
+            if empty:
+                self._empty_grads_before = dict(empty)
             empties = self._empties
-            for p, (lay, shape, dtype) in owed.values():
+            for p, (lay, shape, dtype) in empty.values():
                 if p.grad is not None:
                     _accumulate(p, None)
                     continue
@@ -113,8 +113,8 @@ class StageForward:
     def give_empty_grads_as_before(self) -> None:
         """A rank outside that left the forward before calling this stage (`early_exit`): its parameters take
         the empty gradients they took at the last step's end, as if it had called it."""
-        if self.owed is not None and self._owed_before:
-            self.owed.update(self._owed_before)
+        if self.empty_grads is not None and self._empty_grads_before:
+            self.empty_grads.update(self._empty_grads_before)
 
     def tables(self) -> list:
         """Each of the module's modules' parameter and buffer dicts (the same dict objects for the module's
@@ -140,7 +140,7 @@ class StageForward:
         if got is None:
             params = self.parameters()
             got = (params, [q for q in params if isinstance(q, GlobalTensor) and q.requires_grad])
-            if self.owed is not None and all(isinstance(q, torch.nn.Parameter) for q in params):
+            if self.empty_grads is not None and all(isinstance(q, torch.nn.Parameter) for q in params):
                 self._step_params = got
         return got
 
@@ -263,16 +263,16 @@ class StageForward:
             return out
         if meta[3] and (from_ins or wanting) and torch.is_grad_enabled():
             grads = meta[4]
-            if self.owed is None:
+            if self.empty_grads is None:
                 targets = from_ins + wanting
             else:  # the parameters' (empty) gradients come once, at the step's end
                 n_in = len(from_ins)
                 split = self._step_splits.get(key) if self._step_params is not None else None
                 if split is None:
-                    split = _owed_split(wanting, grads[n_in:])
+                    split = _empty_grads_split(wanting, grads[n_in:])
                     if self._step_params is not None:  # the same parameters at each call of this step
                         self._step_splits[key] = split
-                self.owed.update(split[2])
+                self.empty_grads.update(split[2])
                 targets, grads = from_ins + split[0], grads[:n_in] + split[1]
             if targets and not early_exit.untouched():
                 targets, grads = _past_elsewhere(targets, grads)
@@ -424,19 +424,19 @@ class _GradLayout:
             self.into[self.index] = (grad._layout, tuple(grad.shape), grad.dtype)
 
 
-def _owed_split(wanting: list, grads: tuple) -> tuple:
+def _empty_grads_split(wanting: list, grads: tuple) -> tuple:
     """A rank outside a stage, in a step: of the parameters taking a gradient (`wanting`, their gradients'
     layouts `grads`), those whose empty gradient is given at the step's end ({id: (parameter, layout)}) and
     the others, wired into the output's backward (a gathered copy's gradient goes back through its gather):
-    (wired, their layouts, owed)."""
-    wired, layouts, owed = [], [], {}
+    (wired, their layouts, empty)."""
+    wired, layouts, empty = [], [], {}
     for q, g in zip(wanting, grads):
         if not q.is_leaf or g is None:
             wired.append(q)
             layouts.append(g)
         else:
-            owed[id(q)] = (q, g)
-    return wired, tuple(layouts), owed
+            empty[id(q)] = (q, g)
+    return wired, tuple(layouts), empty
 
 
 def _past_elsewhere(targets: list, grads: tuple) -> tuple[list, tuple]:
