@@ -62,6 +62,24 @@ class GlobalTensor(torch.Tensor):
     _key: Any  # the dispatcher's interned (layout, shape, dtype); set wherever _layout is
     __slots__ = ["_local", "_layout", "_key"]
 
+    _KINDS: dict = {}  # kind of layout -> the subclass that holds it (`__init_subclass__`)
+
+    def __init_subclass__(cls, kind: str | None = None, **kwargs: Any) -> None:
+        """A subclass holding a kind of layout the core does not (`class RaggedTensor(GlobalTensor, kind="ragged")`)
+        is found by that kind (`of_kind`): the ops, a floor below it, build its tensors through the class they are
+        handed, as torch hands `__torch_dispatch__` its class, never by importing upward."""
+        super().__init_subclass__(**kwargs)
+        if kind is not None:
+            GlobalTensor._KINDS[kind] = cls
+
+    @classmethod
+    def of_kind(cls, kind: str) -> type:
+        """The subclass that holds layouts of `kind` (e.g. "ragged")."""
+        found = GlobalTensor._KINDS.get(kind)
+        if found is None:
+            raise LookupError(f"no GlobalTensor subclass holds {kind!r} layouts; `import globaltensor` defines them")
+        return found
+
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
                 requires_grad: bool = False) -> "GlobalTensor":

@@ -5,7 +5,7 @@ group whose split pieces would not line up) can only be taken Broadcast,
 which the dispatcher boxes to and counts; except that a dim split unevenly and
 merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a multiple
 of the ranks) becomes a ragged split of the rows in units of S, no data moved
-(`uneven_merge`, run by globaltensor/raggedtensor/ops.py). Views are linear, so P passes.
+(`uneven_merge`; the ragged tensor class builds it, `GlobalTensor.of_kind`). Views are linear, so P passes.
 Sizes in the arguments are global; kernels that take sizes get this rank's.
 """
 from __future__ import annotations
@@ -195,15 +195,13 @@ def uneven_merge(ins: Sequence[int], outs: Sequence[int], layout: Layout) -> tup
 
 
 def _uneven_merge_when(ctx: Ctx, srcs: tuple) -> bool:
-    return RAGGED_VIEW["run"] is not None and uneven_merge(ctx.shapes[0], ctx.out_shapes[0], srcs[0]) is not None
+    return uneven_merge(ctx.shapes[0], ctx.out_shapes[0], srcs[0]) is not None
 
 
 def _ragged_view(func, args, kwargs):
-    return RAGGED_VIEW["run"](func, args, kwargs)
-
-
-# globaltensor/raggedtensor/views.py puts its builder here when imported (the ops do not import the front door)
-RAGGED_VIEW: dict = {"run": None}
+    """An uneven merge makes a ragged tensor: built by the class that holds ragged layouts, found from the
+    tensor's own class (`GlobalTensor.of_kind`), which a floor below cannot import."""
+    return type(args[0]).of_kind("ragged").merged_view(func, args, kwargs)
 RESHAPE = Rule(reshape_signatures, kernel=reshape_local, decompose=_ragged_view, decompose_when=_uneven_merge_when,
                plain_when=always)
 register([aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten._reshape_alias.default,

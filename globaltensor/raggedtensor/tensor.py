@@ -16,7 +16,6 @@ from ..boxing import convert_local
 from ..boxing.boxes import intersect, numel, relative
 from ..boxing import ragged as _recut
 from ..layout import Layout, normalize_sbp, slice_box
-from ..ops import view as _view
 from ..placement import Placement
 from ..runtime import context
 from ..sbp import Broadcast, Ragged, Split, split_sizes
@@ -27,7 +26,7 @@ from .run import run as _run_op
 from .views import _balance, _unbalance, merged_view
 
 
-class RaggedTensor(GlobalTensor):
+class RaggedTensor(GlobalTensor, kind="ragged"):
     """A GlobalTensor with `_sizes`: for each mesh axis that is `Ragged(d)`, the rows of d per rank."""
 
     _sizes: Sizes
@@ -41,6 +40,12 @@ class RaggedTensor(GlobalTensor):
         return self._unit is not None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def merged_view(cls, func: Any, args: tuple, kwargs: dict) -> GlobalTensor:
+        """A reshape merging a split dim unevenly into another (`ops/view.py`'s reshape rule, through
+        `GlobalTensor.of_kind("ragged")`): the merged dim's rows per rank become ragged sizes; no data moves."""
+        return merged_view(func, args, kwargs, cls)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -98,8 +103,6 @@ class RaggedTensor(GlobalTensor):
 
 
 make = RaggedTensor.make
-# `ops/view.py`'s reshape rule builds a reshape's ragged rows through this slot (the ops floor cannot name the class)
-_view.RAGGED_VIEW["run"] = lambda func, args, kwargs: merged_view(func, args, kwargs, RaggedTensor)
 
 
 # -- conversions ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Reshapes, permutations and matrix products of a reshape's ragged rows: what a Linear over [G, S, d] runs.
 
 A reshape that merges an unevenly split dim with the dims inside it makes ragged rows in units
-(`merged_view`, which `ops/view.py`'s reshape rule runs through RAGGED_VIEW); these handlers keep
+(`merged_view`, which `ops/view.py`'s reshape rule reaches through `GlobalTensor.of_kind("ragged")`); these handlers keep
 such rows ragged, with no data moved, through the reshapes, transposes and products a Linear runs
 on them (no rule passes a split through a merge of dims, so `rules.py` does not take these,
 and an op nothing takes gets the rows balanced: `_balance`, one uneven all-to-all). They give
