@@ -1,12 +1,12 @@
 """The front door: creating global tensors from full tensors or from local shards."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence, TypeVar, Union, overload
+from typing import Any, Sequence, TypeVar, overload
 
 import torch
 
 from .layout import Layout, normalize_sbp
-from .parallel.module import ModuleLayout, module_to_global
+from .parallel.module import PlanLike, module_to_global
 from .placement import Placement
 from .runtime import context
 from .sbp import SbpLike, Split, Zigzag
@@ -14,9 +14,6 @@ from .raggedtensor import ops as _ragged
 from .tensor import GlobalTensor, FromLocal, device_for, distribute
 
 
-# What `to_global(module, placement, plan)` accepts: parameter-name patterns to an SBP (or a Layout on
-# another placement: a pipeline stage) and module-name patterns to a ModuleLayout (fnmatch patterns).
-PlanLike = Mapping[str, Union[SbpLike, Layout, ModuleLayout]]
 M = TypeVar("M", bound=torch.nn.Module)
 
 

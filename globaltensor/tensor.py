@@ -15,7 +15,7 @@ from .ops import dispatch as _ops_dispatch
 from .ops import zigzag as _ops_zigzag
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
-from .sbp import Broadcast, Partial, Split, Zigzag
+from .sbp import Broadcast, Partial, SbpLike, Split, Zigzag
 
 _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
 _TENSOR_DATA = torch.Tensor.data  # torch's descriptor, which GlobalTensor.data wraps
@@ -224,8 +224,8 @@ class GlobalTensor(torch.Tensor):
         """This rank's shard (differentiable); empty on ranks outside the placement."""
         return _ToLocal.apply(self)
 
-    def to_global(self, placement: Placement | None = None, sbp: Any = None,
-                  grad_sbp: Any = None) -> "GlobalTensor":
+    def to_global(self, placement: Placement | None = None, sbp: SbpLike | None = None,
+                  grad_sbp: SbpLike | None = None) -> "GlobalTensor":
         """Box into another layout (same or other placement); placement/sbp default to the current ones.
 
         `grad_sbp` (OneFlow's argument of that name) is the layout the gradient of `self` takes in

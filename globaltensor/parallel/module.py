@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -35,7 +35,7 @@ from ..ops.scope import enter_named_here
 from ..placement import Placement
 from .plain import PlainRegion
 from ..raggedtensor.ops import boundary_cut, convert as convert_ragged
-from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged
+from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike
 from ..tensor import GlobalTensor, OnBackward, distribute
 from .stage import StageForward, stage_hooks
 from .zero import ParamGroup, compute_layout
@@ -63,11 +63,11 @@ class ModuleLayout:
     `param_dtype`: the dtype they are gathered and used in (mixed precision; the module's floating
     inputs are cast to it); `reduce_dtype`: the dtype their gradients are reduced in.
     """
-    input: Any = None
-    input_grad: Any = None
-    output: Any = None
-    output_grad: Any = None
-    params: Any = None
+    input: Optional[SbpLike] = None
+    input_grad: Optional[SbpLike] = None
+    output: Optional[SbpLike] = None
+    output_grad: Optional[SbpLike] = None
+    params: Union[SbpLike, Layout, None] = None
     reshard_after_forward: bool = True
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -346,8 +346,13 @@ def _check_tied(name: str, converted: GlobalTensor, plan: Mapping[str, Any], pla
                          f"layout, or untie them (models/gpt.py: GPTConfig(tied_head=False))")
 
 
+# What `to_global(module, placement, plan)` accepts: parameter-name patterns to an SBP (or a Layout on
+# another placement: a pipeline stage) and module-name patterns to a ModuleLayout (fnmatch patterns).
+PlanLike = Mapping[str, Union[SbpLike, Layout, "ModuleLayout"]]
+
+
 def module_to_global(module: torch.nn.Module, placement: Placement,
-                     plan: Optional[Mapping[str, Any]] = None) -> torch.nn.Module:
+                     plan: Optional[PlanLike] = None) -> torch.nn.Module:
     """Convert `module` in place (and return it); values are unchanged, gradients arrive as GlobalTensors."""
     if plan is not None and not isinstance(plan, Mapping):
         raise TypeError(f"to_global(plan): expected a dict {{name pattern: sbp or gt.ModuleLayout}}, "
