@@ -258,13 +258,13 @@ def _floor_local(case: Case, shape: tuple, dtype) -> Callable[[], torch.Tensor]:
     raise KeyError(name)
 
 
-def gt_op(case: Case, shape: tuple, dtype) -> tuple[Callable[[], object], gt.boxing.Plan]:
+def gt_op(case: Case, shape: tuple, dtype) -> tuple[Callable[[], object], gt.boxing.Route]:
     p_src, p_dst = gt.placement("cpu", case.src_ranks), gt.placement("cpu", case.dst_ranks)
     lay = gt.Layout(p_src, case.src)
     local = torch.randn(lay.local_shape(shape, gt.rank()), dtype=dtype)
     x = gt.from_local(local, p_src, case.src, shape=shape)
-    plan = gt.boxing.plan(lay, gt.Layout(p_dst, case.dst), shape, dtype)
-    return (lambda: x.to_global(p_dst, case.dst)), plan
+    route = gt.boxing.route(lay, gt.Layout(p_dst, case.dst), shape, dtype)
+    return (lambda: x.to_global(p_dst, case.dst)), route
 
 
 def dtensor_op(case: Case, shape: tuple, dtype) -> Callable[[], object] | None:
@@ -307,7 +307,7 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
     results = []
     for case in cases(n):
         impls: dict[str, Callable] = {}
-        g, plan = gt_op(case, shape, dtype)
+        g, route = gt_op(case, shape, dtype)
         impls["globaltensor"] = g
         impls["raw"] = raw_op(case, shape, dtype)
         impls["floor"] = floor_op(case, shape, dtype)
@@ -329,13 +329,13 @@ def run(n_reps: int, mib: float, warmup: int) -> list[dict]:
                      for k in impls if k != "globaltensor"}
         recv = [0] * n
         dist.all_gather_object(recv, log.recv_bytes)
-        lb = plan.lower_bound
+        lb = route.lower_bound
         results.append({
             "case": case.name, "shape": list(shape), "median_s": med, "paired_ratio": ratios,
             "paired_ratio_ci95": intervals, "calls_per_timing": inner, "dtensor_note": why,
-            "recv_bytes_counted": recv, "recv_bytes_plan": plan.recv_bytes[:n],
+            "recv_bytes_counted": recv, "recv_bytes_route": route.recv_bytes[:n],
             "lower_bound": list(lb)[:n] if lb is not None else None,
-            "plan": plan.explain(),
+            "route": route.explain(),
         })
     return results
 

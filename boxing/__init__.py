@@ -1,9 +1,9 @@
-"""globaltensor.boxing: layouts -> plan (cost, search) -> execution on a Communicator.
+"""globaltensor.boxing: layouts -> route (cost, search) -> execution on a Communicator.
 
-    plan = gt.boxing.plan(src_layout, dst_layout, shape, dtype)   # cached, pure data
-    plan.steps, plan.recv_bytes, plan.lower_bound, print(plan.explain())
-    local = gt.boxing.execute(plan, local, comm)                 # every rank, same order
-    locals = gt.boxing.execute_many(plans, locals, comm)         # one collective per bucket of such plans
+    route = gt.boxing.route(src_layout, dst_layout, shape, dtype)  # cached, pure data
+    route.steps, route.recv_bytes, route.lower_bound, print(route.explain())
+    local = gt.boxing.execute(route, local, comm)                  # every rank, same order
+    locals = gt.boxing.execute_many(routes, locals, comm)          # one collective per bucket of such routes
 
 Cost is the total of bytes received over all ranks (DESIGN.md's convention per
 primitive), then latency terms (one per collective; a point-to-point step
@@ -15,8 +15,8 @@ axis first when ops differ) before data crosses to another placement.
 """
 from .cost import lower_bound
 from .execute import all_reduce_key, bucket_key, convert_local, execute, execute_many, execute_many_start
-from .plan import Plan, RankRoute, Step
-from .search import plan
+from .route import RankExchange, Route, Step
+from .search import route
 
-__all__ = ["plan", "Plan", "Step", "RankRoute", "execute", "execute_many", "execute_many_start", "all_reduce_key", "bucket_key", "convert_local",
+__all__ = ["route", "Route", "Step", "RankExchange", "execute", "execute_many", "execute_many_start", "all_reduce_key", "bucket_key", "convert_local",
            "lower_bound"]

@@ -3,7 +3,7 @@
 The planner minimises, lexicographically, (total bytes received over all
 ranks, collective launches, point-to-point steps, steps). The total is
 additive along a path, so a shortest-path search is exact; and because every
-rank receives at least its own lower bound in any plan, a plan whose total
+rank receives at least its own lower bound in any route, a route whose total
 equals the summed bound meets the bound on every rank.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ ZERO: Cost = (0, 0, 0, 0)
 
 def step_cost(step) -> Cost:
     if step.axis is not None and step.src.placement.shape[step.axis] == 1:
-        return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the plan drops it)
+        return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the route drops it)
     return (step.bytes, step.latency, int(step.axis is None and step.latency > 0), 1)
 
 

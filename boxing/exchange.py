@@ -16,7 +16,7 @@ import torch
 from ..layout import Layout
 from ..sbp import Partial
 from .boxes import Box, intersect, numel, relative, sizes
-from .plan import RankRoute, Step
+from .route import RankExchange, Step
 
 
 def _fill_op(dst: Layout, m: tuple[int, ...], c: tuple[int, ...]) -> str:
@@ -95,7 +95,7 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
 
     world = max(A.flat_ranks + B.flat_ranks) + 1
     recv_bytes = [0] * world
-    routes = []
+    exchanges = []
     latency = 0
     for r in sorted(set(A.flat_ranks) | set(B.flat_ranks)):
         rs = tuple((p, tuple(b)) for p, b in sorted(sends.get(r, {}).items()))
@@ -105,9 +105,9 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
                          + sum(n for _, src_, box, n in rb if src_ != r)) * dtype.itemsize
         latency = max(latency, len(rb) + max(len(rs), len(rr)))
         out_shape = sizes(dst.shard(shape, r)) if r in B else (0,)
-        routes.append((r, RankRoute(out_shape, tuple(regions.get(r, ())), rs, rr, rb)))
+        exchanges.append((r, RankExchange(out_shape, tuple(regions.get(r, ())), rs, rr, rb)))
     prim = ("broadcast" if bcasts and not sends else "send_recv") if latency else "local"
-    return Step(prim, src, dst, None, tuple(recv_bytes), latency, routes=tuple(routes))
+    return Step(prim, src, dst, None, tuple(recv_bytes), latency, exchanges=tuple(exchanges))
 
 
 def relocate(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Step:
@@ -132,9 +132,9 @@ def relocate(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtyp
         recvs[b] = ((a, (whole,)),)
         regions[b] = (("recv", whole, (a, 0)),)
         recv_bytes[b] = numel(box) * dtype.itemsize
-    routes = []
+    exchanges = []
     for r in sorted(set(A.flat_ranks) | set(B.flat_ranks)):
         out_shape = sizes(dst.shard(shape, r)) if r in B else (0,)
-        routes.append((r, RankRoute(out_shape, regions.get(r, ()), sends.get(r, ()), recvs.get(r, ()))))
+        exchanges.append((r, RankExchange(out_shape, regions.get(r, ()), sends.get(r, ()), recvs.get(r, ()))))
     return Step("send_recv" if sends else "local", src, dst, None, tuple(recv_bytes), 1 if sends else 0,
-                routes=tuple(routes))
+                exchanges=tuple(exchanges))

@@ -1,9 +1,9 @@
-"""The executor: walk a plan's steps on a Communicator (the same code for every backend).
+"""The executor: walk a route's steps on a Communicator (the same code for every backend).
 
 Each primitive works on this rank's local tensor only; slices stay views and
 a buffer is allocated only where the result is assembled from several pieces.
-A plan is compiled once per rank into calls whose boxes, groups and shapes
-are worked out (`Plan.programs`), so running a cached plan is the
+A route is compiled once per rank into calls whose boxes, groups and shapes
+are worked out (`Route.programs`), so running a cached route is the
 collectives and a few slices.
 """
 from __future__ import annotations
@@ -16,117 +16,117 @@ import torch
 
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
-from ..runtime.trace import FLAGS as _TRACING, pop_plan, push_plan
+from ..runtime.trace import FLAGS as _TRACING, pop_route, push_route
 from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
-from .plan import Plan, Step
-from .search import plan as make_plan
+from .route import Route, Step
+from .search import route as find_route
 from .zigzag import COMPILE as _ZIGZAG_COMPILE
 
 
-def execute(plan: Plan, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Run `plan` on this rank's shard; returns the shard of the target layout (empty outside it)."""
+def execute(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Run `route` on this rank's shard; returns the shard of the target layout (empty outside it)."""
     key = (comm.rank, comm.world_size)
-    program = plan.programs.get(key)
+    program = route.programs.get(key)
     if program is None:
-        _check_world(plan, comm)
-        program = plan.programs[key] = _compile(plan, comm.rank)
-    if _TRACING.on:  # a gt.comm_report() is open: its collectives name this plan as their conversion
-        push_plan(plan)
+        _check_world(route, comm)
+        program = route.programs[key] = _compile(route, comm.rank)
+    if _TRACING.on:  # a gt.comm_report() is open: its collectives name this route as their conversion
+        push_route(route)
         try:
             for run in program:
                 local = run(local, comm)
         finally:
-            pop_plan()
+            pop_route()
         return local
     for run in program:
         local = run(local, comm)
     return local
 
 
-def _compile(plan: Plan, rank: int) -> tuple[Callable, ...]:
-    """This rank's steps as calls with every box, group and shape worked out once (plans are cached)."""
-    program = [_COMPILE[step.primitive](step, plan.shape, rank) for step in plan.steps]
-    if rank not in plan.dst.placement:
+def _compile(route: Route, rank: int) -> tuple[Callable, ...]:
+    """This rank's steps as calls with every box, group and shape worked out once (routes are cached)."""
+    program = [_COMPILE[step.primitive](step, route.shape, rank) for step in route.steps]
+    if rank not in route.dst.placement:
         program.append(lambda local, comm: local.new_empty((0,)))
     return tuple(p for p in program if p is not None)
 
 
-def _check_world(plan: Plan, comm: Communicator) -> None:
-    if plan.world > comm.world_size:
-        bad = sorted(r for r in set(plan.src.placement.flat_ranks + plan.dst.placement.flat_ranks)
+def _check_world(route: Route, comm: Communicator) -> None:
+    if route.world > comm.world_size:
+        bad = sorted(r for r in set(route.src.placement.flat_ranks + route.dst.placement.flat_ranks)
                      if r >= comm.world_size)
         raise ValueError(f"to_global(placement): ranks {bad} are not in the world of size {comm.world_size}; "
                          f"use ranks 0..{comm.world_size - 1} or launch more processes")
 
 
-def all_reduce_key(plan: Plan) -> Optional[tuple]:
-    """(placement, mesh axis, dtype, op) when `plan` is exactly one all-reduce, else None.
+def all_reduce_key(route: Route) -> Optional[tuple]:
+    """(placement, mesh axis, dtype, op) when `route` is exactly one all-reduce, else None.
 
-    Plans with equal keys reduce over the same rank groups, so their shards can share one collective.
+    Routes with equal keys reduce over the same rank groups, so their shards can share one collective.
     """
-    key = bucket_key(plan)
+    key = bucket_key(route)
     return None if key is None or key[0] != "all_reduce" else key[1:]
 
 
 _BUCKETED = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def bucket_key(plan: Plan) -> Optional[tuple]:
-    """(primitive, placement, mesh axis, dtype, op) when `plan` is exactly one all-reduce, all-gather or
-    reduce-scatter, else None. Plans with equal keys run over the same rank groups: one collective can
+def bucket_key(route: Route) -> Optional[tuple]:
+    """(primitive, placement, mesh axis, dtype, op) when `route` is exactly one all-reduce, all-gather or
+    reduce-scatter, else None. Routes with equal keys run over the same rank groups: one collective can
     carry all their shards (a gradient bucket, a module's parameters gathered at once)."""
-    if len(plan.steps) != 1 or plan.steps[0].primitive not in _BUCKETED:
+    if len(route.steps) != 1 or route.steps[0].primitive not in _BUCKETED:
         return None
-    step = plan.steps[0]
-    return step.primitive, step.src.placement, step.axis, plan.dtype, step.op
+    step = route.steps[0]
+    return step.primitive, step.src.placement, step.axis, route.dtype, step.op
 
 
-def execute_many(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
+def execute_many(routes: Sequence[Route], locals_: Sequence[torch.Tensor], comm: Communicator
                  ) -> list[torch.Tensor]:
-    """`execute` for several shards, with the plans that are one collective on a common key coalesced.
+    """`execute` for several shards, with the routes that are one collective on a common key coalesced.
 
     Each such bucket is packed into one flat buffer and moved by ONE collective (DDP's gradient
     bucket, FSDP's per-module all-gather and reduce-scatter); the communicator records the
-    buffer's real bytes, which are the sum of the plans' bytes (uneven shards included: each
-    member's piece is its own size). Other plans run one by one. Every rank must pass the same
-    plans in the same order; buckets run in order of first appearance.
+    buffer's real bytes, which are the sum of the routes' bytes (uneven shards included: each
+    member's piece is its own size). Other routes run one by one. Every rank must pass the same
+    routes in the same order; buckets run in order of first appearance.
     """
-    return execute_many_start(plans, locals_, comm)()
+    return execute_many_start(routes, locals_, comm)()
 
 
-def execute_many_start(plans: Sequence[Plan], locals_: Sequence[torch.Tensor], comm: Communicator
+def execute_many_start(routes: Sequence[Route], locals_: Sequence[torch.Tensor], comm: Communicator
                        ) -> Callable[..., list[torch.Tensor]]:
     """`execute_many` started now, finished by calling the result: its all-gather and reduce-scatter
     buckets may stay in flight meanwhile (a prefetch of the next module's parameters, a gradient
     bucket reduced while the backward goes on); everything else runs now.
 
-    The result takes `into`, optionally: per plan a tensor of the result's shape and dtype to fill (ZeRO-3's
+    The result takes `into`, optionally: per route a tensor of the result's shape and dtype to fill (ZeRO-3's
     freed parameters, gathered again into their own storage), or None; it returns those tensors. An
     all-gather bucket of even rows copies out straight into them (one copy of the parameters, not two).
 
-    What does not depend on the values (which plans share a bucket, each member's boxes and sizes,
-    whether a bucket's pieces are even rows) is worked out once per list of plans and rank: ZeRO asks
+    What does not depend on the values (which routes share a bucket, each member's boxes and sizes,
+    whether a bucket's pieces are even rows) is worked out once per list of routes and rank: ZeRO asks
     for the same lists every step, and a small model's step is bound by such per-call work."""
-    key = (tuple(map(id, plans)), comm.rank, comm.world_size)
+    key = (tuple(map(id, routes)), comm.rank, comm.world_size)
     hit = _MANY.get(key)
-    if hit is None or any(a is not b for a, b in zip(hit[0], plans)):
+    if hit is None or any(a is not b for a, b in zip(hit[0], routes)):
         if len(_MANY) >= MAX_MANY:
             _MANY.clear()
-        for p in plans:
+        for p in routes:
             _check_world(p, comm)
-        hit = _MANY[key] = (tuple(plans), _compile_many(plans, comm.rank))
+        hit = _MANY[key] = (tuple(routes), _compile_many(routes, comm.rank))
     return hit[1](locals_, comm)
 
 
 MAX_MANY = 4096
-_MANY: dict = {}  # (plan ids, rank, world) -> (the plans, kept alive so the ids stay theirs; the program)
+_MANY: dict = {}  # (route ids, rank, world) -> (the routes, kept alive so the ids stay theirs; the program)
 
 
-def _compile_many(plans: Sequence[Plan], rank: int) -> Callable:
+def _compile_many(routes: Sequence[Route], rank: int) -> Callable:
     singles: list[int] = []
     buckets: dict[tuple, list[int]] = {}
-    for i, p in enumerate(plans):
+    for i, p in enumerate(routes):
         key = bucket_key(p)
         if key is None:
             singles.append(i)
@@ -141,15 +141,15 @@ def _compile_many(plans: Sequence[Plan], rank: int) -> Callable:
             outside += members
         else:
             group = placement.group(rank, axis)
-            compiled = (members, _BUCKETS[primitive]([plans[i] for i in members], group, op, rank))
+            compiled = (members, _BUCKETS[primitive]([routes[i] for i in members], group, op, rank))
             (started if primitive in _STARTED else runs).append(compiled)
     singles.sort()
-    n = len(plans)
+    n = len(routes)
 
     def start(locals_: Sequence[torch.Tensor], comm: Communicator) -> Callable[[], list[torch.Tensor]]:
         out: list = [None] * n
         for i in singles:
-            out[i] = execute(plans[i], locals_[i], comm)
+            out[i] = execute(routes[i], locals_[i], comm)
         for i in outside:
             out[i] = locals_[i].new_empty((0,))
         pending = [(members, begin([locals_[i] for i in members], comm)) for members, begin in started]
@@ -170,25 +170,25 @@ def _compile_many(plans: Sequence[Plan], rank: int) -> Callable:
     return start
 
 
-def _all_reduce_bucket(plans, group, op, rank) -> Callable:
+def _all_reduce_bucket(routes, group, op, rank) -> Callable:
     def run(locals_, comm) -> list[torch.Tensor]:
         flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in locals_]), group, op)
         return [piece.view(t.shape) for t, piece in zip(locals_, flat.split([t.numel() for t in locals_]))]
     return run
 
 
-def _all_gather_bucket(plans, group, op, rank) -> Callable:
-    """One all-gather of every shard back to back; each member's piece holds its shards in plan order.
+def _all_gather_bucket(routes, group, op, rank) -> Callable:
+    """One all-gather of every shard back to back; each member's piece holds its shards in route order.
 
     When every shard is an equal share of dim 0 (FSDP's case), the gathered buffer, read as [members,
     piece], holds each parameter as a block of columns: one `split_with_sizes_copy` puts them all in
     place (FSDP2's copy-out), instead of a view and a cat per parameter."""
-    shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in plans]
-    numels = [[math.prod(s) for s in per] for per in shapes]  # [plan][member]
+    shapes = [[p.steps[0].src.local_shape(p.shape, r) for r in group] for p in routes]
+    numels = [[math.prod(s) for s in per] for per in shapes]  # [route][member]
     piece_shapes = [(sum(n[j] for n in numels),) for j in range(len(group))]
-    dims = [p.steps[0].src.sbp[p.steps[0].axis].dim for p in plans]
+    dims = [p.steps[0].src.sbp[p.steps[0].axis].dim for p in routes]
     m = len(group)
-    full = [p.steps[0].dst.local_shape(p.shape, rank) for p in plans]
+    full = [p.steps[0].dst.local_shape(p.shape, rank) for p in routes]
     even = all(d == 0 and len(set(per)) == 1 and per[0] and per[0][0] * m == f[0]
                for d, per, f in zip(dims, shapes, full))
     widths = [n[0] for n in numels]
@@ -207,7 +207,7 @@ def _all_gather_bucket(plans, group, op, rank) -> Callable:
                 return outs
             splits = [piece.split([n[j] for n in numels]) for j, piece in enumerate(got)]
             return [torch.cat([splits[j][i].view(shapes[i][j]) for j in range(m)], dim=dims[i])
-                    for i in range(len(plans))]
+                    for i in range(len(routes))]
         return finish
     return begin
 
@@ -217,7 +217,7 @@ def _fits(t: torch.Tensor, shape: tuple, like: torch.Tensor) -> bool:
     return tuple(t.shape) == tuple(shape) and t.dtype == like.dtype and t.device == like.device and t.is_contiguous()
 
 
-def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
+def _reduce_scatter_bucket(routes, group, op, rank) -> Callable:
     """One reduce-scatter: the chunk for member j holds, back to back, each shard's part for j. The
     chunks are views of one buffer, back to back in group order, so that a backend can reduce-scatter
     the single tensor (gloo's faster form) when they are of one size.
@@ -227,7 +227,7 @@ def _reduce_scatter_bucket(plans, group, op, rank) -> Callable:
     contiguous copies of every transposed gradient held at once: +40-80 MiB on the wide GPT's peak)
     instead of one per part and member."""
     boxes, olds = [], []
-    for p in plans:
+    for p in routes:
         step = p.steps[0]
         old = step.src.shard(p.shape, rank)
         olds.append(sizes(old))
@@ -285,8 +285,8 @@ _STARTED = ("all_gather", "reduce_scatter")  # start now, finish apart; the othe
 
 def convert_local(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int],
                   comm: Communicator) -> torch.Tensor:
-    """Plan (cached) and execute one conversion of this rank's shard."""
-    return execute(make_plan(src, dst, shape, local.dtype), local, comm)
+    """Find the route (cached) and execute one conversion of this rank's shard."""
+    return execute(find_route(src, dst, shape, local.dtype), local, comm)
 
 
 def _axis_step(fn: Callable) -> Callable:
@@ -388,26 +388,26 @@ def _pad(step, shape, rank, group):
 
 
 def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
-    """A point-to-point route, with what each call needs worked out: message sizes, which messages
+    """A point-to-point exchange, with what each call needs worked out: message sizes, which messages
     land in place in the output (a contiguous block of it), and the copies and fills left over."""
-    route = step.route(rank)
-    if route is None:
+    part = step.exchange(rank)
+    if part is None:
         return None
     key = _message_key(step, shape)
     inside = rank in step.dst.placement
-    regions = route.regions
-    send_boxes = route.sends
-    recv_numels = tuple((peer, sum(numel(b) for b in boxes)) for peer, boxes in route.recvs)
-    bcasts = route.bcasts
-    if inside and len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == route.out_shape:
+    regions = part.regions
+    send_boxes = part.sends
+    recv_numels = tuple((peer, sum(numel(b) for b in boxes)) for peer, boxes in part.recvs)
+    bcasts = part.bcasts
+    if inside and len(regions) == 1 and regions[0][0] == "copy" and sizes(regions[0][1]) == part.out_shape:
         held = regions[0][2]  # the output is a slice of the input: a view, no copy
 
         def send_and_slice(local, comm):
             _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None, key)
             return slice_box(local, held)
         return send_and_slice
-    if inside and len(regions) == 1 and regions[0][0] == "recv" and sizes(regions[0][1]) == route.out_shape:
-        peer, out_shape = regions[0][2][0], route.out_shape  # the output is one message (a pipeline's activation)
+    if inside and len(regions) == 1 and regions[0][0] == "recv" and sizes(regions[0][1]) == part.out_shape:
+        peer, out_shape = regions[0][2][0], part.out_shape  # the output is one message (a pipeline's activation)
 
         def receive_whole(local, comm):
             # the received buffer is the output: no output allocated and copied into (a receive posted ahead
@@ -419,12 +419,12 @@ def _exchange(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
             _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, None, key)
             return local.new_empty((0,))
         return send_only
-    out_shape = route.out_shape
+    out_shape = part.out_shape
     meta = torch.empty(out_shape, device="meta")
-    in_place = tuple((peer, boxes[0]) for peer, boxes in route.recvs
+    in_place = tuple((peer, boxes[0]) for peer, boxes in part.recvs
                      if len(boxes) == 1 and slice_box(meta, boxes[0]).is_contiguous())
     landed = {peer for peer, _ in in_place}
-    splits = {peer: [numel(b) for b in boxes] for peer, boxes in route.recvs}
+    splits = {peer: [numel(b) for b in boxes] for peer, boxes in part.recvs}
     copies = tuple((box, arg) for kind, box, arg in regions if kind == "copy")
     fills = tuple((box, arg) for kind, box, arg in regions if kind == "fill")
     pieces = tuple((box, arg) for kind, box, arg in regions if kind == "recv" and arg[0] not in landed)
@@ -454,7 +454,7 @@ def _message_key(step: Step, shape: tuple) -> int:
 
 
 def _send_and_receive(local, comm, send_boxes, recv_numels, bcasts, into, key=0) -> dict:
-    """The route's broadcasts, then its sends and receives; what each peer sent (received into `into`'s)."""
+    """The exchange's broadcasts, then its sends and receives; what each peer sent (received into `into`'s)."""
     heard = {}
     for group, src, box, n in bcasts:  # every rank runs them in the same (sender) order
         t = slice_box(local, box).reshape(-1) if src == comm.rank else None

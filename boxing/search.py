@@ -5,7 +5,7 @@ lives elsewhere). Edges are the 1-D transitions of `rules` on one mesh axis,
 and, from every Partial-free node, one direct exchange straight to the
 target (`exchange`); a Partial node whose SBP is the target's on another
 placement of the same mesh shape also moves there as it is (`relocate`). Dijkstra on the lexicographic cost of `cost` returns the
-cheapest plan; ties go to fewer collective launches, so a named collective
+cheapest route; ties go to fewer collective launches, so a named collective
 beats a point-to-point exchange of the same bytes.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..sbp import Broadcast, Partial, Split
 from . import cost as C
 from . import zigzag
 from .exchange import direct, relocate
-from .plan import Plan, Step
+from .route import Route, Step
 from .transitions import transition
 
 
@@ -42,23 +42,23 @@ def check(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:
                 f"convert to {t!r} if that is what you mean")
 
 
-def plan(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> Plan:
-    """The cheapest plan converting `src` to `dst` for a global `shape` and `dtype` (cached)."""
+def route(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> Route:
+    """The cheapest route converting `src` to `dst` for a global `shape` and `dtype` (cached)."""
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
-        raise TypeError("boxing.plan(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
-    return _plan(src, dst, tuple(map(int, shape)), dtype)
+        raise TypeError("boxing.route(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
+    return _route(src, dst, tuple(map(int, shape)), dtype)
 
 
 @lru_cache(maxsize=4096)
-def _plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Plan:
+def _route(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Route:
     check(src, dst, shape)
-    if src.zigzag_axes or dst.zigzag_axes:  # an ordinary plan on the zigzag reading, or a recut
-        return zigzag.plan(src, dst, shape, dtype, _plan)
+    if src.zigzag_axes or dst.zigzag_axes:  # an ordinary route on the zigzag reading, or a recut
+        return zigzag.route(src, dst, shape, dtype, _route)
     world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1
     # a step on a mesh axis of one rank only renames its SBP (that rank holds the whole value either way):
     # it moves nothing, and left in, it would cost a copy and keep a ZeRO bucket from being one collective
     steps = [s for s in search(src, dst, shape, dtype) if s.axis is None or s.src.placement.shape[s.axis] > 1]
-    return Plan(src, dst, shape, dtype, tuple(steps), C.lower_bound(src, dst, shape, dtype), world)
+    return Route(src, dst, shape, dtype, tuple(steps), C.lower_bound(src, dst, shape, dtype), world)
 
 
 def alternatives(src: Layout, dst: Layout, ndim: int) -> list:
@@ -111,4 +111,4 @@ def search(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
                 back[step.dst] = (node, step)
                 heapq.heappush(heap, (c, seq, step.dst))
                 seq += 1
-    raise AssertionError(f"boxing: no plan from {src} to {dst}")  # the direct edge always exists
+    raise AssertionError(f"boxing: no route from {src} to {dst}")  # the direct edge always exists

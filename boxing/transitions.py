@@ -14,7 +14,7 @@ from ..layout import Layout
 from ..runtime.comm import all_reduce_recv_bytes
 from ..sbp import SBP, Broadcast, Partial, Split
 from .boxes import intersect, numel
-from .plan import Step
+from .route import Step
 
 TRANSITIONS = {
     ("S", "B"): "all_gather",

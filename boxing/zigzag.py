@@ -1,18 +1,18 @@
-"""Plans to and from zigzag layouts (`Zigzag(d)`: rank i of n holds chunks i and 2n-1-i of 2n).
+"""Routes to and from zigzag layouts (`Zigzag(d)`: rank i of n holds chunks i and 2n-1-i of 2n).
 
 A zigzag layout of `x` holds exactly the shards that `Split(d)` gives of `x` with dim d in zigzag
-order (`sbp.zigzag_order`), so most conversions are an ordinary plan on that reading plus, at most,
+order (`sbp.zigzag_order`), so most conversions are an ordinary route on that reading plus, at most,
 one local permutation of a dim that a rank holds whole:
 
-- zigzag -> zigzag on the same axis (other axes change): the ordinary plan of the two readings;
+- zigzag -> zigzag on the same axis (other axes change): the ordinary route of the two readings;
 - zigzag -> a layout that does not cut d (Broadcast, a split of another dim, Partial): the ordinary
-  plan from the zigzag reading, then each rank puts its whole dim d back in order ("unzigzag");
-- the reverse: each rank puts its whole dim d into zigzag order ("zigzag"), then the ordinary plan;
+  route from the zigzag reading, then each rank puts its whole dim d back in order ("unzigzag");
+- the reverse: each rank puts its whole dim d into zigzag order ("zigzag"), then the ordinary route;
 - zigzag <-> a contiguous cut of d: one uneven all-to-all on the zigzag axis ("recut": every rank
-  receives exactly the rows its target holds and its source does not), then the ordinary plan.
+  receives exactly the rows its target holds and its source does not), then the ordinary route.
 
-A permutation moves no bytes, so the first three receive what the ordinary plan receives, and that
-plan meets the ordinary lower bound, which is the zigzag one (the same elements are missing). The
+A permutation moves no bytes, so the first three receive what the ordinary route receives, and that
+route meets the ordinary lower bound, which is the zigzag one (the same elements are missing). The
 recut is at the bound when the two layouts differ only on the zigzag axis.
 """
 from __future__ import annotations
@@ -25,16 +25,16 @@ import torch
 from ..layout import Layout
 from ..sbp import Ragged, Split, Zigzag
 from .boxes import Box, intersect, numel
-from .plan import Plan, RankRoute, Step
+from .route import RankExchange, Route, Step
 
-Planner = Callable[[Layout, Layout, tuple, torch.dtype], Plan]
+Planner = Callable[[Layout, Layout, tuple, torch.dtype], Route]
 
 
-def plan(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype, plain: Planner) -> Plan:
-    """The plan for a conversion with a zigzag end; `plain` plans zigzag-free conversions (cached)."""
+def route(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype, plain: Planner) -> Route:
+    """The route for a conversion with a zigzag end; `plain` plans zigzag-free conversions (cached)."""
     world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1
     steps, bound = _steps(src, dst, shape, dtype, plain, world)
-    return Plan(src, dst, shape, dtype, tuple(steps), bound, world)
+    return Route(src, dst, shape, dtype, tuple(steps), bound, world)
 
 
 def _zig(layout: Layout) -> Optional[tuple]:
@@ -81,7 +81,7 @@ def _steps(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: Pl
         steps = rest + [_recut_step(mid, dst, shape, dtype, world)]
     bound = _lower_bound(src, dst, shape, dtype, world)
     if bound is not None and sum(sum(st.recv_bytes) for st in steps) > sum(bound):
-        # the recut moved rows that the ordinary plan then moves again: one exchange of what each lacks
+        # the recut moved rows that the ordinary route then moves again: one exchange of what each lacks
         steps = [_direct(src, dst, shape, dtype, world)]
     return steps, bound
 
@@ -101,14 +101,14 @@ def _recut_step(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, worl
         row = 1
         for i, n in enumerate(local):
             row *= 1 if i == d else n
-        for peer, rows in _recut_routes(src, dst, shape, r)[1].items():
+        for peer, rows in _recut_exchange(src, dst, shape, r)[1].items():
             if peer != r:
                 recv[r] += sum(n for _, n in rows) * row * dtype.itemsize
     return Step("recut", src, dst, axis, tuple(recv), 1)
 
 
 @lru_cache(maxsize=1024)
-def _recut_routes(src: Layout, dst: Layout, shape: tuple, rank: int) -> tuple[dict, dict]:
+def _recut_exchange(src: Layout, dst: Layout, shape: tuple, rank: int) -> tuple[dict, dict]:
     """(sends, receives) of `rank` in a recut: per peer of its axis group, the (local row, rows) pieces,
     in the one order both sides walk (the sender's source ranges, then the receiver's target ranges)."""
     axis, d = (_zig(src) or _zig(dst))[:2]
@@ -198,16 +198,16 @@ def _direct(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, world: i
                 got.append(out)
                 sends.setdefault(sender, {}).setdefault(r, []).append(_local_box(part, s_box, s_origin))
     recv_bytes = [0] * world
-    routes, latency = [], 0
+    exchanges, latency = [], 0
     for r in sorted(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)):
         rs = tuple((q, tuple(b)) for q, b in sorted(sends.get(r, {}).items()))
         rr = tuple((q, tuple(b)) for q, b in sorted(recvs.get(r, {}).items()))
         recv_bytes[r] = sum(numel(b) for _, bs in rr for b in bs) * dtype.itemsize
         latency = max(latency, len(rs), len(rr))
         out_shape = dst.local_shape(shape, r) if r in dst.placement else (0,)
-        routes.append((r, RankRoute(tuple(out_shape), tuple(regions.get(r, ())), rs, rr)))
+        exchanges.append((r, RankExchange(tuple(out_shape), tuple(regions.get(r, ())), rs, rr)))
     return Step("send_recv" if latency else "local", src, dst, None, tuple(recv_bytes), latency,
-                routes=tuple(routes))
+                exchanges=tuple(exchanges))
 
 
 # -- execution ------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def _compile_recut(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
         return None
     axis, d = (_zig(step.src) or _zig(step.dst))[:2]
     group = step.src.placement.group(rank, axis)
-    sends, recvs = _recut_routes(step.src, step.dst, shape, rank)
+    sends, recvs = _recut_exchange(step.src, step.dst, shape, rank)
     send_pieces = [p for peer in group for p in sends[peer]]
     send_rows = [sum(n for _, n in sends[peer]) for peer in group]
     recv_rows = [sum(n for _, n in recvs[peer]) for peer in group]
@@ -281,4 +281,4 @@ def _compile_recut(step: Step, shape: tuple, rank: int) -> Optional[Callable]:
 COMPILE = {"zigzag": _compile_permute, "unzigzag": _compile_permute, "zigzag_slice": _compile_take,
            "recut": _compile_recut}
 
-__all__ = ["plan", "COMPILE"]
+__all__ = ["route", "COMPILE"]

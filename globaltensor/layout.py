@@ -40,7 +40,7 @@ def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
 class Layout:
     """Where a tensor lives: a placement and one SBP per mesh axis (a single SBP for a 1-D placement).
 
-    Immutable and hashed once, because layouts key every plan and dispatch cache; `x.global_layout` is a
+    Immutable and hashed once, because layouts key every route and dispatch cache; `x.global_layout` is a
     GlobalTensor's (torch's own `x.layout` is `torch.strided`).
     """
     placement: Placement
@@ -57,7 +57,7 @@ class Layout:
         object.__setattr__(self, "_zigzag_axes", tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag)))
         object.__setattr__(self, "_has_partial", any(isinstance(s, Partial) for s in self.sbp))
 
-    # layouts key every cache (plans, dispatch decisions): hash once, compare identical objects at once
+    # layouts key every cache (routes, dispatch decisions): hash once, compare identical objects at once
     def __hash__(self) -> int:
         return self._hash
 

@@ -65,7 +65,7 @@ class Partial:
 class Ragged:
     """A Split of `dim` whose per-rank sizes are data (dropless MoE's tokens per expert), not structure.
 
-    The sizes are not part of this value, so layouts, decisions and plans stay keyed on structure;
+    The sizes are not part of this value, so layouts, decisions and routes stay keyed on structure;
     the tensor carries them (`globaltensor/raggedtensor/ops.py`), the same on every rank of the mesh axis.
     """
     dim: int
@@ -85,7 +85,7 @@ class Ragged:
 class Zigzag:
     """A Split of `dim` for causal attention: cut into 2n chunks, rank i holds chunks i and 2n-1-i.
 
-    Its own type, not a flag on `Split`: every `isinstance(s, Split)` in rules, plans and shard
+    Its own type, not a flag on `Split`: every `isinstance(s, Split)` in rules, routes and shard
     arithmetic means "one contiguous range", which a zigzag shard is not; as a separate value the code
     that does not know it cannot take it for a contiguous split (it refuses, or the tensor's ops box it
     to `Split(dim)` first). Each rank holds as many rows as under `Split(dim)` (`zigzag_ranges`), so

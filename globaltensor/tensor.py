@@ -325,15 +325,15 @@ torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout,
 
 
 class _Target(NamedTuple):
-    """Where a conversion of one input key goes: the layout, the (cached) plan, the result's TensorKey."""
+    """Where a conversion of one input key goes: the layout, the (cached) route, the result's TensorKey."""
 
     layout: Layout
-    plan: Any
+    route: Any
     key: Any
 
 
 # (input TensorKey, placement, sbp as given) -> _Target: a training loop repeats the same conversions,
-# and the arguments' checks, the plan lookup and the result's key are worked out once
+# and the arguments' checks, the route lookup and the result's key are worked out once
 _TARGETS: dict[tuple, _Target] = {}
 _TARGETS_MAX = 8192
 
@@ -361,7 +361,7 @@ def _no_ragged(layout: Layout, arg: str) -> None:
 
 def _target_of(x: GlobalTensor, dst: Layout) -> _Target:
     shape = tuple(x.shape)
-    return _Target(dst, boxing.plan(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype))
+    return _Target(dst, boxing.route(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype))
 
 
 def _target(x: GlobalTensor, placement: Any, sbp: Any) -> _Target:
@@ -380,7 +380,7 @@ def _run_target(x: GlobalTensor, target: _Target) -> GlobalTensor:
     """x boxed to `target`: always a new tensor (autograd's output must not be its input's shard)."""
     if _STEP.plan is not None:
         note_conversion(x, target.layout)
-    local = boxing.execute(target.plan, x._local, context.current())
+    local = boxing.execute(target.route, x._local, context.current())
     if local is x._local:
         local = local.view_as(local)
     key = target.key
@@ -390,7 +390,7 @@ def _run_target(x: GlobalTensor, target: _Target) -> GlobalTensor:
 def convert(x: GlobalTensor, dst: Layout, grad_dst: Layout | None = None) -> GlobalTensor:
     """Boxing between layouts (differentiable; see `_Convert`); `grad_dst`: the layout of x's gradient.
 
-    Without a gradient to record, the plan runs directly: an autograd.Function call costs more than
+    Without a gradient to record, the route runs directly: an autograd.Function call costs more than
     a conversion that moves nothing (a B->S slice).
     """
     target = _target_of(x, dst)
@@ -512,7 +512,7 @@ class _FullTensor(torch.autograd.Function):
 
 
 class _Convert(torch.autograd.Function):
-    """Forward runs the boxing plan on the local shard; backward boxes the gradient the dual way.
+    """Forward runs the boxing route on the local shard; backward boxes the gradient the dual way.
 
     The gradient of a layout is laid out as `grad_layout` (Partial's dual is
     Broadcast), so S->B all-gather comes back as a B->S slice, P->S

@@ -275,7 +275,7 @@ def conversion_cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) 
     if src == dst:
         return (), 0
     try:
-        p = boxing.plan(src, dst, shape, dtype)
+        p = boxing.route(src, dst, shape, dtype)
     except ValueError:  # no such conversion (P(sum) cannot become P(max))
         return None
     return tuple(p.recv_bytes), sum(s.latency for s in p.steps)

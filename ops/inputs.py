@@ -1,6 +1,6 @@
 """How an input's shard reaches the layout a decision wants.
 
-Mostly one boxing plan; a Partial input is reduced once per target while it
+Mostly one boxing route; a Partial input is reduced once per target while it
 is unchanged (several ops of an optimizer step read the same gradient), and
 gradients noted by `defer_reduction` are reduced (or converted) together, one
 collective per bucket, as DDP does, and remembered likewise.
@@ -29,7 +29,7 @@ _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0
 
 
 def box(local: torch.Tensor, src: Layout, dst: Layout, shape: Sequence[int]) -> torch.Tensor:
-    """Convert one local shard to `dst` (plans are cached by boxing)."""
+    """Convert one local shard to `dst` (routes are cached by boxing)."""
     if src == dst:
         return local
     return boxing.convert_local(local, src, dst, tuple(shape), context.current())
@@ -170,18 +170,18 @@ def settle(t: Any) -> None:
 
 
 def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = False) -> None:
-    """Reduce `t` (just taken off the list) and the pending tensors whose plan is bucketable collectives only
+    """Reduce `t` (just taken off the list) and the pending tensors whose route is bucketable collectives only
     (all-reduce, reduce-scatter, all-gather); clear the list.
 
-    A plan of several steps (a gradient Partial on two mesh axes, e.g. a norm weight under sequence and
+    A route of several steps (a gradient Partial on two mesh axes, e.g. a norm weight under sequence and
     data parallelism: reduce-scatter, all-reduce, all-gather) runs step by step, each round one collective
-    per bucket, so such gradients share collectives too instead of a few each. Other plans are left to the normal path, which runs them
+    per bucket, so such gradients share collectives too instead of a few each. Other routes are left to the normal path, which runs them
     only if asked.
     """
     entries = [(t, dst, place_t)] + [(u, d, place) for u, (d, place) in pending.items()]
     pending.clear()
-    plans = [boxing.plan(u._layout, d, tuple(u.shape), u._local.dtype) for u, d, _ in entries]
-    steps = {i: _one_step_plans(p) for i, p in enumerate(plans)}
+    routes = [boxing.route(u._layout, d, tuple(u.shape), u._local.dtype) for u, d, _ in entries]
+    steps = {i: _one_step_routes(p) for i, p in enumerate(routes)}
     keep = [i for i, s in steps.items() if s and all(boxing.bucket_key(q) is not None for q in s)]
     tracing = _TRACING.on
     if tracing:  # a gt.comm_report() says these collectives are the gradient bucket
@@ -206,11 +206,11 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = Fa
 
 
 @lru_cache(maxsize=4096)
-def _one_step_plans(plan: boxing.Plan) -> tuple:
-    """`plan` as plans of one step each, run in order (so each step can join a bucket of its own kind)."""
-    if len(plan.steps) == 1:
-        return (plan,)
-    return tuple(boxing.Plan(s.src, s.dst, plan.shape, plan.dtype, (s,), None, plan.world) for s in plan.steps)
+def _one_step_routes(route: boxing.Route) -> tuple:
+    """`route` as routes of one step each, run in order (so each step can join a bucket of its own kind)."""
+    if len(route.steps) == 1:
+        return (route,)
+    return tuple(boxing.Route(s.src, s.dst, route.shape, route.dtype, (s,), None, route.world) for s in route.steps)
 
 
 def _check_plain(func: Any, t: torch.Tensor, placement: Any, comm: Any) -> None:

@@ -36,15 +36,15 @@ PAIRS = (
 
 
 def run_pairs():
-    """Per pair: (bytes the communicator counted, bytes the plan predicts, the target shard)."""
+    """Per pair: (bytes the communicator counted, bytes the route predicts, the target shard)."""
     out = []
     for i, (ps, ss, pd, ds, shape) in enumerate(PAIRS):
         x, _ = make(ps, ss, shape, seed=i)
         with gt.comm_log() as log:
             y = x.to_global(pd, ds)
-        plan = boxing.plan(x.global_layout, y.global_layout, shape, x.dtype)
+        route = boxing.route(x.global_layout, y.global_layout, shape, x.dtype)
         local = y.to_local().numpy().copy() if gt.rank() in pd else None
-        out.append((log.recv_bytes, plan.recv_bytes_of(gt.rank()), local))
+        out.append((log.recv_bytes, route.recv_bytes_of(gt.rank()), local))
     return out
 
 
@@ -52,7 +52,7 @@ def check_pairs(out, pairs):
     for i, (ps, ss, pd, ds, shape) in enumerate(pairs):
         what = f"pair {i}: {ps} {ss} -> {pd} {ds}, shape {shape}"
         for r in range(len(out)):
-            assert out[r][i][0] == out[r][i][1], f"{what}: rank {r} counted {out[r][i][0]}, plan {out[r][i][1]}"
+            assert out[r][i][0] == out[r][i][1], f"{what}: rank {r} counted {out[r][i][0]}, route {out[r][i][1]}"
         before = value(ps, ss, random_locals(ps, ss, shape, i))
         after = value(pd, ds, {r: out[r][i][2] for r in pd.flat_ranks})
         np.testing.assert_array_equal(after, before, err_msg=what)

@@ -63,8 +63,8 @@ CASES = [  # each primitive forward (and so its dual backward) at least once
 def test_gradient_of_each_primitive_matches_single_device(ps, ss, pd, ds, prim):
     shape = (5, 3)
     if prim is not None:
-        plan = boxing.plan(gt.Layout(ps, ss), gt.Layout(pd, ds), shape, F64)
-        assert prim in [s.primitive for s in plan.steps], plan.explain()
+        route = boxing.route(gt.Layout(ps, ss), gt.Layout(pd, ds), shape, F64)
+        assert prim in [s.primitive for s in route.steps], route.explain()
     world = max(ps.flat_ranks + pd.flat_ranks) + 1
     _check(ps, ss, pd, ds, shape, world)
 

@@ -40,10 +40,10 @@ def _convert_body(ps, ss, pd, ds, shape, seed):
     x, _ = make(ps, ss, shape, seed)
     with gt.comm_log() as log:
         y = x.to_global(pd, ds)
-    pl = boxing.plan(x.global_layout, y.global_layout, shape, x.dtype)
+    route = boxing.route(x.global_layout, y.global_layout, shape, x.dtype)
     assert y.global_layout == gt.Layout(pd, ds) and tuple(y.shape) == shape
     local = y.to_local()
-    return log.recv_bytes, pl.recv_bytes_of(gt.rank()), (local.numpy().copy() if gt.rank() in pd else None)
+    return log.recv_bytes, route.recv_bytes_of(gt.rank()), (local.numpy().copy() if gt.rank() in pd else None)
 
 
 @given(case=conversions(), seed=st.integers(0, 2**16))
@@ -54,10 +54,10 @@ def test_value_preserved_bytes_counted_and_bounds_met(case, seed):
     before = value(ps, ss, random_locals(ps, ss, shape, seed))
     after = value(pd, ds, {r: out[r][2] for r in pd.flat_ranks})
     np.testing.assert_array_equal(after, before)
-    # (b) the communicator counted exactly what the plan says, on every rank
+    # (b) the communicator counted exactly what the route says, on every rank
     assert [o[0] for o in out] == [o[1] for o in out]
-    plan = boxing.plan(gt.Layout(ps, ss), gt.Layout(pd, ds), shape, torch.int64)
-    got = [plan.recv_bytes_of(r) for r in range(world)]
+    route = boxing.route(gt.Layout(ps, ss), gt.Layout(pd, ds), shape, torch.int64)
+    got = [route.recv_bytes_of(r) for r in range(world)]
     if gt.Layout(ps, ss) == gt.Layout(pd, ds):
         assert sum(got) == 0
         return
@@ -66,12 +66,12 @@ def test_value_preserved_bytes_counted_and_bounds_met(case, seed):
         lb = lower_bound(ps, ss, pd, ds, shape, 8)
         want = [lb.get(r, 0) for r in range(world)]
         if any(isinstance(s, gt.Partial) for s in ds):
-            assert sum(got) == sum(want), plan.explain()  # a partial group may share the bytes differently
+            assert sum(got) == sum(want), route.explain()  # a partial group may share the bytes differently
         else:
-            assert got == want, plan.explain()
-        assert list(plan.lower_bound) == want[:plan.world]
+            assert got == want, route.explain()
+        assert list(route.lower_bound) == want[:route.world]
     else:  # Partial sources: no more than all-reducing the partial axes and then moving the minimum
-        assert sum(got) <= all_reduce_bound(ps, ss, pd, ds, shape, 8), plan.explain()
+        assert sum(got) <= all_reduce_bound(ps, ss, pd, ds, shape, 8), route.explain()
 
 
 def _brute_force(src, dst, shape, dtype, depth):
@@ -99,19 +99,19 @@ def test_planner_matches_brute_force_on_small_meshes(case, data):
     ds = tuple(gt.split(min(s.dim, len(shape) - 1)) if isinstance(s, gt.Split) else s for s in ds)
     src, dst = gt.Layout(ps, ss), gt.Layout(pd, ds)
     assume(src != dst)
-    plan = boxing.plan(src, dst, shape, torch.float32)
+    route = boxing.route(src, dst, shape, torch.float32)
     planned = bcost.ZERO
-    for step in plan.steps:
+    for step in route.steps:
         planned = bcost.add(planned, bcost.step_cost(step))
     brute = _brute_force(src, dst, shape, torch.float32, 3)
-    # the search's own path: the plan drops its steps on mesh axes of one rank (free renamings)
+    # the search's own path: the route drops its steps on mesh axes of one rank (free renamings)
     found = len(boxing.search.search(src, dst, shape, torch.float32))
     if brute is None:  # nothing of <= 3 steps converts: the planner's path must be longer
-        assert found > 3, plan.explain()
+        assert found > 3, route.explain()
         return
-    assert planned <= brute, plan.explain()
+    assert planned <= brute, route.explain()
     if found <= 3:
-        assert planned == brute, plan.explain()
+        assert planned == brute, route.explain()
 
 
 def test_every_1d_and_2x2_pair_under_the_simulator_counts_and_preserves():

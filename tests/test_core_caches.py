@@ -1,7 +1,7 @@
 """Bounded caches: a training loop whose shapes change every step keeps its memory flat.
 
-Every new sequence length is a new decision key (and new interned tensor keys and boxing plans);
-the dispatcher's program cache evicts its oldest entries, tensor keys are interned weakly, plans
+Every new sequence length is a new decision key (and new interned tensor keys and boxing routes);
+the dispatcher's program cache evicts its oldest entries, tensor keys are interned weakly, routes
 sit in bounded LRU caches, and a cached decision holds meta stand-ins, never the call's tensors.
 """
 from __future__ import annotations

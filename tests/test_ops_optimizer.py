@@ -16,17 +16,17 @@ LOCAL_STEPS = {"slice", "fill", "pad"}
 
 
 def _expected(params, rank):
-    """Each gradient boxed once to its parameter's (and optimizer state's) layout, as its plan says;
-    the plans that are one all-reduce share a collective per bucket (same groups, dtype and op)."""
+    """Each gradient boxed once to its parameter's (and optimizer state's) layout, as its route says;
+    the routes that are one all-reduce share a collective per bucket (same groups, dtype and op)."""
     kinds, recv, buckets = Counter(), 0, set()
     for p in params:
-        plan = gt.boxing.plan(p.grad.global_layout, p.global_layout, tuple(p.shape), p.dtype)
-        key = gt.boxing.all_reduce_key(plan)
-        for step in plan.steps:
+        route = gt.boxing.route(p.grad.global_layout, p.global_layout, tuple(p.shape), p.dtype)
+        key = gt.boxing.all_reduce_key(route)
+        for step in route.steps:
             if step.primitive not in LOCAL_STEPS and (key is None or key not in buckets):
                 kinds[step.primitive] += 1
         buckets.add(key)
-        recv += plan.recv_bytes[rank]
+        recv += route.recv_bytes[rank]
     return kinds, recv
 
 

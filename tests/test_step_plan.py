@@ -167,7 +167,7 @@ def _settle(t: gt.GlobalTensor) -> None:
         dst = gt.Layout(lay.placement, sbp)
         try:
             dst.check_shape(tuple(t.shape))
-            steps = gt.boxing.plan(lay, dst, tuple(t.shape), t.dtype)
+            steps = gt.boxing.route(lay, dst, tuple(t.shape), t.dtype)
         except ValueError:  # a dim smaller than the mesh axis cannot be split there
             continue
         cost = (max(steps.recv_bytes), sum(s.latency for s in steps.steps))
@@ -199,7 +199,7 @@ def test_steered_runs_equal_one_device_and_move_no_more(mesh, m, k, j, picks):
     sbps = tuple(tuple(picks[i * 2 + a] for a in range(ndim)) for i in range(3))
     results = gt.launch(_program, int(torch.tensor(mesh).prod()), args=(((m, k), (k, j), (m, j)), sbps, mesh))
     assert all(runs[1][3] for runs in results), "the second run left the plan"
-    # ranks may run different collectives (point-to-point plans of uneven shards), so per rank in all
+    # ranks may run different collectives (point-to-point routes of uneven shards), so per rank in all
     recorded = max(sum(runs[0][0]) for runs in results)
     steered = max(sum(runs[1][0]) for runs in results)
     assert steered <= recorded, f"steered {steered} > op by op {recorded} bytes on the busiest rank"

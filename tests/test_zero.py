@@ -594,7 +594,7 @@ def test_zero_hypothesis_uneven_parameters_and_groups(dims, gathered, stage, mes
 
 def test_zero_buckets_a_modules_gradients_on_a_mesh_with_a_size_one_axis():
     """A module's gradients are reduced in one collective per kind (its bucket) on (3, 1) as on (3,):
-    one reduce-scatter for the split parameters, one all-reduce for the Broadcast ones. (Plans once
+    one reduce-scatter for the split parameters, one all-reduce for the Broadcast ones. (Routes once
     carried a step on the size-1 axis, moving nothing, which kept them from sharing a bucket.)"""
     def kinds(mesh_shape):
         results = gt.launch(_tiny_run, 3, args=([3, 5], [""], 2, mesh_shape, 1, 3, frozenset({0, 1})))

@@ -1,7 +1,7 @@
 """The zigzag layout (`gt.zigzag(d)`): rank i of n holds chunks i and 2n-1-i of 2n.
 
 Its shards are those of one device's tensor cut by hand; conversions to and from contiguous splits
-and Broadcast keep the values and receive exactly the plan's bytes, which meet the lower bound;
+and Broadcast keep the values and receive exactly the route's bytes, which meet the lower bound;
 ops that do not depend on the order of d keep the zigzag, the others get a contiguous split first;
 bad layouts are refused naming the sbp. (Attention on zigzag inputs: tests/test_ring_attention.py.)
 """
@@ -59,7 +59,7 @@ CONVERSIONS = {
 @pytest.mark.parametrize("i", range(len(MESH_CASES)))
 def test_shards_conversions_and_bytes(i):
     """Each rank's shard is its two chunks; every conversion both ways keeps the values, moves exactly
-    the plan's bytes (the lower bound) and, backward, gives the one-device gradient."""
+    the route's bytes (the lower bound) and, backward, gives the one-device gradient."""
     mesh, sbp, shape = MESH_CASES[i]
     torch.manual_seed(i)
     full = torch.randn(shape, dtype=D)
@@ -82,12 +82,12 @@ def test_shards_conversions_and_bytes(i):
         for target, exact in CONVERSIONS[i]:
             src = gt.to_global(full, p, target)
             for a, b in ((x, target), (src, sbp)):
-                plan = gt.boxing.plan(a.global_layout, gt.Layout(p, b), shape, D)
+                route = gt.boxing.route(a.global_layout, gt.Layout(p, b), shape, D)
                 with gt.comm_log() as log:
                     y = a.to_global(p, b)
                 assert torch.equal(y.full_tensor(), full), (a.sbp, b)
-                assert log.recv_bytes == plan.recv_bytes_of(gt.rank()), (a.sbp, b, plan.explain())
-                assert plan.recv_bytes == list(plan.lower_bound), plan.explain()
+                assert log.recv_bytes == route.recv_bytes_of(gt.rank()), (a.sbp, b, route.explain())
+                assert route.recv_bytes == list(route.lower_bound), route.explain()
                 if exact is not None and a is x:
                     moved.append(log.recv_bytes)
             # backward: the dual conversion, to the one-device gradient
@@ -202,7 +202,7 @@ def _zigzag_conversions(draw):
 @settings(max_examples=12)
 @given(_zigzag_conversions(), st.integers(0, 2 ** 16))
 def test_any_zigzag_conversion_keeps_values_and_meets_the_bound(case, seed):
-    """Random meshes, shapes and layouts: the value is kept, each rank receives the plan's bytes, and
+    """Random meshes, shapes and layouts: the value is kept, each rank receives the route's bytes, and
     for a Partial-free source that is the lower bound."""
     mesh, shape, src, dst = case
     torch.manual_seed(seed)
@@ -211,11 +211,11 @@ def test_any_zigzag_conversion_keeps_values_and_meets_the_bound(case, seed):
     def body():
         p = mesh_placement(mesh)
         x = gt.to_global(full, p, src)
-        plan = gt.boxing.plan(x.global_layout, gt.Layout(p, dst), shape, D)
+        route = gt.boxing.route(x.global_layout, gt.Layout(p, dst), shape, D)
         with gt.comm_log() as log:
             y = x.to_global(p, dst)
-        return torch.equal(y.full_tensor(), full), log.recv_bytes == plan.recv_bytes_of(gt.rank()), \
-            plan.lower_bound is None or plan.recv_bytes == list(plan.lower_bound)
+        return torch.equal(y.full_tensor(), full), log.recv_bytes == route.recv_bytes_of(gt.rank()), \
+            route.lower_bound is None or route.recv_bytes == list(route.lower_bound)
     for ok in gt.launch(body, math.prod(mesh)):
         assert ok == (True, True, True), (src, dst, shape)
 

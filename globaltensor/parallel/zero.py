@@ -56,17 +56,17 @@ class ParamGroup:
     param_dtype: Optional[torch.dtype]
     reduce_dtype: Optional[torch.dtype]
 
-    def plans_for(self, conversions: tuple, which: Optional[tuple] = None) -> list:
-        """Boxing plans for (src, dst, dtype) per parameter (or per parameter in `which`), remembered
+    def routes_for(self, conversions: tuple, which: Optional[tuple] = None) -> list:
+        """Boxing routes for (src, dst, dtype) per parameter (or per parameter in `which`), remembered
         per group: every step asks for the same ones."""
         key = (conversions, which)
-        remembered = _state(self).setdefault("plans", {})
-        plans = remembered.get(key)
-        if plans is None:
+        remembered = _state(self).setdefault("routes", {})
+        routes = remembered.get(key)
+        if routes is None:
             idx = range(len(self.params)) if which is None else which
-            plans = remembered[key] = [boxing.plan(src, dst, tuple(self.params[i].shape), dtype)
+            routes = remembered[key] = [boxing.route(src, dst, tuple(self.params[i].shape), dtype)
                                         for i, (src, dst, dtype) in zip(idx, conversions)]
-        return plans
+        return routes
 
     # hooks are bound methods, not closures, so that a converted module pickles and deep-copies
     def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -223,7 +223,7 @@ _STATE: "weakref.WeakKeyDictionary[ParamGroup, dict]" = weakref.WeakKeyDictionar
 
 
 def _state(group: ParamGroup) -> dict:
-    """A group's run-time state (its plans, the next group, a prefetched gather), kept out of the
+    """A group's run-time state (its routes, the next group, a prefetched gather), kept out of the
     group itself so that a converted module pickles and deep-copies without it."""
     st = _STATE.get(group)
     if st is None:
@@ -264,7 +264,7 @@ class _Call:
             if g.param_dtype is not None and local.dtype != g.param_dtype:
                 local = local.to(g.param_dtype)
             shards.append(local)
-        return boxing.execute_many_start(g.plans_for(tuple((p._layout, c, s.dtype) for p, c, s in
+        return boxing.execute_many_start(g.routes_for(tuple((p._layout, c, s.dtype) for p, c, s in
                                                           zip(g.params, g.compute, shards))), shards,
                                          context.current())
 
@@ -333,7 +333,7 @@ class _Call:
         targets = {i: _kept_partial(grads[i]._layout, g.params[i]._layout) if keep_partial and
                    isinstance(grads[i], GlobalTensor) and g.reduce_dtype in (None, g.params[i].dtype)
                    else g.params[i]._layout for i in which}
-        locals_, plans = [], []  # plans: (source layout, target layout, dtype) per gradient
+        locals_, conversions = [], []  # (source layout, target layout, dtype) per gradient
         for i in which:
             gr = grads[i]
             if not isinstance(gr, GlobalTensor):
@@ -343,8 +343,8 @@ class _Call:
             if g.reduce_dtype is not None and local.dtype != g.reduce_dtype:
                 local = local.to(g.reduce_dtype)
             locals_.append(local)
-            plans.append((gr._layout, targets[i], local.dtype))
-        done = boxing.execute_many_start(g.plans_for(tuple(plans), tuple(which)), locals_, context.current())
+            conversions.append((gr._layout, targets[i], local.dtype))
+        done = boxing.execute_many_start(g.routes_for(tuple(conversions), tuple(which)), locals_, context.current())
         n = len(grads)
 
         def finish() -> list:

@@ -132,7 +132,7 @@ def _convert_now(x: GlobalTensor, dst: Layout, sizes: Sizes, unit: Optional[int]
 
     First every ragged axis of x that dst does not keep as it is becomes dst's (ragged -> ragged,
     ragged -> balanced: re-cut; ragged -> Broadcast: gather) or, if dst wants anything else there,
-    a balanced split the planner takes on from. Then the non-ragged rest is boxed (one plan), with
+    a balanced split the planner takes on from. Then the non-ragged rest is boxed (one route), with
     the axes that dst wants ragged taken as balanced splits (or Broadcast), and re-cut (or sliced).
     """
     a = _inner_swap(x._layout, getattr(x, "_sizes", None), dst, sizes, tuple(x.shape))

@@ -2,7 +2,7 @@
 
 Every primitive takes this rank's local tensors and a `group` (global ranks in
 mesh order, containing this rank), returns new local tensors, and records what
-this rank received under DESIGN.md's byte convention, so that plans and logs
+this rank received under DESIGN.md's byte convention, so that routes and logs
 count the same way on every backend. Backends implement the `_`-prefixed raw
 methods only.
 """

@@ -271,7 +271,7 @@ class TorchDistCommunicator(Communicator):
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
         key = (group, tuple(send_splits), tuple(recv_splits))
         args = self._a2a_args.get(key)
-        if args is None:  # worked out once per (group, splits): a compiled plan repeats them
+        if args is None:  # worked out once per (group, splits): a compiled route repeats them
             even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1  # gloo's even path beats alltoallv
             args = (self._pg(group) if list(group) == sorted(group) else None,
                     None if even else list(recv_splits), None if even else list(send_splits))

@@ -1,7 +1,7 @@
 """What this rank is doing when it communicates, for `gt.comm_report()` to say why a collective ran.
 
 A report needs context at the moment a collective is recorded: the op being dispatched, the
-boxing plan being executed, the module being run, a gradient bucket. Each of those places pushes
+boxing route being executed, the module being run, a gradient bucket. Each of those places pushes
 its part here, but only while a report is open somewhere (`FLAGS.on`): the dispatcher's cache-hit
 path then pays one attribute read, and `Communicator._record` reads the context only for a log
 that asks for it (a report's). State is per thread, because a simulated rank is a thread.
@@ -31,7 +31,7 @@ _FLAGS_LOCK = threading.Lock()
 class _State(threading.local):
     def __init__(self) -> None:
         self.ops: list = []        # (op, args) of the dispatched calls in progress, outermost first
-        self.plans: list = []      # boxing plans being executed (innermost last), or a list of a bucket's
+        self.routes: list = []     # boxing routes being executed (innermost last), or a list of a bucket's
         self.why: list = []        # free-form reasons pushed by their owners ("gradient bucket of 12")
         self.frames: list = []     # module frames pushed by the report's hooks (globaltensor/tools/report.py)
         self.reporting = 0         # reports open on this thread
@@ -67,12 +67,12 @@ def pop_op() -> None:
     STATE.ops.pop()
 
 
-def push_plan(plan: Any) -> None:
-    STATE.plans.append(plan)
+def push_route(route: Any) -> None:
+    STATE.routes.append(route)
 
 
-def pop_plan() -> None:
-    STATE.plans.pop()
+def pop_route() -> None:
+    STATE.routes.pop()
 
 
 def push_why(why: str) -> None:

@@ -77,17 +77,17 @@ class CommReport(CommLog):
         end = time.perf_counter_ns()
         start = getattr(STATE, "t0", None) or end  # set by the primitive's start (none for send_recv)
         STATE.t0 = None
-        module, phase, op, reason, plan = self._context(event)
-        self.collectives.append(Collective(module, phase, op, event.kind, self._axis(event.group, plan),
-                                           event.group, event.recv_bytes, reason, _lower_bound(plan, self.rank),
+        module, phase, op, reason, route = self._context(event)
+        self.collectives.append(Collective(module, phase, op, event.kind, self._axis(event.group, route),
+                                           event.group, event.recv_bytes, reason, _lower_bound(route, self.rank),
                                            start + self._clock, end + self._clock))
 
     def _context(self, event: CommEvent) -> tuple:
-        """(module, phase, op, reason, plan) of the collective being recorded.
+        """(module, phase, op, reason, route) of the collective being recorded.
 
         The most specific owner wins: a gradient bucket, then a ZeRO step (by the autograd node, or a
         bucket at a module's input), then a module boundary conversion with no op in progress, then
-        the op and which of its arguments the plan converts, then an op's own collective.
+        the op and which of its arguments the route converts, then an op's own collective.
         """
         node = torch._C._current_autograd_node()
         stage = "body"
@@ -101,14 +101,14 @@ class CommReport(CommLog):
             module, stage, node_name = frame.path, frame.stage, ""
         else:
             phase, module, node_name = "outside", _OUTSIDE, ""
-        ops, plans = STATE.ops, STATE.plans
-        plan = plans[-1] if plans else None
+        ops, routes = STATE.ops, STATE.routes
+        route = routes[-1] if routes else None
         op = _op_name(ops[0][0]) if ops else ""
         inner = _op_name(ops[-1][0]) if ops else ""
         where = f"{op} (as {inner})" if inner != op else op
         if ops:
             self._note_placement(ops[-1][1])
-        conv = _conversion(plan)
+        conv = _conversion(route)
         if STATE.why:
             reason = STATE.why[-1] + (f", first read by {where}" if op else "")
         elif node_name == "_GatherBackward":
@@ -116,19 +116,19 @@ class CommReport(CommLog):
         elif node_name == "_RegatherBackward":
             reason = f"ZeRO-3: {_name(module)}'s parameters gathered again for its backward{conv}"
         elif phase == "forward" and stage == "input" and not op and (
-                isinstance(plan, tuple) or plan is None and event.kind == "all_gather"):
+                isinstance(route, tuple) or route is None and event.kind == "all_gather"):
             # a bucket gathered in a module's pre-hook: ZeRO's, for this module or (prefetch) the next one
             reason = f"ZeRO: parameters gathered as {_name(module)} starts (its own, or the next module's " \
                      f"prefetched){conv}"
-        elif plan is not None and not op and stage in ("input", "output") and module != _OUTSIDE:
+        elif route is not None and not op and stage in ("input", "output") and module != _OUTSIDE:
             which = stage if phase == "forward" else f"{stage}_grad"
             what = f"its {stage}'s gradient" if phase == "backward" else f"its {stage}"
             reason = f"ModuleLayout({which}) of {_name(module)}, {what}{conv}"
-        elif plan is not None and op:
-            reason = f"{where}, {_argument(plan, ops[-1][1])}{conv}"
+        elif route is not None and op:
+            reason = f"{where}, {_argument(route, ops[-1][1])}{conv}"
         elif op:
             reason = f"{where}: the op's own {event.kind} (its rule reduces or exchanges inside)"
-        elif plan is not None:
+        elif route is not None:
             reason = f"to_global{conv}" if phase != "backward" else f"backward of to_global ({node_name}){conv}"
         else:
             reason = f"{event.kind} of metadata" if event.recv_bytes == 0 else event.kind
@@ -136,7 +136,7 @@ class CommReport(CommLog):
             op = f"{node_name}: {op}"
         elif phase == "backward" and node_name:
             op = node_name
-        return module, phase, op, reason, plan
+        return module, phase, op, reason, route
 
     def _note_placement(self, args: tuple) -> None:
         for a in args:
@@ -146,9 +146,9 @@ class CommReport(CommLog):
                     self._placements.append(p)
                 return
 
-    def _axis(self, group: tuple, plan: Any) -> str:
-        placements = [q.dst.placement for q in (plan if isinstance(plan, tuple) else (plan,)) if q is not None]
-        placements += [q.src.placement for q in (plan if isinstance(plan, tuple) else (plan,)) if q is not None]
+    def _axis(self, group: tuple, route: Any) -> str:
+        placements = [q.dst.placement for q in (route if isinstance(route, tuple) else (route,)) if q is not None]
+        placements += [q.src.placement for q in (route if isinstance(route, tuple) else (route,)) if q is not None]
         for p in placements + self._placements:
             if self.rank not in p:
                 continue
@@ -295,20 +295,20 @@ def _layout_text(layout: Any) -> str:
     return str(sbp[0]) if len(sbp) == 1 else "(" + ", ".join(map(str, sbp)) + ")"
 
 
-def _conversion(plan: Any) -> str:
-    if plan is None:
+def _conversion(route: Any) -> str:
+    if route is None:
         return ""
-    if isinstance(plan, tuple):
-        if not plan:
+    if isinstance(route, tuple):
+        if not route:
             return ""
-        p = plan[0]
-        return f" ({len(plan)} tensors in one bucket: {_layout_text(p.src)} -> {_layout_text(p.dst)})"
-    return f" {list(plan.shape)}: {_layout_text(plan.src)} -> {_layout_text(plan.dst)}"
+        p = route[0]
+        return f" ({len(route)} tensors in one bucket: {_layout_text(p.src)} -> {_layout_text(p.dst)})"
+    return f" {list(route.shape)}: {_layout_text(route.src)} -> {_layout_text(route.dst)}"
 
 
-def _argument(plan: Any, args: tuple) -> str:
+def _argument(route: Any, args: tuple) -> str:
     """Which argument of the op the conversion is for (by layout and shape; the first that fits)."""
-    if isinstance(plan, tuple):
+    if isinstance(route, tuple):
         return "arguments"
     flat: list = []
     for i, a in enumerate(args):
@@ -317,18 +317,18 @@ def _argument(plan: Any, args: tuple) -> str:
         else:
             flat.append((str(i), a))
     for where, a in flat:
-        if isinstance(a, GlobalTensor) and a._layout == plan.src and tuple(a.shape) == tuple(plan.shape):
+        if isinstance(a, GlobalTensor) and a._layout == route.src and tuple(a.shape) == tuple(route.shape):
             return f"argument {where}"
     for where, a in flat:
-        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and tuple(a.shape) == tuple(plan.shape):
+        if isinstance(a, torch.Tensor) and not isinstance(a, GlobalTensor) and tuple(a.shape) == tuple(route.shape):
             return f"argument {where} (a plain tensor, taken as Broadcast)"
     return "an intermediate value"
 
 
-def _lower_bound(plan: Any, rank: int) -> Optional[int]:
-    plans = plan if isinstance(plan, tuple) else (plan,)
+def _lower_bound(route: Any, rank: int) -> Optional[int]:
+    routes = route if isinstance(route, tuple) else (route,)
     total = 0
-    for p in plans:
+    for p in routes:
         if p is None or p.lower_bound is None:
             return None
         total += p.lower_bound[rank] if rank < len(p.lower_bound) else 0

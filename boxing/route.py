@@ -1,8 +1,8 @@
-"""Plans as data: the steps that turn one layout into another, with what each rank receives.
+"""Routes as data: the steps that turn one layout into another, with what each rank receives.
 
-A `Plan` holds everything every rank needs to run it (groups follow from the
-layouts; point-to-point routes are spelled out per rank), so all ranks build
-the same plan and issue the same collectives in the same order.
+A `Route` holds everything every rank needs to run it (groups follow from the
+layouts; point-to-point exchanges are spelled out per rank), so all ranks build
+the same route and issue the same collectives in the same order.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ Region = tuple[str, Box, object]
 
 
 @dataclass(frozen=True)
-class RankRoute:
+class RankExchange:
     """One rank's part of a point-to-point exchange."""
     out_shape: tuple[int, ...]
     regions: tuple[Region, ...]                          # partition the output local
@@ -40,7 +40,7 @@ class Step:
     recv_bytes: tuple[int, ...]  # indexed by global rank
     latency: int                 # collective launches (point-to-point: most peers of one rank)
     op: Optional[str] = None
-    routes: tuple[tuple[int, RankRoute], ...] = field(default=(), repr=False)  # point-to-point only
+    exchanges: tuple[tuple[int, RankExchange], ...] = field(default=(), repr=False)  # point-to-point only
 
     @property
     def bytes(self) -> int:
@@ -51,22 +51,22 @@ class Step:
         """The rank groups the step communicates on."""
         if self.axis is not None:
             return self.src.placement.axis_groups(self.axis)
-        out = [tuple(sorted({r} | {p for p, _ in rt.sends} | {p for p, _ in rt.recvs}))
-               for r, rt in self.routes if rt.recvs]
-        return out + list(dict.fromkeys(g for _, rt in self.routes for g, *_ in rt.bcasts))
+        out = [tuple(sorted({r} | {p for p, _ in ex.sends} | {p for p, _ in ex.recvs}))
+               for r, ex in self.exchanges if ex.recvs]
+        return out + list(dict.fromkeys(g for _, ex in self.exchanges for g, *_ in ex.bcasts))
 
-    def route(self, rank: int) -> RankRoute | None:
-        return dict(self.routes).get(rank)
+    def exchange(self, rank: int) -> RankExchange | None:
+        return dict(self.exchanges).get(rank)
 
     def describe(self) -> str:
         where = f"mesh axis {self.axis}" if self.axis is not None else "rank groups " + ", ".join(
-            map(str, self.groups)) if self.routes and self.latency else "each rank"
+            map(str, self.groups)) if self.exchanges and self.latency else "each rank"
         op = f" {self.op}" if self.op and self.op != "sum" else ""
         return f"{self.primitive}{op} on {where}: {_sbp(self.src)} -> {_sbp(self.dst)}"
 
 
 @dataclass(frozen=True)
-class Plan:
+class Route:
     src: Layout
     dst: Layout
     shape: tuple[int, ...]
@@ -79,7 +79,7 @@ class Plan:
 
     @property
     def recv_bytes(self) -> list[int]:
-        """Bytes each global rank receives over the whole plan (0 beyond `world`)."""
+        """Bytes each global rank receives over the whole route (0 beyond `world`)."""
         out = [0] * self.world
         for s in self.steps:
             for r, b in enumerate(s.recv_bytes):
