@@ -60,7 +60,7 @@ import torch.distributed.nn.functional as dnn
 
 import globaltensor as gt
 from common import interleaved_times, paired_ratio, paired_ratio_ci, write_results
-from globaltensor.models.moe import MoE, MoEConfig, capacity, ep_plan, route
+from globaltensor.models.moe import MoE, MoEConfig, capacity, ep_plan, top_k_gating
 
 IMPLS = ("gt EP", "a2a floor", "all-gather", "gt replicated", "gt dropless", "dropless floor", "all-gather dropless")
 DROPLESS = ("gt dropless", "dropless floor", "all-gather dropless")
@@ -148,7 +148,7 @@ class TorchLayer(LocalShards):
     def routed(self, tokens: torch.Tensor):
         cfg = self.cfg
         probs = (tokens @ self.gate.t()).softmax(-1)
-        dispatch, combine, _ = route(probs, cfg.top_k, capacity(cfg, tokens.shape[1]), cfg.normalize_top_k)
+        dispatch, combine, _ = top_k_gating(probs, cfg.top_k, capacity(cfg, tokens.shape[1]), cfg.normalize_top_k)
         e = cfg.n_expert
         aux = (torch.nn.functional.one_hot(probs.argmax(-1), e).to(probs.dtype).mean(1) * probs.mean(1)).sum(-1)
         return dispatch, combine, aux.sum() * e

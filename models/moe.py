@@ -69,7 +69,7 @@ def capacity(cfg: MoEConfig, group_size: int) -> int:
     return max(1, math.ceil(cfg.top_k * cfg.capacity_factor * group_size / cfg.n_expert))
 
 
-def route(probs: torch.Tensor, k: int, cap: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_k_gating(probs: torch.Tensor, k: int, cap: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k routing with capacity, per group: probs [G, S, E] -> (dispatch [G, S, E, C] of 0/1,
     combine [G, S, E, C] of gate weights, kept [G, S, k] of 0/1: which choices got a slot).
 
@@ -148,7 +148,7 @@ class MoE(nn.Module):
         probs = self.gate(tokens).softmax(-1)                         # [G, S, E]
         if self.cfg.dropless:
             return self.dropless(tokens, probs).reshape(b, t, d), load_balancing_loss(probs, probs.argmax(-1))
-        dispatch, combine, kept = route(probs, self.cfg.top_k, capacity(self.cfg, s), self.cfg.normalize_top_k)
+        dispatch, combine, kept = top_k_gating(probs, self.cfg.top_k, capacity(self.cfg, s), self.cfg.normalize_top_k)
         self.last_kept = kept.detach()
         aux = load_balancing_loss(probs, probs.argmax(-1))
         expert_in = torch.einsum("gsec,gsd->egcd", dispatch, tokens)  # [E, G, C, d]: split G -> split E

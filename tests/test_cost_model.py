@@ -156,7 +156,7 @@ def test_zero3_gpt_step_moves_no_more_than_zero3(batch):
 MOE_T, MOE_D, MOE_H, MOE_E = 64, 16, 32, 4   # tokens, model dim, expert hidden dim, experts
 
 
-def route(x: torch.Tensor, wg: torch.Tensor, k: int, capacity: int):
+def top_k_gating(x: torch.Tensor, wg: torch.Tensor, k: int, capacity: int):
     """Top-k gating with capacity (GShard): one-hot dispatch mask [T, E, C] from cumsum positions;
     combine = dispatch weighted by the gate. Choice j fills slots after choices < j; overflow drops."""
     t, e = x.shape[0], wg.shape[1]
@@ -191,7 +191,7 @@ def _moe_inputs(k: int, seed: int):
     w2 = torch.randn(MOE_E, MOE_H, MOE_D, generator=g) / MOE_H ** 0.5
     wy = torch.randn(MOE_T, MOE_D, generator=g)                  # loss weights: loss = (y * wy).sum()
     capacity = k * MOE_T // MOE_E                                 # capacity factor 1
-    disp, combine = route(x, wg, k, capacity)
+    disp, combine = top_k_gating(x, wg, k, capacity)
     return x, w1, w2, wy, disp, combine, capacity
 
 

@@ -347,7 +347,7 @@ class Pipeline:
     def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
         """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them).
 
-        In phases, each its own method: the plan (`_begin`), this rank's actions in its schedule's order (`_action`),
+        In phases, each its own method: the schedule (`_begin`), this rank's actions in its schedule's order (`_action`),
         the step's end inside its `accumulating()` scope (`_after_actions`), the stages' gradients into `.grad`; a
         failed step unwound (`_failed`), and either way the communicator as before it (`_restore`); then what the
         step showed is learnt (`_learn`) and its figures kept (`_measure`)."""
@@ -375,7 +375,7 @@ class Pipeline:
         return _summed([run.losses[i] for i in range(self.microbatches)])
 
     def _begin(self, x: torch.Tensor, target: Any) -> "_Step":
-        """The step's plan, before anything runs: its micro-batches, this rank's actions and tags, and what of the
+        """The step's schedule, before anything runs: its micro-batches, this rank's actions and tags, and what of the
         learnt applies to inputs of these shapes (receives posted ahead, forwards left early, tapes replayed) or
         is being learnt (a recording). The stages open their step: their parameters take its gradients once."""
         comm = context.current()
