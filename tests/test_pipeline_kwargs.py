@@ -203,6 +203,16 @@ def test_more_microbatches_than_the_batch_is_an_error():
         _raises(micro=8, **_data(batch=4))
 
 
+def test_more_microbatches_than_the_batch_is_an_error_in_the_old_form_too():
+    def run() -> None:
+        pipe = gt.Pipeline(_converted(), microbatches=8, loss_fn=lambda out, t: out.logits.mean())
+        inputs = _data(batch=4)
+        pipe.step(inputs["input_ids"], inputs["labels"])
+    with pytest.raises(ValueError, match=r"Pipeline\(microbatches=\): 8 micro-batches of a batch of 4 "
+                                         r"\(args\[0\]'s dim 0\)"):
+        gt.launch(run, 2)
+
+
 def test_no_loss_anywhere_is_an_error_naming_loss_fn():
     inputs = _data()
     del inputs["labels"]  # the model returns no loss
@@ -251,3 +261,20 @@ def test_replay_feeds_keyword_inputs_by_name(kind):
     _check_values(results, want_losses, want_state)
     for losses, state, held, replaying, why in results:
         assert replaying == [False] * 3 + [True] * 2, why
+
+
+def test_tensors_inside_a_container_are_an_error():
+    inputs = _data()
+    inputs["attention_mask"] = [inputs["attention_mask"]]
+    with pytest.raises(TypeError, match=r"Pipeline.step\(attention_mask=\): tensors inside a list"):
+        _raises(**inputs)
+
+
+def test_a_loss_that_is_not_a_scalar_is_an_error_naming_loss_fn():
+    """A per-row loss (test_containers' head) is not the batch's: the pipeline would not know how to weigh it."""
+    def run() -> None:
+        model = _converted()
+        model.forward = lambda **kw: CausalLMOutput(loss=TinyCausalLM.forward(model, **kw).logits.sum(-1).mean(-1))
+        gt.Pipeline(model, microbatches=2).step(**_data())
+    with pytest.raises(ValueError, match=r"out.loss has shape \[4\], not a scalar.*gt.Pipeline\(loss_fn=\)"):
+        gt.launch(run, 2)

@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import early_exit
 from .replay import Recorder, Tapes, give_empty_grads, recording
@@ -268,8 +269,11 @@ class _Step:
 
 
 class Pipeline:
-    """`step(x, target)` trains one batch as `microbatches` micro-batches in the schedule's order and
-    returns the batch's loss (a GlobalTensor on the last stage; every rank calls it).
+    """`step(x, target)` (with `loss_fn`) or `step(**inputs)` (the model's own loss, Hugging Face's `labels=`) trains
+    one batch as `microbatches` micro-batches in the schedule's order and returns the batch's loss (a GlobalTensor on
+    the last stage; every rank calls it). Inputs go to the first stage as `input_sbp` says, keyword inputs named in
+    `label_names` (default `("labels",)`, as transformers' Trainer names them) to the last, where a model computing
+    its loss from its head's output reads them (an op never moves a non-scalar across stages).
 
     `measure_activations=True` counts the bytes autograd saves for the backward on this rank
     (`.activations`, an `ActivationMeter`: its `.peak` is what a schedule's memory claim is about).
@@ -370,7 +374,8 @@ class Pipeline:
         share of the batch, so a step equals one pass over the whole batch where the loss is a mean over the
         batch's examples. A loss that is not a per-example mean (a token mean over padded sequences, whose
         micro-batches hold different numbers of tokens) is not one device's under micro-batching, as in
-        torch.distributed.pipelining: compute it as a sum in `loss_fn` and scale it there.
+        torch.distributed.pipelining (the weights count examples, not tokens): give a `loss_fn` that is a mean over
+        the examples (of each example's token mean, say) where the step must equal one device.
 
         In phases, each its own method: the schedule (`_begin`), this rank's actions in its schedule's order (`_action`),
         the step's end inside its `accumulating()` scope (`_after_actions`), the stages' gradients into `.grad`; a
@@ -842,7 +847,12 @@ def _batch_size(args: tuple, kwargs: dict) -> tuple[int, str]:
     """The batch's size, the dim 0 every tensor input of at least one dim shares, and the first input's name."""
     batch, named = None, ""
     for name, v in [(f"args[{k}]", a) for k, a in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]:
-        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        if not isinstance(v, torch.Tensor):
+            if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
+                raise TypeError(f"Pipeline.step({name}): tensors inside a {type(v).__name__} are not cut into "
+                                f"micro-batches nor placed on a stage; pass each tensor as an argument of its own")
+            continue
+        if v.dim() == 0:
             continue
         if batch is None:
             batch, named = v.shape[0], name
