@@ -278,3 +278,46 @@ def test_a_loss_that_is_not_a_scalar_is_an_error_naming_loss_fn():
         gt.Pipeline(model, microbatches=2).step(**_data())
     with pytest.raises(ValueError, match=r"out.loss has shape \[4\], not a scalar.*gt.Pipeline\(loss_fn=\)"):
         gt.launch(run, 2)
+
+
+def _general(kind: str, micro: int, per_stage: int, virtual: int, steps: int) -> tuple:
+    """`pipelined` over stages of `per_stage` ranks (the batch split over them: data parallel inside each stage, the
+    labels split alike on the last) and `virtual` chunks per stage (the blocks dealt round the stages)."""
+    first = gt.placement("cpu", list(range(per_stage)))
+    last = gt.placement("cpu", list(range(per_stage, 2 * per_stage)))
+    on = lambda stage: gt.Layout(stage, gt.broadcast)  # noqa: E731
+    chunk = N_LAYER // (2 * virtual)
+    plan = {"embed.*": on(first), "lm_head.*": on(last),
+            **{f"layers.{i}.*": on((first, last)[i // chunk % 2]) for i in range(N_LAYER)}}
+    model = gt.to_global(_model(), first, plan)
+    pipe = gt.Pipeline(model, microbatches=micro, schedule=kind, input_sbp=gt.split(0) if per_stage > 1 else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    for _ in range(steps):
+        loss = pipe.step(**_data())
+        losses.append(loss.full_tensor().item() if gt.rank() in loss.placement else None)
+        grads.append({k: p.grad.full_tensor() for k, p in model.named_parameters() if gt.rank() in p.placement})
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.full_tensor() for k, v in model.state_dict().items() if gt.rank() in v.placement}
+    return losses, grads, state, None
+
+
+@pytest.mark.parametrize("kind, micro, per_stage, virtual", [("interleaved", 2, 1, 2), ("interleaved", 4, 1, 2),
+                                                             ("1f1b", 2, 2, 1)],
+                         ids=["interleaved-2", "interleaved-4", "1f1b-dp2"])
+def test_interleaved_and_data_parallel_stages_take_keyword_inputs(kind, micro, per_stage, virtual):
+    """Interleaved (the keyword inputs reach each chunk's fiber) and PP x DP (the labels split over the last stage's
+    ranks as the inputs over the first's)."""
+    steps = 2
+    want_losses, want_grads, want_state = reference(steps)
+    results = gt.launch(_general, 2 * per_stage, args=(kind, micro, per_stage, virtual, steps))
+    for rank, (losses, grads, state, _) in enumerate(results):
+        if rank >= per_stage:
+            torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-10)
+        for got, ref in zip(grads, want_grads):
+            for k, g in got.items():
+                torch.testing.assert_close(g, ref[k], rtol=0, atol=1e-10, msg=k)
+        for k, v in state.items():
+            torch.testing.assert_close(v, want_state[k], rtol=0, atol=1e-10, msg=k)
+    assert set().union(*(set(r[2]) for r in results)) == set(want_state)
