@@ -792,8 +792,8 @@ def test_pipeline_bad_input():
             gt.Pipeline(model, microbatches=0, loss_fn=loss_fn)
         with pytest.raises(ValueError, match="schedule"):
             gt.Pipeline(model, microbatches=2, schedule="zigzag", loss_fn=loss_fn)
-        with pytest.raises(TypeError, match="loss_fn"):
-            gt.Pipeline(model, microbatches=2)
+        with pytest.raises(TypeError, match="loss_fn"):  # loss_fn is optional (the model's own loss), not any value
+            gt.Pipeline(model, microbatches=2, loss_fn="cross_entropy")
         with pytest.raises(ValueError, match="virtual"):  # one chunk per stage: nothing to interleave
             gt.Pipeline(model, microbatches=2, schedule="interleaved", loss_fn=loss_fn)
         with pytest.raises(ValueError, match="virtual"):
@@ -803,6 +803,9 @@ def test_pipeline_bad_input():
             gt.Pipeline(chunked, microbatches=3, schedule="interleaved", loss_fn=loss_fn)
         with pytest.raises(ValueError, match="interleaved"):  # 1F1B would deadlock on a looping plan
             gt.Pipeline(chunked, microbatches=2, schedule="1f1b", loss_fn=loss_fn)
+        pipe = gt.Pipeline(model, microbatches=2)  # no loss_fn: the model's own loss, which the GPT's logits are not
+        with pytest.raises(ValueError, match=r"shape \[2, 8, 32\], not a scalar.*gt.Pipeline\(loss_fn=\)"):
+            pipe.step(_data(4)[0])
     gt.launch(run, 4)
 
 

@@ -29,9 +29,10 @@ import operator
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import early_exit
 from .replay import Recorder, Tapes, give_empty_grads, recording
@@ -236,7 +237,8 @@ class _Learnt:
 class _Step:
     """One step as its phases (`Pipeline.step`) share it: its plan, then how far it got."""
     comm: Any
-    xs: Sequence                  # per micro-batch: input, target, share of the batch
+    args: Sequence                # per micro-batch: the model's positional inputs, its keyword inputs,
+    kwargs: Sequence              # the target (None: the model's own loss), its share of the batch
     ts: Sequence
     weights: list
     mine: list                    # this rank's actions (act, micro-batch, chunk)
@@ -267,8 +269,11 @@ class _Step:
 
 
 class Pipeline:
-    """`step(x, target)` trains one batch as `microbatches` micro-batches in the schedule's order and
-    returns the batch's loss (a GlobalTensor on the last stage; every rank calls it).
+    """`step(x, target)` (with `loss_fn`) or `step(**inputs)` (the model's own loss, Hugging Face's `labels=`) trains
+    one batch as `microbatches` micro-batches in the schedule's order and returns the batch's loss (a GlobalTensor on
+    the last stage; every rank calls it). Inputs go to the first stage as `input_sbp` says, keyword inputs named in
+    `label_names` (default `("labels",)`, as transformers' Trainer names them) to the last, where a model computing
+    its loss from its head's output reads them (an op never moves a non-scalar across stages).
 
     `measure_activations=True` counts the bytes autograd saves for the backward on this rank
     (`.activations`, an `ActivationMeter`: its `.peak` is what a schedule's memory claim is about).
@@ -295,13 +300,19 @@ class Pipeline:
     def __init__(self, model: torch.nn.Module, microbatches: int, schedule: str = "1f1b",
                  loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
                  input_sbp: Any = None, target_sbp: Any = None, measure_activations: bool = False,
-                 post_receives: bool = True, leave_early: bool = True, replay: bool = False) -> None:
+                 post_receives: bool = True, leave_early: bool = True, replay: bool = False,
+                 label_names: Sequence[str] = ("labels",)) -> None:
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"Pipeline(microbatches=): expected a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"Pipeline(schedule=): {schedule!r} is not one of {SCHEDULES}")
-        if loss_fn is None:
-            raise TypeError("Pipeline(loss_fn=): give the loss as a function (output, target) -> scalar")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"Pipeline(loss_fn=): expected a function (output, target) -> scalar, got "
+                            f"{type(loss_fn).__name__}")
+        if isinstance(label_names, str) or not all(isinstance(n, str) for n in label_names):
+            raise TypeError(f"Pipeline(label_names=): expected a sequence of keyword names, got {label_names!r}")
+        self.label_names = tuple(label_names)
+        self._label_keys = frozenset(_kwarg_name(n) for n in self.label_names)
         self.model, self.microbatches, self.kind, self.loss_fn = model, microbatches, schedule, loss_fn
         self.stages = _stage_placements(model)
         if not self.stages:
@@ -316,6 +327,10 @@ class Pipeline:
         self.input_layout = Layout(first, (Broadcast(),) * first.ndim if input_sbp is None else
                                    normalize_sbp(input_sbp, first.ndim, "Pipeline(input_sbp=)"))
         self.target_sbp = target_sbp
+        last = self.stages[-1]  # keyword inputs named in label_names: where the model's own loss reads them
+        self.label_layout = Layout(last, normalize_sbp(target_sbp, last.ndim, "Pipeline(target_sbp=)")
+                                   if target_sbp is not None else self.input_layout.sbp
+                                   if last.ndim == first.ndim else (Broadcast(),) * last.ndim)
         self.activations: Optional[ActivationMeter] = ActivationMeter(model) if measure_activations else None
         self.virtual = _virtual_stages(model, self.stages)
         if schedule == "interleaved" and self.virtual == 1:
@@ -344,14 +359,29 @@ class Pipeline:
             for f in self._stage_forwards:
                 f.stop_on_entry()
 
-    def step(self, x: torch.Tensor, target: Any) -> GlobalTensor:
-        """x, target: the whole batch, the same plain tensor on every rank (as gt.to_global takes them).
+    def step(self, *args: Any, **kwargs: Any) -> GlobalTensor:
+        """The whole batch, the same plain tensors on every rank (as gt.to_global takes them), as the model takes it:
+        `step(input_ids=x, attention_mask=m, labels=y)` calls `model(input_ids=x_i, attention_mask=m_i, labels=y_i)`
+        per micro-batch. Every tensor input of at least one dim (positional or keyword) is cut along dim 0 into
+        the same `tensor_split` pieces, so all must have the batch's size there; 0-dim tensors and other values
+        are passed as they are. Inputs go to the first stage (`input_sbp`), keyword inputs named in `label_names`
+        to the last (as `target_sbp`), where a model computing its own loss (Hugging Face's) reads its labels.
+
+        The loss: with `loss_fn`, `loss_fn(output, target)`, the target given as `target=` or as the last
+        positional argument (`step(x, target)`: the model called as `model(x)`). Without, the model's own: the
+        output itself if it is a scalar, else `out.loss` (a ModelOutput's or named tuple's field), `out["loss"]`
+        (a dict), or `out[0]` (a tuple whose first item is a scalar). Either is weighted by each micro-batch's
+        share of the batch, so a step equals one pass over the whole batch where the loss is a mean over the
+        batch's examples. A loss that is not a per-example mean (a token mean over padded sequences, whose
+        micro-batches hold different numbers of tokens) is not one device's under micro-batching, as in
+        torch.distributed.pipelining (the weights count examples, not tokens): give a `loss_fn` that is a mean over
+        the examples (of each example's token mean, say) where the step must equal one device.
 
         In phases, each its own method: the schedule (`_begin`), this rank's actions in its schedule's order (`_action`),
         the step's end inside its `accumulating()` scope (`_after_actions`), the stages' gradients into `.grad`; a
         failed step unwound (`_failed`), and either way the communicator as before it (`_restore`); then what the
         step showed is learnt (`_learn`) and its figures kept (`_measure`)."""
-        run = self._begin(x, target)
+        run = self._begin(args, kwargs)
         try:
             with accumulating():  # a weight kept gathered (the tied head on the last stage): once per step
                 for k, (act, i, c) in enumerate(run.mine):
@@ -374,14 +404,26 @@ class Pipeline:
             f.promote_watched()                                        # skip their ops from now on
         return _summed([run.losses[i] for i in range(self.microbatches)])
 
-    def _begin(self, x: torch.Tensor, target: Any) -> "_Step":
+    def _begin(self, args: tuple, kwargs: dict) -> "_Step":
         """The step's schedule, before anything runs: its micro-batches, this rank's actions and tags, and what of the
         learnt applies to inputs of these shapes (receives posted ahead, forwards left early, tapes replayed) or
         is being learnt (a recording). The stages open their step: their parameters take its gradients once."""
         comm = context.current()
+        args, kwargs, target = self._inputs(args, kwargs)
+        batch, named = _batch_size(args, kwargs)
+        m = self.microbatches
+        if batch < m:  # tensor_split would give empty micro-batches, whose mean losses are nan
+            raise ValueError(f"Pipeline(microbatches=): {m} micro-batches of a batch of {batch} ({named}'s dim 0) "
+                             f"would leave some empty; use at most {batch} micro-batches or a larger batch")
         self._stop_on_entry()
-        xs, ts = x.tensor_split(self.microbatches), _split(target, self.microbatches)
-        weights = [xi.shape[0] / x.shape[0] for xi in xs]  # each loss's share: the step is one pass over the batch
+        a_pieces = [_pieces(a, m) for a in args]
+        k_pieces = {k: _pieces(v, m) for k, v in kwargs.items()}
+        margs = [tuple(p[i] for p in a_pieces) for i in range(m)]
+        mkwargs = [{k: p[i] for k, p in k_pieces.items()} for i in range(m)]
+        ts = _split(target, m) if target is not None else [None] * m
+        first = next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
+        # each loss's share: the step is one pass over the batch
+        weights = [p.shape[0] / batch for p in first.tensor_split(m)]
         mine = self.actions[self.stage] if self.stage is not None else _whole(self.actions[-1], self.chunks)
         self.timeline: list = []  # (action, micro-batch, chunk, start s, end s, of which waiting s) from the start
         if self.activations is not None:
@@ -392,7 +434,8 @@ class Pipeline:
         comm.p2p_wait_s = 0.0
         for f in self._stage_forwards:  # the parameters take the step's gradients once, at its end
             f.open_step()
-        signature = (tuple(x.shape), x.dtype, tuple(target.shape), target.dtype)
+        signature = (_signature(args), tuple((k, _signature(v)) for k, v in kwargs.items()),
+                     None if target is None else (tuple(target.shape), target.dtype))
         learnt = self._learnt
         receives = learnt.receives.get(signature) if self.post_receives and comm.posts_receives_ahead else None
         reported = _TRACE_STATE.reporting > 0  # a comm_report open here: the program runs, its modules' frames seen
@@ -412,7 +455,7 @@ class Pipeline:
         log = contextlib.ExitStack()
         recorded = log.enter_context(context.comm_log()) if recorder is not None else None
         comm.p2p_record = recorder.exchange if recorder is not None else None
-        return _Step(comm=comm, xs=xs, ts=ts, weights=weights, mine=mine, signature=signature, shown=shown,
+        return _Step(comm=comm, args=margs, kwargs=mkwargs, ts=ts, weights=weights, mine=mine, signature=signature, shown=shown,
                      saved=saved, start=start, base=base, deferred=base + 2 * self.microbatches,
                      receives=receives, leaves=learnt.exits.get(signature), tapes=tapes, recorder=recorder,
                      log=log, recorded=recorded, heard=[[] for _ in range(len(mine) + 1)])
@@ -563,7 +606,7 @@ class Pipeline:
             meter = self.activations
             with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
                   else contextlib.nullcontext()):
-                return whole or c == self.chunks - 1, run.tapes.forward(i, c, run.comm, run.xs[i], run.ts[i],
+                return whole or c == self.chunks - 1, run.tapes.forward(i, c, run.comm, self._sources(run, i),
                                                                         distribute)
         run.tapes.backward(i, c, run.comm)
         return whole or c == 0, None
@@ -619,10 +662,23 @@ class Pipeline:
         with (torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None
               else contextlib.nullcontext()):
             recorder = run.recorder
-            xd = distribute(run.xs[i], self.input_layout)
-            if recorder is not None:
-                recorder.source(xd, "x")
-            out = self.model(xd)
+
+            def placed(v: Any, name: str) -> Any:
+                if not isinstance(v, torch.Tensor):
+                    return v
+                d = distribute(v, self.label_layout if name in self._label_keys else self.input_layout)
+                if recorder is not None:
+                    recorder.source(d, name)
+                return d
+            args = tuple(placed(a, _arg_name(k)) for k, a in enumerate(run.args[i]))
+            kwargs = {k: placed(v, _kwarg_name(k)) for k, v in run.kwargs[i].items()}
+            out = self.model(*args, **kwargs)
+            if self.loss_fn is None:
+                own = _own_loss(out)
+                loss = self._losses.get(own.placement)
+                if loss is None:
+                    loss = self._losses[own.placement] = StageForward(_OwnLoss(), own.placement)
+                return loss(own, run.weights[i])
             o = out if isinstance(out, GlobalTensor) else tensors(out)[0]  # where the loss is: its first tensor
             loss = self._losses.get(o.placement)
             if loss is None:
@@ -636,6 +692,30 @@ class Pipeline:
                 recorder.source(td, "target")
             return loss(out, td, run.weights[i])
 
+    def _sources(self, run: "_Step", i: int) -> dict:
+        """Micro-batch i's tensor inputs by the names a recording gives them (`Recorder.source`)."""
+        got = {_arg_name(k): a for k, a in enumerate(run.args[i]) if isinstance(a, torch.Tensor)}
+        got.update((_kwarg_name(k), v) for k, v in run.kwargs[i].items() if isinstance(v, torch.Tensor))
+        if run.ts[i] is not None:
+            got["target"] = run.ts[i]
+        return got
+
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+        """(the model's positional inputs, its keyword inputs, the target or None)."""
+        target = None
+        if self.loss_fn is not None:
+            if "target" in kwargs:
+                kwargs = dict(kwargs)
+                target = kwargs.pop("target")
+            elif args:
+                args, target = args[:-1], args[-1]
+            else:
+                raise TypeError("Pipeline.step: with loss_fn, give the target as target= or as the last positional "
+                                "argument (step(x, target)); without loss_fn, the model's own loss is used")
+        if not args and not kwargs:
+            raise TypeError("Pipeline.step: no inputs for the model; pass them as the model takes them "
+                            "(step(x, target) with loss_fn, step(input_ids=x, labels=y) without)")
+        return args, kwargs, target
     def _chunk(self, fibers: dict, act: str, i: int, c: int, run: Callable[[], Any]) -> tuple[bool, Any]:
         """Run action (act, i, c): the micro-batch's whole forward or backward, or, interleaved, chunk c of
         it (a fiber that stops at the next entry into this rank's stage). Returns (finished, result)."""
@@ -702,6 +782,86 @@ class _Loss(torch.nn.Module):
 
     def forward(self, out: Any, target: Any, weight: float) -> torch.Tensor:
         return self.loss_fn(out, target) * weight
+
+
+class _OwnLoss(torch.nn.Module):
+    """The model's own loss of a micro-batch, weighted by its share of the batch, as a module (a stage of its own)."""
+
+    def forward(self, loss: Any, weight: float) -> torch.Tensor:
+        return loss * weight
+
+
+_NO_LOSS = ("give gt.Pipeline(loss_fn=) a function (output, target) -> scalar and pass the target, or return the "
+            "loss from the model (a scalar, out.loss, out['loss'], or a tuple whose first item is a scalar)")
+
+
+def _own_loss(out: Any) -> GlobalTensor:
+    """The model's own loss in its output: the output itself if a scalar, its `loss` field or item, or the first item
+    of a tuple where that is a scalar (Hugging Face's `return_dict=False`)."""
+    if isinstance(out, torch.Tensor):
+        loss, where = out, "the model's output"
+    elif isinstance(getattr(out, "loss", None), torch.Tensor):
+        loss, where = out.loss, "out.loss"
+    elif isinstance(out, Mapping) and isinstance(out.get("loss"), torch.Tensor):
+        loss, where = out["loss"], "out['loss']"
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0:
+        loss, where = out[0], "out[0]"
+    else:
+        raise ValueError(f"Pipeline(loss_fn=None): the model's output ({type(out).__name__}) holds no loss (did it "
+                         f"get its labels?); {_NO_LOSS}")
+    if loss.dim() != 0:
+        raise ValueError(f"Pipeline(loss_fn=None): {where} has shape {list(loss.shape)}, not a scalar; reduce it to "
+                         f"the batch's mean in the model, or {_NO_LOSS}")
+    if not isinstance(loss, GlobalTensor):
+        raise TypeError(f"Pipeline(loss_fn=None): {where} is a plain tensor, not computed from the model's "
+                        f"inputs and parameters")
+    return loss
+
+
+def _arg_name(k: int) -> str:
+    return "x" if k == 0 else f"args[{k}]"
+
+
+def _kwarg_name(k: str) -> str:
+    return f"{k}="
+
+
+def _signature(v: Any) -> Any:
+    """What of an input a step's learnt depends on: a tensor's shape and dtype (its values are the step's own), any
+    other value as it is."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if isinstance(v, tuple):
+        return tuple(_signature(a) for a in v)
+    return v
+
+
+def _pieces(v: Any, m: int) -> Sequence:
+    """An input's micro-batches: a tensor of at least one dim cut along dim 0, anything else each micro-batch's."""
+    if isinstance(v, torch.Tensor) and v.dim() > 0:
+        return v.tensor_split(m)
+    return [v] * m
+
+
+def _batch_size(args: tuple, kwargs: dict) -> tuple[int, str]:
+    """The batch's size, the dim 0 every tensor input of at least one dim shares, and the first input's name."""
+    batch, named = None, ""
+    for name, v in [(f"args[{k}]", a) for k, a in enumerate(args)] + [(f"{k}=", v) for k, v in kwargs.items()]:
+        if not isinstance(v, torch.Tensor):
+            if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v)):
+                raise TypeError(f"Pipeline.step({name}): tensors inside a {type(v).__name__} are not cut into "
+                                f"micro-batches nor placed on a stage; pass each tensor as an argument of its own")
+            continue
+        if v.dim() == 0:
+            continue
+        if batch is None:
+            batch, named = v.shape[0], name
+        elif v.shape[0] != batch:
+            raise ValueError(f"Pipeline.step({name}): its dim 0 is {v.shape[0]}, the batch's ({named}) {batch}; every "
+                             f"tensor input is cut into micro-batches along dim 0, so all must share that size")
+    if batch is None:
+        raise ValueError("Pipeline.step: no tensor input of at least one dim to cut into micro-batches along dim 0")
+    return batch, named
 
 
 def _value(t: GlobalTensor) -> GlobalTensor:

@@ -156,7 +156,8 @@ class Recorder:
             self.why = why
 
     def source(self, t: GlobalTensor, which: str) -> None:
-        """The micro-batch's input or target as distributed on this rank."""
+        """One of the micro-batch's inputs (`which`: its name, positional, keyword or the target) as distributed on
+        this rank."""
         if t._local.numel():
             self._new(t, ("source", which, t._layout))
 
@@ -432,9 +433,10 @@ class Tapes:
                 return str(e)
         return ""
 
-    def forward(self, i: int, c: int, comm: Any, x: torch.Tensor, target: torch.Tensor,
-                distribute: Callable) -> Any:
-        """Chunk c of micro-batch i's forward; its loss (a GlobalTensor) where the forward ends here, else None."""
+    def forward(self, i: int, c: int, comm: Any, sources: dict, distribute: Callable) -> Any:
+        """Chunk c of micro-batch i's forward; its loss (a GlobalTensor) where the forward ends here, else None.
+        `sources`: the micro-batch's inputs (positional, keyword, the target) by the names `Recorder.source` was
+        given."""
         seg = self.segments.get((i, c))
         if seg is None:
             return None
@@ -463,7 +465,7 @@ class Tapes:
                 comm.exchange({dst: env[slot].detach().reshape(-1)}, {}, None, device, key)
             else:  # "source"
                 _, which, layout, slot = entry
-                env[slot] = distribute(x if which == "x" else target, layout)._local
+                env[slot] = distribute(sources[which], layout)._local
         keep = seg.kept
         for slot in range(len(env)):  # the rest is autograd's to keep (what it saved), not the tape's
             if slot not in keep:
