@@ -32,7 +32,20 @@ def view_as_real_map(ctx: Ctx) -> dict:
     return {d: d for d in range(len(ctx.shapes[0]))}
 
 
-register([aten.view_as_complex.default], dim_map_rule(view_as_complex_map))
+def view_as_complex_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The complex view of the shard, or of a contiguous copy where the shard's strides allow no view.
+
+    A GlobalTensor reports contiguous strides whatever its shard's are, so a program that made its
+    input contiguous (`x.transpose(3, 4).contiguous()`, DeepSeek-V2's pairs) did nothing to the shard;
+    as `reshape` does, the kernel then copies (the values are the view's; only aliasing is lost).
+    """
+    x = args[0]
+    if x.stride(-1) != 1 or any(st % 2 for st in x.stride()[:-1]) or x.storage_offset() % 2:
+        x = x.new_empty(x.shape).copy_(x)  # not .contiguous(): an empty shard counts as contiguous already
+    return func(x)
+
+
+register([aten.view_as_complex.default], dim_map_rule(view_as_complex_map, view_as_complex_local))
 register([aten.view_as_real.default], dim_map_rule(view_as_real_map))
 
 
