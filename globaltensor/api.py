@@ -151,5 +151,7 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: SbpLike,
     layout.check_shape(shape, "from_local(sbp)")
     if not inside:
         local = local.reshape(-1)[:0]  # keeps requires_grad: this rank still joins the backward boxing
-    local = local.to(device_for(placement))
+    # a lazy conjugate or negation (`z.conj()`) is a flag on the shard that the kernels under __torch_dispatch__
+    # do not honour: resolved here (free where no flag is set), or later ops would read the unconjugated values
+    local = local.resolve_conj().resolve_neg().to(device_for(placement))
     return FromLocal.apply(local, layout, tuple(shape))

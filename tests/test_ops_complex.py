@@ -225,3 +225,17 @@ def test_shards_never_carry_a_lazy_conjugate_bit():
     conj, neg, imag_neg, value = gt.launch(body, 2)[0]
     assert not (conj or neg or imag_neg)
     assert torch.equal(value, _Z.conj().resolve_conj())
+
+
+def test_from_local_of_a_lazy_conjugate_is_its_value():
+    """`from_local(z.conj())` holds the conjugate's values, not a shard flagged conj that later kernels misread."""
+    z = torch.randn(4, 3, dtype=torch.complex128)
+
+    def program():
+        p = gt.placement("cpu", [0, 1])
+        x = gt.from_local(z.conj(), p, gt.broadcast)
+        return (x * 1).full_tensor(), x.to_local().is_conj()
+
+    for full, flagged in gt.launch(program, world_size=2):
+        torch.testing.assert_close(full, z.conj().resolve_conj(), rtol=0, atol=0)
+        assert not flagged
