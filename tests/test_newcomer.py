@@ -103,3 +103,54 @@ def test_cross_entropy_mean_with_a_plain_target(mesh, how):
     for loss, grad in gt.launch(body, world):
         torch.testing.assert_close(loss, want.detach())
         torch.testing.assert_close(grad, want_x.grad)  # a Partial input's gradient: each share's is the whole's
+
+
+# -- 2. a 0-d GlobalTensor in an f-string ----------------------------------------------------------
+SPECS = {int: ["", "d", "03d", ">5", "x", ",", "+d"], float: ["", ".3f", "8.2e", ">10.4g", "%", ".0f"],
+         bool: ["", ">6"]}
+# + 0.0: no -0.0, which a Partial's sum of shares (-0.0 + 0.0) gives as 0.0
+FLOATS = st.floats(-1e6, 1e6, allow_nan=False).map(lambda v: round(v, 3) + 0.0)
+VALUES = st.one_of(st.integers(-10 ** 6, 10 ** 6), FLOATS, st.booleans())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@settings(max_examples=8, deadline=None)
+@given(value=VALUES, data=st.data())
+def test_a_0d_global_tensor_formats_as_its_value(world, value, data):
+    """f"{x:spec}" of a 0-d Broadcast or Partial GlobalTensor is plain torch's, on every rank."""
+    spec = data.draw(st.sampled_from(SPECS[type(value)]))
+    plain = torch.tensor(value)
+    want = [f"expert_{plain}", format(plain, spec), f"{plain:{spec}}"]
+
+    def body():
+        p = gt.placement("cpu", list(range(world)))
+        shown = {}
+        b = gt.to_global(plain, p, gt.broadcast)
+        shown["broadcast"] = [f"expert_{b}", format(b, spec), f"{b:{spec}}"]
+        if plain.dtype is not torch.bool:  # a share on rank 0, zeros elsewhere: the sum is exact
+            share = plain if gt.rank() == 0 else torch.zeros_like(plain)
+            q = gt.from_local(share, p, gt.partial_sum)
+            shown["partial"] = [f"expert_{q}", format(q, spec), f"{q:{spec}}"]
+        return shown
+
+    for rank, shown in enumerate(gt.launch(body, world)):
+        for kind, got in shown.items():
+            assert got == want, f"rank {rank}, {kind}: {got} != {want}"
+
+
+def test_an_indexed_expert_id_keys_a_dict_and_n_d_tensors_format_as_torch():
+    """Switch Transformers' `f"expert_{idx}"` with idx taken from a split tensor; an n-d tensor keeps
+    object.__format__: its repr for an empty spec, a TypeError for any other, as torch's."""
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        ids = gt.to_global(torch.arange(4), p, gt.split(0))
+        keys = [f"expert_{ids[i]}" for i in range(4)]
+        grad = gt.to_global(torch.tensor(1.5), p, gt.broadcast).requires_grad_()
+        keys.append(f"{grad * 2:.1f}")  # requires grad: formats without a warning, as torch's
+        with pytest.raises(TypeError, match="unsupported format string"):
+            format(ids, ".2f")
+        return keys, f"{ids}" == repr(ids)
+
+    for keys, same in gt.launch(body, 2):
+        assert keys == ["expert_0", "expert_1", "expert_2", "expert_3", "3.0"]
+        assert same
