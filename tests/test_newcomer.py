@@ -7,6 +7,10 @@
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,3 +158,76 @@ def test_an_indexed_expert_id_keys_a_dict_and_n_d_tensors_format_as_torch():
     for keys, same in gt.launch(body, 2):
         assert keys == ["expert_0", "expert_1", "expert_2", "expert_3", "3.0"]
         assert same
+
+
+# -- 3, 4. gloo ranks that end without a result; the unguarded script's message once ----------------
+PROGRAM = textwrap.dedent("""
+    import os, sys, time
+    import torch, globaltensor as gt
+
+    def program():
+        {body}
+        x = gt.to_global(torch.arange(4.0), gt.placement("cpu", list(range({world}))), gt.split(0))
+        return x.full_tensor().sum().item()
+
+    {top}
+""")
+MAIN = """if __name__ == "__main__":
+    t0 = time.monotonic()
+    try:
+        print(gt.launch(program, {world}, backend="gloo", timeout=60))
+    except Exception as e:
+        print(type(e).__name__, getattr(e, "rank", None), round(time.monotonic() - t0), e, sep="|")"""
+
+
+def _script(tmp_path, body="pass", top=MAIN, world=2):
+    """Run a tiny gloo program as a script of its own (spawned ranks import it): (returncode, stdout,
+    stderr, path). A launch that waits forever fails here on subprocess's timeout instead of hanging."""
+    path = tmp_path / "newcomer.py"
+    path.write_text(PROGRAM.format(body=body, world=world, top=top.format(world=world)))
+    r = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=150)
+    return r.returncode, r.stdout.strip(), r.stderr, str(path)
+
+
+def _failure(stdout):
+    kind, rank, took, message = stdout.splitlines()[-1].split("|", 3)
+    return kind, int(rank), int(took), message
+
+
+@pytest.mark.gloo
+def test_a_rank_that_exits_0_while_running_fn_is_named(tmp_path):
+    """os._exit(0) on rank 1: no result, no error sent; the launch ends (well within its 60 s timeout)
+    naming rank 1, not waiting for it forever."""
+    code, out, err, _ = _script(tmp_path, body="if gt.rank() == 1:\n            os._exit(0)")
+    assert code == 0, err
+    kind, rank, took, message = _failure(out)
+    assert (kind, rank) == ("RankError", 1), out
+    assert "rank 1 exited with exit code 0 without a result while running program" in message, message
+    assert took < 30, out
+
+
+@pytest.mark.gloo
+def test_a_script_that_exits_at_import_in_the_ranks_is_named(tmp_path):
+    """The spawned ranks import the script, which raises SystemExit there (exit code 0): reported, with
+    the rank, as an exit before running fn, not waited for."""
+    code, out, err, path = _script(tmp_path, top="if __name__ == '__mp_main__':\n    raise SystemExit(0)\n" + MAIN)
+    assert code == 0, err
+    kind, rank, took, message = _failure(out)
+    assert (kind, rank) == ("RankError", 0), out
+    assert "rank 0 exited with exit code 0 without a result before running program" in message, message
+    assert path in message and "SystemExit" in message
+    assert took < 30, out
+
+
+@pytest.mark.gloo
+def test_the_unguarded_script_error_prints_once(tmp_path):
+    """Each of 4 spawned ranks meets the unguarded gt.launch while importing the script: they exit
+    quietly and the caller's one error says why (it printed world_size + 1 times)."""
+    top = 'print(gt.launch(program, world_size={world}, backend="gloo"))'
+    code, out, err, path = _script(tmp_path, top=top, world=4)
+    assert code != 0
+    assert err.count('if __name__ == "__main__":') == 1, err
+    assert err.count("Traceback") == 1, err
+    last = err.strip().splitlines()
+    tail = "\n".join(last[-3:])
+    assert "before running program" in tail and path in tail and "calls gt.launch at import" in tail, tail
