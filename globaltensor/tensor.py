@@ -139,6 +139,19 @@ class GlobalTensor(torch.Tensor):
         return (f"GlobalTensor(shape={tuple(self.shape)}, dtype={self.dtype}, placement={self.placement}, "
                 f"sbp={self.sbp}, local={self._local})")
 
+    def __format__(self, format_spec: str) -> str:
+        """A 0-d tensor formats as its value, as torch's does: `f"expert_{idx}"` gives "expert_3".
+
+        Hugging Face models build dict keys this way (Switch Transformers' experts), so a 0-d
+        GlobalTensor must not format as its repr. The value is `self.item()`: a collective (every rank
+        of the placement calls it) unless the tensor is Broadcast on every mesh axis; a Partial one is
+        reduced first, so each rank formats the global value. A meta shard (dry runs) has no value and,
+        like an n-d tensor, falls to `object.__format__` (the repr for an empty spec, else TypeError).
+        """
+        if self.dim() == 0 and not self.is_meta and not self._local.is_meta:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     # -- module dtype/device changes and host copies ---------------------------
     @property
     def data(self) -> torch.Tensor:  # type: ignore[override]

@@ -148,7 +148,13 @@ def pointwise_dims(shape: Sequence[int], out_shape: Sequence[int], out_dim: int)
 
 
 def reduce_partial(t: Any) -> Any:
-    """A GlobalTensor's Partial mesh axes reduced to Broadcast (for rules that decompose an op)."""
+    """A GlobalTensor's Partial mesh axes reduced to Broadcast (for rules that decompose an op).
+
+    A plain tensor comes back as it is: mixed with GlobalTensors it is taken as Broadcast, so it
+    is already whole on every rank (a decomposition's intermediate is plain when all its inputs
+    were, e.g. the count of scored targets of a plain target beside Partial logits)."""
+    if not hasattr(t, "placement"):
+        return t
     return t.to_global(t.placement, tuple(B if isinstance(s, Partial) else s for s in t.sbp))
 
 

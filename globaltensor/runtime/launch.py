@@ -43,6 +43,10 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
     if context.current_or_none() is not None:
         raise RuntimeError("launch: already inside a launched rank; call fn directly instead of nesting launch")
     if getattr(multiprocessing.current_process(), "_inheriting", False):
+        if multiprocessing.current_process().name.startswith(_RANK_NAME):
+            # a rank of ours: the parent reports it once, from the exit code (each rank printing the same
+            # traceback buried the one message under world_size + 1 copies)
+            raise SystemExit(_UNGUARDED_EXIT)
         raise RuntimeError(_UNGUARDED.format(script=_main_file()))
     timeout = default_timeout() if timeout is None else float(timeout)
     if backend == "sim":
@@ -65,6 +69,10 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
 _UNGUARDED = ("gt.launch was called while a spawned rank process was starting: spawned processes begin by "
               "importing the script that called gt.launch ({script}), and this script calls gt.launch at import. "
               "Put the call under `if __name__ == \"__main__\":` (multiprocessing's spawn needs that guard)")
+
+
+_RANK_NAME = "gt-rank"  # a spawned rank's process name; spawn sets it before the child imports the script
+_UNGUARDED_EXIT = 86  # a rank's exit code for "the script called gt.launch at import" (see `launch`)
 
 
 def _main_file() -> str:
@@ -120,8 +128,10 @@ def _as_current(fn: Callable, args: tuple) -> Callable[[SimCommunicator], Any]:
 
 
 def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callable, args: tuple,
-            timeout: float, results: Any) -> None:
-    results.put((rank, None, b"", ""))  # started: fn was found and unpickled in this process
+            timeout: float, results: Any, started: Any) -> None:
+    # fn was found and unpickled in this process. Shared memory, not the queue: a process that ends
+    # abruptly (os._exit) may take unflushed queue messages with it
+    started[rank] = 1
     if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks sharing a machine must not oversubscribe it
         torch.set_num_threads(1)
     try:
@@ -151,10 +161,26 @@ def _worker(rank: int, world_size: int, backend: str, init_file: str, fn: Callab
 
 
 def _death(rank: int, code: int, started: bool, fn: Callable) -> str:
-    """Why a rank's process ended without a result: while running fn, or before it got to fn."""
+    """Why a rank's process ended without a result: while running fn, or before it got to fn.
+
+    Exit code 0 is no success here: a rank that succeeds sends its result first. Without one the
+    caller would wait for it forever."""
+    name = getattr(fn, '__qualname__', 'fn')
+    if code == _UNGUARDED_EXIT and not started:
+        return (f"rank {rank} exited before running {name}: a spawned process starts by importing the script "
+                f"that called gt.launch ({_main_file()}), and this script calls gt.launch at import. Put the "
+                "call under `if __name__ == \"__main__\":` (multiprocessing's spawn needs that guard)")
+    if code == 0:
+        if started:
+            return (f"rank {rank} exited with exit code 0 without a result while running {name}: something "
+                    "ended its process without returning (os._exit, or a library exiting the interpreter)")
+        return (f"rank {rank} exited with exit code 0 without a result before running {name}: a spawned process "
+                f"starts by importing the script that called gt.launch ({_main_file()}), and that import ended "
+                "it (sys.exit() or SystemExit at the script's top level, argparse's --help). Put the script's "
+                "top-level code under `if __name__ == \"__main__\":`")
     if started:
-        return f"rank {rank} died with exit code {code} while running fn (killed, or the interpreter aborted)"
-    return (f"rank {rank} died with exit code {code} before running {getattr(fn, '__qualname__', 'fn')}: a spawned "
+        return f"rank {rank} died with exit code {code} while running {name} (killed, or the interpreter aborted)"
+    return (f"rank {rank} died with exit code {code} before running {name}: a spawned "
             f"process starts by importing the script that called gt.launch ({_main_file()}) and unpickling fn, "
             "and that failed (its traceback is printed above). Most often the script calls gt.launch at import: "
             "put the call under `if __name__ == \"__main__\":`")
@@ -175,13 +201,15 @@ def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, 
     fd, init_file = tempfile.mkstemp(prefix="gt-launch-")
     os.close(fd)
     os.unlink(init_file)  # FileStore creates it; a stale file would confuse rendezvous
-    procs = [ctx.Process(target=_worker, args=(r, world_size, backend, init_file, fn, args, timeout, results),
-                         name=f"gt-rank{r}", daemon=True) for r in range(world_size)]
+    started = ctx.Array("b", world_size, lock=False)  # set by each rank once fn is unpickled
+    procs = [ctx.Process(target=_worker, args=(r, world_size, backend, init_file, fn, args, timeout, results,
+                                               started), name=f"{_RANK_NAME}{r}", daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
-    started: set[int] = set()
+    gone: set[int] = set()  # ended without a result so far: lost unless the queue still holds one
     grace_until: float | None = None
     try:
         while len(out) + len(errors) < world_size:
@@ -190,13 +218,14 @@ def _launch_processes(fn: Callable, world_size: int, backend: str, args: tuple, 
             try:
                 rank, ok, value, tb = results.get(timeout=0.2)
             except queue_mod.Empty:
-                for r, p in enumerate(procs):
-                    if not p.is_alive() and r not in out and r not in errors and p.exitcode not in (0, None):
-                        errors[r] = (RankError(r, _death(r, p.exitcode, r in started, fn)), "")
+                # A process flushes what it put on the queue before it ends, so one seen ended before an
+                # empty read has nothing left to say: only then is it lost (whatever its exit code; one
+                # that ended with 0 and no result was once waited for forever).
+                for r in sorted(gone):
+                    if r not in out and r not in errors:
+                        errors[r] = (RankError(r, _death(r, procs[r].exitcode, bool(started[r]), fn)), "")
                         grace_until = grace_until or time.monotonic() + 2.0
-                continue
-            if ok is None:
-                started.add(rank)
+                gone = {r for r, p in enumerate(procs) if r not in out and r not in errors and p.exitcode is not None}
                 continue
             if ok:
                 out[rank] = pickle.loads(value)
