@@ -201,3 +201,50 @@ def test_a_group_of_only_frozen_parameters_keeps_its_gather_for_the_backward(sta
                 assert got[n] is None, n
             else:
                 torch.testing.assert_close(got[n], w, rtol=0, atol=1e-10, msg=n)
+
+
+class _ReadsOnlyFrozen(nn.Module):
+    """A gathering module whose trainable parameter the forward never reads, while its frozen weight is read on
+    the input's gradient path: its gather's backward never runs (no trainable parameter takes a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.fc.requires_grad_(False)
+        self.token = nn.Parameter(torch.randn(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_module_whose_gather_takes_no_gradient_still_ends_its_backward(stage):
+    """Its backward is over when the whole backward is: it leaves the named scope (a later op is not laid out
+    as if inside it) and frees its copies, as FSDP2's final callback ends the groups whose hooks did not fire;
+    parameters after AdamW steps equal one device."""
+    from globaltensor.ops.scope import in_named
+
+    def run(p=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(D, D), _ReadsOnlyFrozen(), _ReadsOnlyFrozen(), nn.Linear(D, 1)).double()
+        x = _x()
+        if p is not None:
+            hint = gt.ModuleLayout(params=B, reshard_after_forward=stage == 3)
+            gt.to_global(model, p, {"*": gt.split(0), "": hint, "1": hint, "2": hint})
+            x = gt.to_global(x, p, gt.split(0))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        named = []
+        for _ in range(STEPS):
+            model(x).pow(2).sum().backward()
+            named.append(in_named())
+            opt.step()
+            opt.zero_grad()
+        full = (lambda t: t.full_tensor()) if p is not None else (lambda t: t.detach())
+        return {n: full(q) for n, q in model.named_parameters()}, named, \
+            zero.gathered_bytes() if p is not None else 0
+    want, _, _ = run()
+    for got, named, held in gt.launch(lambda: run(gt.placement("cpu", [0, 1])), 2):
+        assert named == [False] * STEPS
+        assert held == 0
+        for n, w in want.items():
+            torch.testing.assert_close(got[n], w, rtol=0, atol=1e-10, msg=n)

@@ -440,9 +440,7 @@ class _Gather(torch.autograd.Function):
         # left in flight at least until the next module's backward begins (`_Regather`): by then autograd has
         # dropped this call's gradients, which it holds until this function returns
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
-        if not _LANDING.queued:
-            _LANDING.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
+        _queue_landing()
         return (None,) * (1 + len(grads))
 
 
@@ -465,8 +463,7 @@ class _Release(torch.autograd.Function):
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
         call = ctx.call
         call.leave_scope()
-        if not call.reduced:  # (once: several inputs' gradients may come through one node only, but be safe)
-            call.backward_done()
+        call.backward_done()
         return (None, *grads)
 
 
@@ -584,6 +581,13 @@ class _Landing(threading.local):
     def __init__(self) -> None:
         self.pending: list = []   # (parameters, finisher of their reduction) in backward order
         self.queued = False
+        self.entered: list = []   # calls whose backward began (`_Regather`) in this backward
+
+
+def _queue_landing() -> None:
+    if not _LANDING.queued:
+        _LANDING.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
 
 
 _LANDING = _Landing()
@@ -593,8 +597,18 @@ def _land_gradients() -> None:
     """End of a backward: wait for the reductions still in flight and accumulate them into `.grad`, as
     autograd's AccumulateGrad would have (so gradient accumulation over micro-batches works)."""
     pending, _LANDING.pending, _LANDING.queued = _LANDING.pending, [], False
+    entered, _LANDING.entered = _LANDING.entered, []
     for params, finish in pending:
         _land(params, finish)
+    # A module whose backward began but whose `_Gather` backward never ran: none of its trainable parameters
+    # took a gradient (unused, or only its frozen ones read on the inputs' path). Its backward is over all the
+    # same: it leaves the named scope and its copies are freed, as FSDP2's final callback runs the post-backward
+    # of the groups whose hooks did not fire.
+    scope = _SCOPES.get(context.current())
+    for call in entered:
+        if not call.reduced and not (scope is not None and scope.calls.get(call.group) is call):
+            call.leave_scope()
+            call.backward_done()
 
 
 def _land_down_to(limit: int) -> None:
@@ -685,6 +699,8 @@ class _Regather(torch.autograd.Function):
             nxt.prefetch_regather()
             call.prefetched = nxt  # finished when this module's backward is done (`_GatherBackward`)
         call.enter_scope()
+        _LANDING.entered.append(call)
+        _queue_landing()
         return grad, None
 
 
