@@ -16,6 +16,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import globaltensor as gt
 from globaltensor.parallel import zero
@@ -75,11 +77,15 @@ def _plan(blocks: bool, stage: int) -> dict:
     return plan
 
 
-def _train(placement=None, blocks: bool = False, stage: int = 3):
+def _train(placement=None, blocks: bool = False, stage: int = 3, freeze: frozenset = frozenset()):
     """Losses, gradients after each backward (None where none) and the state after each step; with a
-    placement, also the reduce-scatter bytes received per backward and the trainable parameters' layouts."""
+    placement, also the reduce-scatter bytes received per backward and the trainable parameters' layouts.
+    `freeze`: names of more parameters to freeze."""
     torch.manual_seed(0)
     model = _Model().double()
+    for n, q in model.named_parameters():
+        if n in freeze:
+            q.requires_grad_(False)
     x = _x()
     if placement is not None:
         gt.to_global(model, placement, _plan(blocks, stage))
@@ -248,3 +254,26 @@ def test_a_module_whose_gather_takes_no_gradient_still_ends_its_backward(stage):
         assert held == 0
         for n, w in want.items():
             torch.testing.assert_close(got[n], w, rtol=0, atol=1e-10, msg=n)
+
+
+_NAMES = [n for n, _ in _Model().named_parameters() if n != "head.weight"]  # the loss keeps a gradient
+
+
+@settings(deadline=None, max_examples=6)
+@given(freeze=st.sets(st.sampled_from(_NAMES)), blocks=st.booleans(), stage=st.sampled_from([2, 3]))
+def test_hypothesis_any_set_of_frozen_parameters(freeze, blocks, stage):
+    """Any set of parameters frozen on top of the model's own (a whole group, all but one, none more): the
+    parameters after each step equal one device, the gradients are None exactly where one device's are, and
+    the reduce-scatter receives (d-1) x the stored shard of the parameters that took a gradient."""
+    freeze = frozenset(freeze)
+    _, want_grads, want_states, _, _ = _train(freeze=freeze)
+    p = gt.placement("cpu", [0, 1])
+    for rank, (_, grads, states, rs, trainable) in enumerate(gt.launch(lambda: _train(p, blocks, stage, freeze), 2)):
+        for got, want in zip(grads, want_grads):
+            assert {n for n, v in got.items() if v is None} == {n for n, v in want.items() if v is None}
+        for got, want in zip(states, want_states):
+            for n, w in want.items():
+                torch.testing.assert_close(got[n], w, rtol=0, atol=1e-10, msg=n)
+        stored = sum(math.prod(lay.local_shape(shape, rank)) for n, (shape, lay) in trainable.items()
+                     if want_grads[0][n] is not None)
+        assert rs == [stored * F64] * STEPS
