@@ -22,6 +22,12 @@ A compute dtype (`param_dtype`) casts the shard before the gather, so the gather
 dtype and the module computes in it (fp32 stored, bf16 used: mixed precision); its floating inputs
 are cast too. Gradients are reduced in `reduce_dtype` (default: as they come) and stored in the
 parameter's dtype.
+
+Frozen and unused parameters, as FSDP2 treats them: a frozen one (`requires_grad=False`) is gathered with
+the others but its copy takes no gradient, and one the forward never reads gets none (not zeros), so
+their `.grad` stays None, the optimizer skips them, and the reduce-scatter carries only the gradients that
+exist. A module whose parameters are all frozen still re-gathers them for its backward (its inputs'
+gradients read them) and frees them where that backward ends (`_Release`, on its inputs).
 """
 from __future__ import annotations
 
