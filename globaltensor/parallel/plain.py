@@ -216,6 +216,7 @@ class _ToPlain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grads: tuple, *tensors: GlobalTensor) -> tuple:  # type: ignore[override]
         ctx.grads, ctx.shapes = grads, [tuple(t.shape) for t in tensors]
+        ctx.set_materialize_grads(False)  # a parameter the forward does not read: None, as on one device, not zeros
         return tuple(_alias(t._local) for t in tensors)
 
     @staticmethod

@@ -22,6 +22,12 @@ A compute dtype (`param_dtype`) casts the shard before the gather, so the gather
 dtype and the module computes in it (fp32 stored, bf16 used: mixed precision); its floating inputs
 are cast too. Gradients are reduced in `reduce_dtype` (default: as they come) and stored in the
 parameter's dtype.
+
+Frozen and unused parameters, as FSDP2 treats them: a frozen one (`requires_grad=False`) is gathered with
+the others but its copy takes no gradient, and one the forward never reads gets none (not zeros), so
+their `.grad` stays None, the optimizer skips them, and the reduce-scatter carries only the gradients that
+exist. A module whose parameters are all frozen still re-gathers them for its backward (its inputs'
+gradients read them) and frees them where that backward ends (`_Release`, on its inputs).
 """
 from __future__ import annotations
 
@@ -103,6 +109,11 @@ class ParamGroup:
                     scope.outputs[self] = gathered
         else:
             gathered = call.gather()
+            if torch.is_grad_enabled() and not keeps:
+                # every parameter frozen: no gradient to reduce, but the inputs' gradients may read the gathered
+                # copies (a frozen Linear's weight), so the module's backward is marked at both ends, as FSDP2's
+                # hooks on its inputs and outputs mark it: it gathers again where it begins and frees where it ends
+                args, kwargs = _release_at_inputs((args, kwargs), call)
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
         _OPEN.installed.append(gathered)
@@ -132,7 +143,11 @@ class ParamGroup:
             # a module run on plain tensors (a one-rank stage) dispatches nothing in its backward: no named
             # scope for it to enter, no gather to redo
             return _mark_outputs(output, call) if call.tracked and not _state(self).get("plain") else output
-        if not call.tracked:      # no backward will come for these: nothing to keep
+        if not call.tracked:      # no backward will come through these: nothing to keep ...
+            if torch.is_grad_enabled() and _taking_grad(output):
+                # ... unless one comes through a submodule's trainable parameters (no input took a gradient to
+                # mark the backward's end at): the copies stay for it, held by what autograd saved of them
+                return output
             call.free()
             return output
         if self.reshard_after_forward:
@@ -303,8 +318,21 @@ class _Call:
             if owned:
                 t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
             into.append(t if owned else None)
-        self._gathered_locals(into)  # the all-gather copies out straight into them
+        # the copy-out must not count as a write (FSDP2's copy-out doesn't either): a module that computes on the
+        # shards themselves (a plain region, `runs_plain`) saved them for its backward, and a frozen parameter's
+        # shard is saved as it is, not through an autograd node, whose version autograd checks when it reads it
+        with torch.autograd._unsafe_preserve_version_counter(tuple(t for t in into if t is not None)):
+            self._gathered_locals(into)  # the all-gather copies out straight into them
         self.freed = False
+
+    def backward_done(self) -> None:
+        """The module's backward is done: free its gathered copies and finish the next module's prefetched
+        gather into that module's parameters."""
+        self.reduced = True
+        self.free()
+        ahead, self.prefetched = self.prefetched, None
+        if ahead is not None and not ahead.reduced:  # (reduced already: the backward went another way)
+            ahead.regather()
 
     def enter_scope(self) -> None:
         """The module's backward runs in the named scope (its gradients are laid out by the user: the
@@ -329,7 +357,8 @@ class _Call:
         Partial axis on which the parameter is stored Broadcast stays Partial (`_kept_partial`), unless
         the group reduces in another dtype than the parameter's (the bucket would reduce it in the latter)."""
         g = self.group
-        which = [i for i, gr in enumerate(grads) if gr is not None]
+        # a frozen parameter's gradient is dropped wherever it came from (a pipeline hands gradients on too)
+        which = [i for i, gr in enumerate(grads) if gr is not None and g.params[i].requires_grad]
         targets = {i: _kept_partial(grads[i]._layout, g.params[i]._layout) if keep_partial and
                    isinstance(grads[i], GlobalTensor) and g.reduce_dtype in (None, g.params[i].dtype)
                    else g.params[i]._layout for i in which}
@@ -387,7 +416,15 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, call: _Call, *params: GlobalTensor) -> tuple:  # type: ignore[override]
         ctx.call = call
         call.tracked = True
-        return tuple(call.gather())
+        # As FSDP2: a frozen parameter is gathered but its copy takes no gradient (else the module's backward
+        # made one and the reduce-scatter landed it in a `.grad` the optimizer then applied), and an unused one's
+        # gradient stays None rather than autograd's plain zeros (`reduce_start` carries only those that exist)
+        ctx.set_materialize_grads(False)
+        out = tuple(call.gather())
+        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return out
 
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
@@ -400,26 +437,61 @@ class _Gather(torch.autograd.Function):
         if scope is not None and scope.calls.get(call.group) is call:  # reduced once, when the scope closes
             scope.add(call, grads)
             return (None,) * (1 + len(grads))
-        call.reduced = True
         # The module's backward is done: nothing gathered outlives it. Its copies are freed, and the next
         # module's prefetched gather is finished into that module's parameters (the all-gather's buffers, the
         # backend's copy among them, freed), before the reduction makes its buffers: else all of them are
         # held at once, the peak of the step (FSDP2 also reshards before its reduce-scatter).
-        call.free()
-        ahead, call.prefetched = call.prefetched, None
-        if ahead is not None and not ahead.reduced:  # (reduced already: the backward went another way)
-            ahead.regather()
+        call.backward_done()
         _land_down_to(max(in_flight(call.group.params[0].device), 1) - 1)  # the previous buffers go first
         # left in flight at least until the next module's backward begins (`_Regather`): by then autograd has
         # dropped this call's gradients, which it holds until this function returns
         _LANDING.pending.append((call.group.params, call.reduce_start(grads)))
-        if not _LANDING.queued:
-            _LANDING.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
+        _queue_landing()
         return (None,) * (1 + len(grads))
 
 
 _GATHER_BACKWARD = _Gather._backward_cls
+
+
+class _Release(torch.autograd.Function):
+    """Identity on the inputs of a module whose parameters are all frozen: its backward is the end of the
+    module's backward (the inputs' gradients are made), where `_Gather`'s would be: the gathered copies are
+    freed and the next module's prefetched gather finished. Nothing is reduced."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *xs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.call = call
+        call.tracked = True
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        call = ctx.call
+        call.leave_scope()
+        call.backward_done()
+        return (None, *grads)
+
+
+def _release_at_inputs(obj: Any, call: _Call) -> Any:
+    """`obj` with its tensors that take a gradient passed through one `_Release` node for `call`."""
+    marked = _taking_grad(obj)
+    if not marked:
+        return obj
+    released = iter(_Release.apply(call, *marked))
+    return map_tensors(lambda t: next(released) if t.requires_grad else t, obj)
+
+
+def _taking_grad(obj: Any) -> list:
+    """The tensors in `obj` that take a gradient, in `map_tensors`' order."""
+    found: list = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad:
+            found.append(t)
+        return t
+    map_tensors(note, obj)
+    return found
 
 
 MAX_IN_FLIGHT: Optional[int] = None  # reduce-scatters left running while the backward goes on; None: `in_flight`
@@ -515,6 +587,13 @@ class _Landing(threading.local):
     def __init__(self) -> None:
         self.pending: list = []   # (parameters, finisher of their reduction) in backward order
         self.queued = False
+        self.entered: list = []   # calls whose backward began (`_Regather`) in this backward
+
+
+def _queue_landing() -> None:
+    if not _LANDING.queued:
+        _LANDING.queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(_land_gradients)
 
 
 _LANDING = _Landing()
@@ -524,8 +603,18 @@ def _land_gradients() -> None:
     """End of a backward: wait for the reductions still in flight and accumulate them into `.grad`, as
     autograd's AccumulateGrad would have (so gradient accumulation over micro-batches works)."""
     pending, _LANDING.pending, _LANDING.queued = _LANDING.pending, [], False
+    entered, _LANDING.entered = _LANDING.entered, []
     for params, finish in pending:
         _land(params, finish)
+    # A module whose backward began but whose `_Gather` backward never ran: none of its trainable parameters
+    # took a gradient (unused, or only its frozen ones read on the inputs' path). Its backward is over all the
+    # same: it leaves the named scope and its copies are freed, as FSDP2's final callback runs the post-backward
+    # of the groups whose hooks did not fire.
+    scope = _SCOPES.get(context.current())
+    for call in entered:
+        if not call.reduced and not (scope is not None and scope.calls.get(call.group) is call):
+            call.leave_scope()
+            call.backward_done()
 
 
 def _land_down_to(limit: int) -> None:
@@ -616,6 +705,8 @@ class _Regather(torch.autograd.Function):
             nxt.prefetch_regather()
             call.prefetched = nxt  # finished when this module's backward is done (`_GatherBackward`)
         call.enter_scope()
+        _LANDING.entered.append(call)
+        _queue_landing()
         return grad, None
 
 
