@@ -29,7 +29,7 @@ FLOORS = [
     ("ragged", ("globaltensor.raggedtensor",)),
     ("parallel", ("globaltensor.parallel",)),
     ("tools", ("globaltensor.tools",)),
-    ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint")),
+    ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint", "globaltensor.hf")),
     ("models", ("globaltensor.models",)),
 ]
 
