@@ -73,9 +73,10 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     Others (local, packed, sequence-parallel, expert styles) raise NotImplementedError: they name
     per-rank behaviour or fused layouts that this mapping does not reproduce.
 
-    Keys keep transformers' "*" for layer numbers; each must match the same modules under fnmatch
-    over `named_modules` as under transformers' rule, else ValueError (a plan that would lay out other
-    modules than the model's authors meant). Parameter entries are emitted only for weights and biases
+    Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
+    the same modules as transformers' rule (a "*" there stands for a layer number only); where the glob
+    would reach more (fnmatch's "*" crosses dots), the modules are named one by one. Keys naming no
+    module are skipped, as transformers skips them. Parameter entries are emitted only for weights and biases
     that exist ("<key>.weight", "<key>.bias"), so `to_global` finds a match for each.
     """
     if ndim is None:
@@ -103,35 +104,38 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
         ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
         if not theirs:
             continue  # transformers also skips keys naming no module of this model
-        if theirs != ours:
-            raise ValueError(f"gt.hf.tp_plan: pattern {key!r} ({style!r}) matches modules {ours} as an fnmatch "
-                             f"glob but {theirs} under transformers' rule")
+        # an fnmatch "*" also crosses dots: where the glob would reach other modules than transformers' rule
+        # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves
+        keys = [key] if theirs == ours else theirs
         where = f"gt.hf.tp_plan: style {style!r} of module pattern {key!r}"
         if style in _UNSUPPORTED:
             raise NotImplementedError(f"{where} is not mapped: it names per-rank (local), fused or expert "
                                       "behaviour this mapping does not reproduce exactly; give that entry "
                                       "yourself in the plan (plan=...) or drop it")
-        weight = bias = None
+        weight = bias = layout = None
         if style in ("colwise", "colwise_rep", "colwise_gather_output"):
             weight, bias = col, col
-            layouts[key] = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
+            layout = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
             weight = row
-            layouts[key] = ModuleLayout(output=B)
+            layout = ModuleLayout(output=B)
         elif style == "embedding_rowwise":
             weight = col
-            layouts[key] = ModuleLayout(output=B)
+            layout = ModuleLayout(output=B)
         elif style == "embedding_colwise":
             weight = row
-            layouts[key] = ModuleLayout(output=B)
+            layout = ModuleLayout(output=B)
         elif style == "gather":
-            layouts[key] = ModuleLayout(output=B)
+            layout = ModuleLayout(output=B)
         elif style in ("replicate", "replicated_with_grad_allreduce"):
             pass
         else:
             raise NotImplementedError(f"{where} is unknown to this mapping")
-        for suffix, sbp in (("weight", weight), ("bias", bias)):
-            if sbp is not None and any(f"{n}.{suffix}" in params for n in theirs):
-                out[f"{key}.{suffix}"] = sbp
+        for k in keys:
+            if layout is not None:
+                layouts[k] = layout
+            for suffix, sbp in (("weight", weight), ("bias", bias)):
+                if sbp is not None and any(f"{n}.{suffix}" in params for n in (theirs if k == key else [k])):
+                    out[f"{k}.{suffix}"] = sbp
     out.update(layouts)
     return out
