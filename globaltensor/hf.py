@@ -27,7 +27,7 @@ __all__ = ["tp_plan", "model_tp_plan", "generic_name"]
 _UNSUPPORTED = {
     "local_colwise", "local_rowwise", "local", "local_params", "isolated", "all_reduce",
     "packed_colwise", "packed_rowwise", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert",
-    "ep_router", "ep_dispatch_experts", "grouped_gemm", "sequence_parallel",
+    "ep_router", "ep_dispatch_experts", "grouped_gemm",
 }
 
 
@@ -68,9 +68,11 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       the same).
     - "embedding_rowwise": vocab-parallel embedding (weight split on dim 0, output Partial, reduced
       `output=B`); "embedding_colwise": weight split on dim 1, output gathered (`output=B`).
+    - "sequence_parallel" (a norm's): input split on dim 1, the sequence of [batch, seq, hidden], weights
+      whole; the output stays as computed (split), as transformers' `SequenceParallel(sequence_dim=1)`.
     - "gather": output gathered (`output=B`); "replicate", "replicated_with_grad_allreduce": whole
       weights (a Broadcast weight's gradient is already the whole sum here).
-    Others (local, packed, sequence-parallel, expert styles) raise NotImplementedError: they name
+    Others (local, packed, expert styles) raise NotImplementedError: they name
     per-rank behaviour or fused layouts that this mapping does not reproduce.
 
     Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
@@ -127,6 +129,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
             layout = ModuleLayout(output=B)
         elif style == "gather":
             layout = ModuleLayout(output=B)
+        elif style == "sequence_parallel":
+            layout = ModuleLayout(input=hint(Split(1)))
         elif style in ("replicate", "replicated_with_grad_allreduce"):
             pass
         else:

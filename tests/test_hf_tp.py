@@ -38,7 +38,11 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, gt.GlobalTensor) else t).detach().cpu().clone()
 
 
-def step(mesh: tuple | None, family: str = "Llama") -> dict:
+SP = {"model.layers.*.input_layernorm": "sequence_parallel", "model.layers.*.post_attention_layernorm":
+      "sequence_parallel", "model.norm": "sequence_parallel"}
+
+
+def step(mesh: tuple | None, family: str = "Llama", sp: bool = False) -> dict:
     """One forward/backward/AdamW step of `model(input_ids=ids, labels=ids)`, on one device (mesh None) or on
     `mesh` with the model's TP plan on its last axis and the batch split on the first of a 2-D mesh."""
     model, x = llama(family), ids()
@@ -46,7 +50,8 @@ def step(mesh: tuple | None, family: str = "Llama") -> dict:
     if mesh is not None:
         nd = len(mesh)
         p = gt.placement("cpu", np.arange(int(np.prod(mesh))).reshape(mesh).tolist())
-        gt.to_global(model, p, gt.hf.tp_plan(model, axis=nd - 1, ndim=nd))
+        plan = (model._tp_plan | SP) if sp else None
+        gt.to_global(model, p, gt.hf.tp_plan(model, axis=nd - 1, ndim=nd, plan=plan))
         x = gt.to_global(x, p, (gt.split(0), gt.broadcast) if nd == 2 else gt.broadcast)
         q = model.model.layers[0].self_attn.q_proj.weight
         k = model.model.layers[0].self_attn.k_proj.weight
@@ -86,6 +91,24 @@ def test_tp_matches_one_device(mesh, family):
         assert r["sbp"] == {"q": t + (gt.split(0),), "k": t + (gt.split(0),), "o": t + (gt.split(1),),
                             "embed": t + (gt.split(0),), "lm_head": t + (gt.split(0),)}
         assert r["local"] == {"q": (16, 32), "k": (8, 32)}  # 4 heads x 8 and 2 kv heads x 8, halved
+        assert r["fallback"] == {}
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_sequence_parallel_norms_match_one_device(mesh):
+    """transformers' "sequence_parallel" on the norms (their input split on the sequence) with the shipped plan."""
+    reference = step(None)
+    plan = gt.hf.tp_plan(llama(), plan=llama()._tp_plan | SP)
+    assert plan["model.layers.*.input_layernorm"] == gt.ModuleLayout(input=(gt.split(1),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = gt.launch(step, int(np.prod(mesh)), args=(mesh, "Llama", True))
+    for r in results:
+        np.testing.assert_allclose(r["loss"], reference["loss"], rtol=1e-6, atol=0)
+        torch.testing.assert_close(r["logits"], reference["logits"], rtol=0, atol=1e-10)
+        for name, g in reference["grads"].items():
+            torch.testing.assert_close(r["grads"][name], g, rtol=0, atol=1e-10, msg=name)
+            torch.testing.assert_close(r["params"][name], reference["params"][name], rtol=0, atol=1e-10, msg=name)
         assert r["fallback"] == {}
 
 
@@ -131,7 +154,7 @@ def test_styles_with_bias_and_rowwise_variants():
     assert not any(k.startswith("model.norm") for k in plan)
 
 
-@pytest.mark.parametrize("style", ["packed_colwise", "sequence_parallel", "local_colwise", "grouped_gemm",
+@pytest.mark.parametrize("style", ["packed_colwise", "all_reduce", "local_colwise", "grouped_gemm",
                                    "no_such_style"])
 def test_unmapped_styles_are_named(style):
     with pytest.raises(NotImplementedError, match=f"{style}.*model.layers.\\*.mlp.gate_proj"):
