@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -92,6 +93,34 @@ def test_tp_matches_one_device(mesh, family):
                             "embed": t + (gt.split(0),), "lm_head": t + (gt.split(0),)}
         assert r["local"] == {"q": (16, 32), "k": (8, 32)}  # 4 heads x 8 and 2 kv heads x 8, halved
         assert r["fallback"] == {}
+
+
+def comm_of_a_step() -> tuple[dict, dict]:
+    """{(kind, bytes received): count} of one forward and of its backward, TP=2, without a KV cache."""
+    model = llama()
+    p = gt.placement("cpu", [0, 1])
+    gt.to_global(model, p, gt.hf.tp_plan(model))
+    x = gt.to_global(ids(), p, gt.broadcast)
+    with gt.comm_log() as log:
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        n = len(log.events)
+        loss.backward()
+    count = lambda events: dict(Counter((e.kind, e.recv_bytes) for e in events))  # noqa: E731
+    return count(log.events[:n]), count(log.events[n:])
+
+
+def test_tp_communicates_as_megatron():
+    """Forward: one all-reduce of [4, 8, 32] fp64 (8 KiB) after the vocab-parallel embedding and each row-parallel
+    projection (1 + 2 per layer), one all-gather of the vocab-split logits; backward: one all-reduce of each
+    column-parallel module's input gradient (q, k, v, gate, up per layer, and lm_head). transformers' KV cache
+    (`use_cache=True`, its default) adds two reduce-scatters per layer: `torch.cat` of its plain empty 1-D
+    tensor with a key split on the heads comes out Partial (a choice of the dispatcher's cat rule, not of the plan)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fwd, bwd = gt.launch(comm_of_a_step, 2)[0]
+    layers = CFG["num_hidden_layers"]
+    assert fwd == {("all_reduce", 8192): 1 + 2 * layers, ("all_gather", 8192): 1}
+    assert bwd == {("all_reduce", 8192): 5 * layers + 1}
 
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
