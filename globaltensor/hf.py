@@ -61,6 +61,10 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     Styles (nn.Linear weight [out, in]; nn.Embedding weight [vocab, dim]):
     - "colwise": weight and bias split on dim 0, so the output comes out split on its last dim; the
       input's gradient (Partial) is all-reduced at the module (`input_grad=B`), as Megatron does.
+      The reduction is per module (q, k and v each), not once per attention block as `models/gpt.py`
+      does: a decoder layer calls its attention with keyword arguments, which a ModuleLayout's `input`
+      (the first positional argument) does not see, and leaving the gradient to the dispatcher costs
+      more collectives than the three all-reduces.
     - "colwise_rep", "colwise_gather_output": colwise, output gathered (`output=B`).
     - "rowwise", "rowwise_rep": weight split on dim 1, bias whole; the output (Partial) all-reduced
       (`output=B`). "rowwise_split_input" likewise: a whole input is split by the dispatcher for the
