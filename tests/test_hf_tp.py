@@ -73,6 +73,16 @@ def step(mesh: tuple | None, family: str = "Llama", sp: bool = False) -> dict:
     return out
 
 
+def _assert_equals_one_device(r: dict, reference: dict) -> None:
+    """transformers computes the loss in fp32 (ForCausalLMLoss upcasts the logits), so a batch split over DP sums it
+    in another order: fp32 agreement; the fp64 logits, gradients and parameters agree to 1e-10."""
+    np.testing.assert_allclose(r["loss"], reference["loss"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(r["logits"], reference["logits"], rtol=0, atol=1e-10)
+    for name, g in reference["grads"].items():
+        torch.testing.assert_close(r["grads"][name], g, rtol=0, atol=1e-10, msg=name)
+        torch.testing.assert_close(r["params"][name], reference["params"][name], rtol=0, atol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
 def test_tp_matches_one_device(mesh, family):
@@ -82,13 +92,7 @@ def test_tp_matches_one_device(mesh, family):
         results = gt.launch(step, int(np.prod(mesh)), args=(mesh, family))
     t = (gt.broadcast,) * (len(mesh) - 1)
     for r in results:
-        # transformers computes the loss in fp32 (ForCausalLMLoss upcasts the logits), so a batch split over DP
-        # sums it in another order: fp32 agreement; the fp64 logits, gradients and parameters agree to 1e-10
-        np.testing.assert_allclose(r["loss"], reference["loss"], rtol=1e-6, atol=0)
-        torch.testing.assert_close(r["logits"], reference["logits"], rtol=0, atol=1e-10)
-        for name, g in reference["grads"].items():
-            torch.testing.assert_close(r["grads"][name], g, rtol=0, atol=1e-10, msg=name)
-            torch.testing.assert_close(r["params"][name], reference["params"][name], rtol=0, atol=1e-10, msg=name)
+        _assert_equals_one_device(r, reference)
         assert r["sbp"] == {"q": t + (gt.split(0),), "k": t + (gt.split(0),), "o": t + (gt.split(1),),
                             "embed": t + (gt.split(0),), "lm_head": t + (gt.split(0),)}
         assert r["local"] == {"q": (16, 32), "k": (8, 32)}  # 4 heads x 8 and 2 kv heads x 8, halved
@@ -133,11 +137,7 @@ def test_sequence_parallel_norms_match_one_device(mesh):
         warnings.simplefilter("ignore")
         results = gt.launch(step, int(np.prod(mesh)), args=(mesh, "Llama", True))
     for r in results:
-        np.testing.assert_allclose(r["loss"], reference["loss"], rtol=1e-6, atol=0)
-        torch.testing.assert_close(r["logits"], reference["logits"], rtol=0, atol=1e-10)
-        for name, g in reference["grads"].items():
-            torch.testing.assert_close(r["grads"][name], g, rtol=0, atol=1e-10, msg=name)
-            torch.testing.assert_close(r["params"][name], reference["params"][name], rtol=0, atol=1e-10, msg=name)
+        _assert_equals_one_device(r, reference)
         assert r["fallback"] == {}
 
 
