@@ -13,9 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Optional
 
-import torch
-
-from .registry import RULES, Rule, aten, register
+from .registry import RULES, Rule, aten, aten_overloads, register, writes_out
 
 
 def _key(schema: Any) -> tuple:
@@ -61,20 +59,5 @@ def _run_out_variant(func: Any, args: tuple, kwargs: dict) -> Any:
     return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _out_overloads() -> list:
-    found = []
-    for name in dir(aten):
-        try:
-            packet = getattr(aten, name)
-        except Exception:  # noqa: BLE001 - a packet torch lists but cannot load
-            continue
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if op not in RULES and any(a.is_out for a in op._schema.arguments):
-                found.append(op)
-    return found
-
-
-register(_out_overloads(), Rule(lambda ctx: [], decompose=_run_out_variant))
+register([op for op in aten_overloads() if writes_out(op) and op not in RULES],
+         Rule(lambda ctx: [], decompose=_run_out_variant))

@@ -12,7 +12,8 @@ import torch
 
 from .device import device_changes, move_device
 from .inputs import unsettle
-from .registry import PMAX, PMIN, B, Ctx, P, Rule, S, aten, is_inplace, overloads, pointwise_dims, register
+from .registry import (PMAX, PMIN, B, RULES, Ctx, P, Rule, S, aten, aten_overloads, is_inplace, overloads,
+                       pointwise_dims, register, writes_out)
 
 _PROTOTYPES: dict = {}  # (op, what type promotion reads of its args) -> its outputs on one-element stand-ins
 
@@ -114,8 +115,12 @@ LINEAR = {
     ("masked_fill",): linear(((0,),), _fills_zero, scalar_key=_fill_value_key),
     ("addcmul",): linear(((0, 1), (0, 2))),
     ("addcdiv",): linear(((0, 1),)),
-    ("threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward"):
-        linear(((0,),)),
+    ("true_divide",): linear(((0,),)),
+    ("deg2rad", "rad2deg"): linear(((0,),)),
+    # backward kernels of activations: linear in the incoming gradient
+    ("threshold_backward", "gelu_backward", "silu_backward", "sigmoid_backward", "tanh_backward",
+     "hardswish_backward", "hardsigmoid_backward", "hardshrink_backward", "softshrink_backward", "mish_backward",
+     "logit_backward", "native_dropout_backward"): linear(((0,),)),
 }
 NONLINEAR_OPS = (
     "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "relu", "gelu", "silu",
@@ -127,9 +132,15 @@ NONLINEAR_OPS = (
     "floor_divide", "remainder", "fmod", "bitwise_xor", "logical_xor",
 )
 
+NONLINEAR_UNTAGGED = ("hardswish",)  # elementwise, but torch does not tag them pointwise
+
 for names, rule in LINEAR.items():
     register(_ops(*names), rule)
-register(_ops(*NONLINEAR_OPS), NONLINEAR)
+register(_ops(*NONLINEAR_OPS, *NONLINEAR_UNTAGGED), NONLINEAR)
+# every other op torch tags pointwise (elementwise with broadcasting), and its in-place form (torch tags
+# `copysign` but not `copysign_`): nonlinear unless LINEAR names it; out= overloads are ops/out_variants.py's
+_TAGGED = {op._schema.name.split("::")[1] for op in aten_overloads() if torch.Tag.pointwise in op.tags}
+register([op for op in _ops(*sorted(_TAGGED)) if op not in RULES and not writes_out(op)], NONLINEAR)
 
 
 def zero_in_place(func: Any, args: tuple, kwargs: dict) -> Any:

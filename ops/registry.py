@@ -134,6 +134,25 @@ def register(ops: Sequence[Any], rule: Rule) -> None:
             RULES[op] = rule
 
 
+@lru_cache(maxsize=None)
+def aten_overloads() -> tuple:
+    """Every aten overload this torch build has (walked once: rules derived from schemas and tags read it)."""
+    found = []
+    for name in dir(aten):
+        try:
+            packet = getattr(aten, name)
+        except Exception:  # noqa: BLE001 - a packet torch lists but cannot load
+            continue
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            found += [getattr(packet, o) for o in packet.overloads()]
+    return tuple(found)
+
+
+def writes_out(op: Any) -> bool:
+    """Whether `op` is an `out=` overload."""
+    return any(a.is_out for a in op._schema.arguments)
+
+
 def overloads(*names: str) -> list:
     """aten packets by name, skipping the ones this torch build does not have."""
     return [getattr(aten, n) for n in names if hasattr(aten, n)]
@@ -171,5 +190,5 @@ def no_signatures(ctx: Ctx) -> list:
     return []
 
 
-__all__ = ["Ctx", "ShardSite", "Rule", "RULES", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
+__all__ = ["Ctx", "ShardSite", "Rule", "RULES", "aten_overloads", "writes_out", "is_inplace", "register", "overloads", "pointwise_dims", "Signature",
            "B", "P", "PMAX", "PMIN", "S", "aten", "always", "field", "no_signatures", "reduce_partial", "split_on"]
