@@ -21,7 +21,7 @@ from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
 from ..sbp import Broadcast, Split
-from .registry import PMAX, PMIN, Ctx, ShardSite, P, Rule, S, always, aten, register
+from .registry import PMAX, PMIN, B, Ctx, ShardSite, P, Rule, S, always, aten, register
 
 
 def dim_map_rule(dim_map: Callable[[Ctx], dict], local: Callable | None = None) -> Rule:
@@ -260,8 +260,22 @@ def keep_others(drop: bool = False, insert: bool = False) -> Callable[[Ctx], dic
     return m
 
 
-register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default,
-          aten.cat.default], dim_map_rule(keep_others()))
+register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default],
+         dim_map_rule(keep_others()))
+def cat_signatures(ctx: Ctx) -> list:
+    """Every dim but the joined one keeps its split; all Partial adds up. torch.cat skips a 1-D empty
+    tensor among tensors of more dims (the `torch.tensor([])` a KV cache starts from: transformers'
+    DynamicCache): it is Broadcast in every signature (nothing to hold), and the joined dim is read
+    off the output, so the others keep their splits (they were made Partial to fit it, and reduced)."""
+    n = len(ctx.out_shapes[0])
+    skipped = [s == (0,) and n > 1 for s in ctx.shapes]
+    dim = _d(ctx.arg(1, "dim", 0), n)
+    sigs = [(tuple(B if k else S(d) for k in skipped), (S(d),)) for d in range(n) if d != dim]
+    sigs.append((tuple(B if k else P for k in skipped), (P,)))
+    return sigs
+
+
+register([aten.cat.default], Rule(cat_signatures))
 register([aten.select.int, aten.unbind.int], dim_map_rule(keep_others(drop=True)))
 register([aten.stack.default], dim_map_rule(keep_others(insert=True)))
 

@@ -99,29 +99,31 @@ def test_tp_matches_one_device(mesh, family):
         assert r["fallback"] == {}
 
 
-def comm_of_a_step() -> tuple[dict, dict]:
-    """{(kind, bytes received): count} of one forward and of its backward, TP=2, without a KV cache."""
+def comm_of_a_step(use_cache: bool) -> tuple[dict, dict]:
+    """{(kind, bytes received): count} of one forward and of its backward, TP=2."""
     model = llama()
     p = gt.placement("cpu", [0, 1])
     gt.to_global(model, p, gt.hf.tp_plan(model))
     x = gt.to_global(ids(), p, gt.broadcast)
     with gt.comm_log() as log:
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss = model(input_ids=x, labels=x, use_cache=use_cache).loss
         n = len(log.events)
         loss.backward()
     count = lambda events: dict(Counter((e.kind, e.recv_bytes) for e in events))  # noqa: E731
     return count(log.events[:n]), count(log.events[n:])
 
 
-def test_tp_communicates_as_megatron():
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_tp_communicates_as_megatron(use_cache):
     """Forward: one all-reduce of [4, 8, 32] fp64 (8 KiB) after the vocab-parallel embedding and each row-parallel
     projection (1 + 2 per layer), one all-gather of the vocab-split logits; backward: one all-reduce of each
     column-parallel module's input gradient (q, k, v, gate, up per layer, and lm_head). transformers' KV cache
-    (`use_cache=True`, its default) adds two reduce-scatters per layer: `torch.cat` of its plain empty 1-D
-    tensor with a key split on the heads comes out Partial (a choice of the dispatcher's cat rule, not of the plan)."""
+    (`use_cache=True`, its default) changes nothing: its `torch.cat` of a plain empty 1-D tensor with the key
+    split on the heads keeps the split (it made the key Partial, two reduce-scatters per layer, until torch.cat's
+    rule learnt that torch skips such a tensor)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fwd, bwd = gt.launch(comm_of_a_step, 2)[0]
+        fwd, bwd = gt.launch(comm_of_a_step, 2, args=(use_cache,))[0]
     layers = CFG["num_hidden_layers"]
     assert fwd == {("all_reduce", 8192): 1 + 2 * layers, ("all_gather", 8192): 1}
     assert bwd == {("all_reduce", 8192): 5 * layers + 1}

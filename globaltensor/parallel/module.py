@@ -35,7 +35,7 @@ from ..ops.scope import enter_named_here
 from ..placement import Placement
 from .plain import PlainRegion
 from ..raggedtensor.ops import boundary_cut, convert as convert_ragged
-from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike
+from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike, Split
 from ..tensor import GlobalTensor, OnBackward, distribute
 from .stage import StageForward, stage_hooks
 from .zero import ParamGroup, compute_layout
@@ -292,19 +292,30 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
             lay = compute_layout(p._layout, sbp, target)
             lay.check_shape(tuple(p.shape), f"{where} for a parameter of {name or 'the root module'!r}")
             compute.append(lay)
+        if not params:  # every parameter belongs to a nested gathering module (ALBERT's shared layer groups)
+            continue
         groups[mod] = ParamGroup(f"{where} on {name or 'the root module'!r}", tuple(params), tuple(slots),
                                  tuple(compute), hint.reshard_after_forward, hint.param_dtype, hint.reduce_dtype)
     return groups
 
 
-def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement) -> Layout:
+def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement, ndim: Optional[int] = None) -> Layout:
     """The first matching entry: an nd-SBP on `placement`, or a `gt.Layout` with its own placement (a
-    pipeline stage); unmatched tensors are Broadcast on `placement`."""
+    pipeline stage); unmatched tensors are Broadcast on `placement`.
+
+    A wildcard entry matches only the tensors of `ndim` dims that it can lay out: `"*": S(0)` (ZeRO's
+    plan) passes over a 0-dim scale or step counter (Gemma's `embed_scale`, BatchNorm's
+    `num_batches_tracked`) to the next entry or Broadcast, as FSDP2 leaves what it cannot shard whole.
+    A name given exactly still raises there."""
     for pattern, value in plan.items():
-        if isinstance(value, Layout) and fnmatch.fnmatchcase(name, pattern):
-            return value
-        if not isinstance(value, ModuleLayout) and fnmatch.fnmatchcase(name, pattern):
-            return Layout(placement, normalize_sbp(value, placement.ndim, f"to_global(plan[{pattern!r}])"))
+        if isinstance(value, ModuleLayout) or not fnmatch.fnmatchcase(name, pattern):
+            continue
+        layout = value if isinstance(value, Layout) else \
+            Layout(placement, normalize_sbp(value, placement.ndim, f"to_global(plan[{pattern!r}])"))
+        if ndim is not None and pattern != name and \
+                any(isinstance(s, (Split, Ragged)) and s.dim >= ndim for s in layout.sbp):
+            continue
+        return layout
     return Layout(placement, (Broadcast(),) * placement.ndim)
 
 
@@ -374,7 +385,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     _check_tied(full, done[id(t)], plan, placement, first_names[id(t)])
                 else:
                     first_names[id(t)] = full
-                    layout = _layout_for(full, plan, placement)
+                    layout = _layout_for(full, plan, placement, t.dim())
                     layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
                     g = distribute(t, layout)
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \

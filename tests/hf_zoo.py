@@ -1,0 +1,201 @@
+"""The Hugging Face model zoo, built tiny from configs (never downloaded), for tests/test_hf_zoo.py (issue 36).
+
+Each `Arch` names a transformers config and model class, what inputs the model takes and how its
+config is made tiny. `step(arch, strategy)` runs one forward, backward and AdamW step as a user
+would (keyword inputs, the model's own loss), on one device (strategy None) or on simulated ranks
+under a strategy, and returns what a test compares: loss, output type, gradients and parameters
+after the step (whole), the fallbacks and the bytes received.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+import globaltensor as gt
+
+transformers: Any = None  # imported on first use: collecting the tests must not need it
+
+TINY = dict(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=48, max_position_embeddings=64, head_dim=8, d_model=32, d_ff=48, num_layers=2,
+    num_decoder_layers=2, num_heads=4, d_kv=8, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_ctx=64,
+    encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
+    decoder_ffn_dim=48, image_size=32, patch_size=8, num_channels=3, num_experts=4, num_local_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, n_routed_experts=4,
+    n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0, first_k_dense_replace=1, n_group=1,
+    topk_group=1, type_vocab_size=2, embedding_size=32, num_labels=3, num_mel_bins=16, max_source_positions=16,
+    max_target_positions=32, state_size=8, expand=2, conv_kernel=4, time_step_rank=4, hidden_sizes=[8, 16],
+    depths=[1, 1],
+)
+BATCH, SEQ = 8, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    config: str                      # transformers config class name
+    model: str                       # model class name
+    inputs: str                      # "lm" (causal LM), "mlm", "seq2seq", "image", "audio"
+    extra: tuple = ()                # (attribute, value) set on the config after TINY
+    dtype: torch.dtype = torch.float64  # float32 where a kernel has no fp64 (MoE's grouped_mm)
+
+    def build(self) -> nn.Module:
+        global transformers
+        if transformers is None:
+            import transformers as _t
+            transformers = _t
+        cfg = getattr(transformers, self.config)()
+        for k, v in TINY.items():
+            if hasattr(cfg, k):
+                try:
+                    setattr(cfg, k, v)
+                except AttributeError:  # a derived property (Falcon's head_dim)
+                    pass
+        for k, v in self.extra:
+            setattr(cfg, k, v)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return getattr(transformers, self.model)(cfg).to(self.dtype).train()
+
+    def batch(self) -> dict:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, TINY["vocab_size"], (BATCH, SEQ), generator=g)
+        if self.inputs == "lm":
+            return dict(input_ids=ids, labels=ids)
+        if self.inputs == "mlm":
+            return dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+        if self.inputs == "seq2seq":
+            return dict(input_ids=ids, labels=torch.randint(3, TINY["vocab_size"], (BATCH, 6), generator=g))
+        if self.inputs == "image":
+            return dict(pixel_values=torch.randn(BATCH, 3, 32, 32, generator=g, dtype=self.dtype),
+                        labels=torch.randint(0, TINY["num_labels"], (BATCH,), generator=g))
+        if self.inputs == "audio":
+            return dict(input_features=torch.randn(BATCH, TINY["num_mel_bins"], 2 * TINY["max_source_positions"],
+                                                   generator=g, dtype=self.dtype),
+                        labels=torch.randint(3, TINY["vocab_size"], (BATCH, 6), generator=g))
+        raise ValueError(self.inputs)
+
+
+ZOO = {
+    # decoders
+    "llama": Arch("LlamaConfig", "LlamaForCausalLM", "lm"),
+    "mistral": Arch("MistralConfig", "MistralForCausalLM", "lm"),
+    "qwen2": Arch("Qwen2Config", "Qwen2ForCausalLM", "lm"),
+    "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", "lm"),
+    "gemma": Arch("GemmaConfig", "GemmaForCausalLM", "lm"),
+    "gemma2": Arch("Gemma2Config", "Gemma2ForCausalLM", "lm"),
+    "phi3": Arch("Phi3Config", "Phi3ForCausalLM", "lm"),
+    "phi": Arch("PhiConfig", "PhiForCausalLM", "lm"),
+    "olmo2": Arch("Olmo2Config", "Olmo2ForCausalLM", "lm"),
+    "starcoder2": Arch("Starcoder2Config", "Starcoder2ForCausalLM", "lm"),
+    "stablelm": Arch("StableLmConfig", "StableLmForCausalLM", "lm"),
+    "cohere": Arch("CohereConfig", "CohereForCausalLM", "lm"),
+    "granite": Arch("GraniteConfig", "GraniteForCausalLM", "lm"),
+    "gpt2": Arch("GPT2Config", "GPT2LMHeadModel", "lm"),
+    "gpt_neox": Arch("GPTNeoXConfig", "GPTNeoXForCausalLM", "lm"),
+    "gptj": Arch("GPTJConfig", "GPTJForCausalLM", "lm", (("rotary_dim", 4),)),
+    "opt": Arch("OPTConfig", "OPTForCausalLM", "lm", (("ffn_dim", 48), ("word_embed_proj_dim", 32))),
+    "bloom": Arch("BloomConfig", "BloomForCausalLM", "lm"),
+    "falcon": Arch("FalconConfig", "FalconForCausalLM", "lm", (("vocab_size", 64),)),
+    "llama4": Arch("Llama4TextConfig", "Llama4ForCausalLM", "lm", (("intermediate_size_mlp", 48),)),
+    "mamba": Arch("MambaConfig", "MambaForCausalLM", "lm"),
+    # mixtures of experts
+    "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", "lm", dtype=torch.float32),
+    "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "lm", dtype=torch.float32),
+    "deepseek_v2": Arch("DeepseekV2Config", "DeepseekV2ForCausalLM", "lm", (("num_key_value_heads", 4),),
+                        dtype=torch.float32),
+    "deepseek_v3": Arch("DeepseekV3Config", "DeepseekV3ForCausalLM", "lm", (("num_key_value_heads", 4),),
+                        dtype=torch.float32),
+    # encoders
+    "bert": Arch("BertConfig", "BertForMaskedLM", "mlm"),
+    "roberta": Arch("RobertaConfig", "RobertaForMaskedLM", "mlm"),
+    "distilbert": Arch("DistilBertConfig", "DistilBertForMaskedLM", "mlm", (("dim", 32), ("hidden_dim", 48),
+                                                                              ("n_layers", 2))),
+    "electra": Arch("ElectraConfig", "ElectraForMaskedLM", "mlm"),
+    "albert": Arch("AlbertConfig", "AlbertForMaskedLM", "mlm"),
+    "deberta_v2": Arch("DebertaV2Config", "DebertaV2ForMaskedLM", "mlm"),
+    "roformer": Arch("RoFormerConfig", "RoFormerForMaskedLM", "mlm"),
+    # encoder-decoders
+    "t5": Arch("T5Config", "T5ForConditionalGeneration", "seq2seq", (("decoder_start_token_id", 0),)),
+    "mt5": Arch("MT5Config", "MT5ForConditionalGeneration", "seq2seq"),
+    "bart": Arch("BartConfig", "BartForConditionalGeneration", "seq2seq"),
+    "pegasus": Arch("PegasusConfig", "PegasusForConditionalGeneration", "seq2seq"),
+    "marian": Arch("MarianConfig", "MarianMTModel", "seq2seq", (("decoder_vocab_size", 64),)),
+    # vision
+    "vit": Arch("ViTConfig", "ViTForImageClassification", "image"),
+    "dinov2": Arch("Dinov2Config", "Dinov2ForImageClassification", "image"),
+    "convnext": Arch("ConvNextConfig", "ConvNextForImageClassification", "image"),
+    "resnet": Arch("ResNetConfig", "ResNetForImageClassification", "image", (("embedding_size", 8),)),
+    # audio
+    "whisper": Arch("WhisperConfig", "WhisperForConditionalGeneration", "audio"),
+}
+
+
+def _whole(t: Any) -> Any:
+    if isinstance(t, gt.GlobalTensor):
+        t = t.full_tensor()
+    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+
+
+def block_patterns(model: nn.Module) -> list[str]:
+    """The repeated blocks of a model: the children of every nn.ModuleList, as `path.*` (ZeRO-3's units)."""
+    return sorted({f"{name}.*" for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)})
+
+
+def plan_for(strategy: str, model: nn.Module) -> dict:
+    if strategy == "dp":
+        return {}
+    if strategy == "zero3":
+        whole = gt.ModuleLayout(params=gt.broadcast)
+        return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}}
+    raise ValueError(strategy)
+
+
+def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
+    """One step; on one device when `strategy` is None."""
+    def body() -> dict:
+        model, batch = arch.build(), arch.batch()
+        out: dict = {}
+        if strategy is not None:
+            p = gt.placement("cpu", list(range(world)))
+            gt.to_global(model, p, plan_for(strategy, model))
+            batch = {k: gt.to_global(v, p, gt.split(0)) for k, v in batch.items()}
+            gt.reset_stats()
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+        with gt.comm_log() if strategy is not None else _nothing() as log:
+            res = model(**batch)
+            res.loss.backward()
+            opt.step()
+        out["type"] = type(res).__name__
+        out["loss"] = _whole(res.loss).item()
+        out["grads"] = {n: None if q.grad is None else _whole(q.grad) for n, q in model.named_parameters()}
+        out["params"] = {n: _whole(q) for n, q in model.named_parameters()}
+        if strategy is not None:
+            out["fallback"] = dict(gt.stats()["fallback"])
+            out["recv_bytes"] = log.recv_bytes
+            out["collectives"] = len(log.events)
+            out["numel"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
+        return out
+    if strategy is None:
+        return body()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return gt.launch(body, world)[0]
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+__all__ = ["Arch", "ZOO", "step", "block_patterns", "plan_for"]
