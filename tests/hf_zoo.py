@@ -44,6 +44,7 @@ class Arch:
     inputs: str                      # "lm" (causal LM), "mlm", "seq2seq", "image", "audio"
     extra: tuple = ()                # (attribute, value) set on the config after TINY
     dtype: torch.dtype = torch.float64  # float32 where a kernel has no fp64 (MoE's grouped_mm)
+    fp32_inside: bool = False        # computes part of its forward in fp32 whatever its dtype (Llama 4's rotary)
 
     def build(self) -> nn.Module:
         global transformers
@@ -104,7 +105,8 @@ ZOO = {
     "opt": Arch("OPTConfig", "OPTForCausalLM", "lm", (("ffn_dim", 48), ("word_embed_proj_dim", 32))),
     "bloom": Arch("BloomConfig", "BloomForCausalLM", "lm"),
     "falcon": Arch("FalconConfig", "FalconForCausalLM", "lm", (("vocab_size", 64),)),
-    "llama4": Arch("Llama4TextConfig", "Llama4ForCausalLM", "lm", (("intermediate_size_mlp", 48),)),
+    "llama4": Arch("Llama4TextConfig", "Llama4ForCausalLM", "lm", (("intermediate_size_mlp", 48),),
+                   fp32_inside=True),
     "mamba": Arch("MambaConfig", "MambaForCausalLM", "lm"),
     # mixtures of experts
     "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", "lm", dtype=torch.float32),
@@ -158,6 +160,23 @@ def plan_for(strategy: str, model: nn.Module) -> dict:
     raise ValueError(strategy)
 
 
+def textbook(model: nn.Module, strategy: str, world: int) -> float:
+    """Bytes this rank receives in a step by the textbook: DDP's ring all-reduce of the gradients,
+    2Ψ(n-1)/n; ZeRO-3's all-gather of each parameter before the forward and again before the backward
+    and reduce-scatter of its gradient: 2(N - s) + (n-1)s for a parameter of N elements of which this
+    rank stores s (an uneven split makes the ranks differ; an even one gives 3Ψ(n-1)/n), and for a
+    frozen parameter the two all-gathers only."""
+    total = 0.0
+    for q in model.parameters():
+        size = q.element_size()
+        if strategy == "dp":
+            total += 2 * q.numel() * (world - 1) / world * size if q.requires_grad else 0
+        else:
+            n, s = q.numel(), q.to_local().numel()
+            total += (2 * (n - s) + ((world - 1) * s if q.requires_grad else 0)) * size
+    return total
+
+
 def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
     """One step; on one device when `strategy` is None."""
     def body() -> dict:
@@ -181,7 +200,7 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
             out["fallback"] = dict(gt.stats()["fallback"])
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
-            out["numel"] = sum(q.numel() for q in model.parameters() if q.requires_grad)
+            out["textbook"] = textbook(model, strategy, world)
         return out
     if strategy is None:
         return body()

@@ -299,22 +299,29 @@ def _param_groups(module: torch.nn.Module, hints: dict, placement: Placement) ->
     return groups
 
 
-def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement, ndim: Optional[int] = None) -> Layout:
+def _layout_for(name: str, plan: Mapping[str, Any], placement: Placement, ndim: Optional[int] = None,
+                buffer: bool = False) -> Layout:
     """The first matching entry: an nd-SBP on `placement`, or a `gt.Layout` with its own placement (a
     pipeline stage); unmatched tensors are Broadcast on `placement`.
 
-    A wildcard entry matches only the tensors of `ndim` dims that it can lay out: `"*": S(0)` (ZeRO's
-    plan) passes over a 0-dim scale or step counter (Gemma's `embed_scale`, BatchNorm's
-    `num_batches_tracked`) to the next entry or Broadcast, as FSDP2 leaves what it cannot shard whole.
-    A name given exactly still raises there."""
+    A wildcard entry lays out what it can, as FSDP2 shards what it can and leaves the rest whole:
+    - it passes over a tensor of `ndim` dims it cannot split (`"*": S(0)`, ZeRO's plan, meets Gemma's
+      0-dim `embed_scale`) to the next entry, or Broadcast;
+    - it splits no buffer: a buffer keeps its entry's placement (a pipeline stage's) but is whole there.
+      Buffers are state the forward reads whole (rotary frequencies, position ids, running statistics),
+      and a gathering module gathers parameters only: a split `inv_freq` made every layer gather RoPE's
+      `cos` and `sin` again, forward and backward (HF Llama under ZeRO-3: 1.07x the textbook bytes).
+    A name given exactly is laid out as asked (and raises if it cannot be)."""
     for pattern, value in plan.items():
         if isinstance(value, ModuleLayout) or not fnmatch.fnmatchcase(name, pattern):
             continue
         layout = value if isinstance(value, Layout) else \
             Layout(placement, normalize_sbp(value, placement.ndim, f"to_global(plan[{pattern!r}])"))
-        if ndim is not None and pattern != name and \
-                any(isinstance(s, (Split, Ragged)) and s.dim >= ndim for s in layout.sbp):
-            continue
+        if pattern != name:
+            if buffer:
+                return Layout(layout.placement, tuple(Broadcast() for _ in layout.sbp))
+            if ndim is not None and any(isinstance(s, (Split, Ragged)) and s.dim >= ndim for s in layout.sbp):
+                continue
         return layout
     return Layout(placement, (Broadcast(),) * placement.ndim)
 
@@ -385,7 +392,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
                     _check_tied(full, done[id(t)], plan, placement, first_names[id(t)])
                 else:
                     first_names[id(t)] = full
-                    layout = _layout_for(full, plan, placement, t.dim())
+                    layout = _layout_for(full, plan, placement, t.dim(), kind == "_buffers")
                     layout.check_shape(t.shape, f"to_global(plan) for {full!r}")
                     g = distribute(t, layout)
                     done[id(t)] = torch.nn.Parameter(g, requires_grad=t.requires_grad) \
