@@ -94,7 +94,7 @@ ZOO = {
     "gemma2": Arch("Gemma2Config", "Gemma2ForCausalLM", "lm"),
     "phi3": Arch("Phi3Config", "Phi3ForCausalLM", "lm"),
     "phi": Arch("PhiConfig", "PhiForCausalLM", "lm"),
-    "olmo2": Arch("Olmo2Config", "Olmo2ForCausalLM", "lm"),
+    "olmo2": Arch("Olmo2Config", "Olmo2ForCausalLM", "lm", fp32_inside=True),  # its norms upcast to fp32
     "starcoder2": Arch("Starcoder2Config", "Starcoder2ForCausalLM", "lm"),
     "stablelm": Arch("StableLmConfig", "StableLmForCausalLM", "lm"),
     "cohere": Arch("CohereConfig", "CohereForCausalLM", "lm"),
@@ -140,6 +140,10 @@ ZOO = {
 }
 
 
+# decoders whose transformers class ships no TP plan
+NO_TP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm"}
+
+
 def _whole(t: Any) -> Any:
     if isinstance(t, gt.GlobalTensor):
         t = t.full_tensor()
@@ -151,9 +155,27 @@ def block_patterns(model: nn.Module) -> list[str]:
     return sorted({f"{name}.*" for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)})
 
 
+def has_tp_plan(model: nn.Module) -> bool:
+    return bool(gt.hf.model_tp_plan(model))
+
+
+def mesh_for(strategy: str, world: int) -> list:
+    """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp"."""
+    ranks = list(range(world))
+    return [ranks[:world // 2], ranks[world // 2:]] if strategy == "dp_tp" else ranks
+
+
+def batch_sbp(strategy: str) -> Any:
+    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast)}.get(strategy, gt.split(0))
+
+
 def plan_for(strategy: str, model: nn.Module) -> dict:
     if strategy == "dp":
         return {}
+    if strategy == "tp":
+        return gt.hf.tp_plan(model)
+    if strategy == "dp_tp":
+        return gt.hf.tp_plan(model, axis=1, ndim=2)
     if strategy == "zero3":
         whole = gt.ModuleLayout(params=gt.broadcast)
         return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}}
@@ -183,9 +205,9 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
         if strategy is not None:
-            p = gt.placement("cpu", list(range(world)))
+            p = gt.placement("cpu", mesh_for(strategy, world))
             gt.to_global(model, p, plan_for(strategy, model))
-            batch = {k: gt.to_global(v, p, gt.split(0)) for k, v in batch.items()}
+            batch = {k: gt.to_global(v, p, batch_sbp(strategy)) for k, v in batch.items()}
             gt.reset_stats()
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
         with gt.comm_log() if strategy is not None else _nothing() as log:
@@ -200,7 +222,7 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
             out["fallback"] = dict(gt.stats()["fallback"])
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
-            out["textbook"] = textbook(model, strategy, world)
+            out["textbook"] = textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
         return out
     if strategy is None:
         return body()
@@ -217,4 +239,4 @@ class _nothing:
         return None
 
 
-__all__ = ["Arch", "ZOO", "step", "block_patterns", "plan_for"]
+__all__ = ["Arch", "ZOO", "step", "block_patterns", "plan_for", "has_tp_plan", "textbook"]

@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+import globaltensor as gt  # noqa: E402
 import hf_zoo  # noqa: E402
 
 WORLD = 4
@@ -103,3 +104,25 @@ def test_zoo_equals_one_device(name: str, strategy: str) -> None:
         f"{name} {strategy}: {got['recv_bytes']} B received, textbook {got['textbook']:.0f} B, ratio " \
         f"{got['recv_bytes'] / got['textbook']:.4f} " \
         f"({got['collectives']} collectives){'; allowed ' + str(limit) + 'x: ' + why if why else ''}"
+
+
+TP_ARCHS = [n for n, a in hf_zoo.ZOO.items() if a.inputs == "lm" and n not in hf_zoo.NO_TP_PLAN]
+# expert and multi-head latent attention styles: packed weights (gate and up interleaved per rank) that a
+# contiguous split does not lay out; gt.hf.tp_plan names them instead of guessing
+UNMAPPED_STYLES = {"llama4": "moe_tp_experts", "mixtral": "moe_tp_experts", "qwen2_moe": "moe_tp_experts",
+                   "deepseek_v2": "mla_kv_a_proj", "deepseek_v3": "moe_tp_experts"}
+
+
+@pytest.mark.parametrize("strategy,world", [("tp", 2), ("dp_tp", 4)])
+@pytest.mark.parametrize("name", [n for n in TP_ARCHS if n not in UNMAPPED_STYLES])
+def test_zoo_tensor_parallel_from_the_models_plan(name: str, strategy: str, world: int) -> None:
+    """The model's own `_tp_plan` through gt.hf.tp_plan: TP on 2 ranks, and DP x TP on 2x2."""
+    got = hf_zoo.step(hf_zoo.ZOO[name], strategy, world)
+    _equal_one_device(name, got)
+    assert not got["fallback"], got["fallback"]
+
+
+@pytest.mark.parametrize("name", sorted(UNMAPPED_STYLES))
+def test_zoo_unmapped_tp_styles_are_named(name: str) -> None:
+    with pytest.raises(NotImplementedError, match=UNMAPPED_STYLES[name]):
+        gt.hf.tp_plan(hf_zoo.ZOO[name].build())
