@@ -1,4 +1,4 @@
-"""Hugging Face transformers models: their own tensor-parallel plan as our module plan.
+"""Hugging Face transformers models: their own tensor-parallel and pipeline plans as our module plans.
 
 `gt.to_global(model, mesh, gt.hf.tp_plan(model, axis=1))` gives the model Megatron TP on mesh axis
 `axis` from the plan the model ships (`model._tp_plan`, which transformers fills on a built model with
@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from .layout import Layout, normalize_sbp
 from .parallel.module import ModuleLayout
-from .sbp import Broadcast, Split
+from .placement import Placement
+from .sbp import Broadcast, SbpLike, Split
 
-__all__ = ["tp_plan", "model_tp_plan", "generic_name"]
+__all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name"]
 
 # styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)
 _UNSUPPORTED = {
@@ -147,3 +149,81 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                     out[f"{k}.{suffix}"] = sbp
     out.update(layouts)
     return out
+
+
+def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
+            sbp: Optional[SbpLike] = None) -> dict[str, Any]:
+    """The model's transformers pipeline plan (`config.base_model_pp_plan`) cut into `stages`: a plan
+    for `gt.to_global(model, stages[0], plan)` placing every parameter and buffer on one stage, for
+    `gt.Pipeline`.
+
+    The pp plan names the base model's modules in the order its forward runs them, with the tensors
+    that cross them ({"embed_tokens": (["input_ids"], ["inputs_embeds"]), "layers": (["hidden_states",
+    ...], ...), "norm": ...}). Its repeated modules (an nn.ModuleList: the decoder layers) are cut into
+    contiguous runs, as even as their count allows (layer i on stage i * len(stages) // n); a module
+    named before them goes to the first stage, one after them to the last. Outside the pp plan, a
+    module that holds buffers but no parameters (the rotary embedding's frequencies, which the forward
+    reads before the first layer) goes to the first stage, everything else (the LM head) to the last.
+    `sbp`: the layout on each stage (default Broadcast; e.g. a data axis split of a 2-D stage).
+    A tied weight used on two stages (an LM head tied to the embedding) is stored on the stage of its
+    first name and used on the other's by a `ModuleLayout(params=gt.Layout(stage, ...))` on the module
+    that reads it there: its value sent at that module's forward, its gradient sent back and summed.
+    """
+    stages = list(stages)
+    if len(stages) < 2:
+        raise ValueError(f"gt.hf.pp_plan(stages): give at least two stage placements, got {len(stages)}")
+    config = getattr(model, "config", None)
+    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+    if not base_plan:
+        raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s config has no `base_model_pp_plan`; lay its "
+                         "modules on stages yourself ({'pattern.*': gt.Layout(stage, sbp)})")
+    prefix = getattr(model, "base_model_prefix", "")
+    if not (prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)):
+        prefix = ""
+
+    def on(stage: Placement) -> Layout:
+        return Layout(stage, normalize_sbp(sbp if sbp is not None else Broadcast(), stage.ndim, "gt.hf.pp_plan(sbp)"))
+
+    modules = dict(model.named_modules())
+    plan: dict[str, Any] = {}
+    seen_repeated = False
+    for name in base_plan:
+        full = f"{prefix}.{name}" if prefix else name
+        mod = modules.get(full)
+        if mod is None:
+            continue
+        if not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers()):
+            continue  # holds nothing to place (a dropout)
+        if isinstance(mod, torch.nn.ModuleList):
+            n = len(mod)
+            for i in range(n):
+                plan[f"{full}.{i}.*"] = on(stages[i * len(stages) // n])
+            seen_repeated = True
+        else:
+            plan[f"{full}.*"] = on(stages[-1] if seen_repeated else stages[0])
+    if not seen_repeated:
+        raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s base_model_pp_plan {list(base_plan)} names no "
+                         "repeated module (nn.ModuleList) to cut into stages")
+    placed = [p.rstrip("*").rstrip(".") for p in plan]
+    for name, mod in modules.items():
+        if not name or any(name == p or name.startswith(p + ".") for p in placed):
+            continue
+        if any(True for _ in mod.buffers()) and not any(True for _ in mod.parameters()):
+            plan[f"{name}.*"] = on(stages[0])
+            placed.append(name)
+    plan["*"] = on(stages[-1])
+    ties: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(n)
+    for names in ties.values():
+        home = _stage_of(names[0], plan)
+        for n in names[1:]:
+            stage = _stage_of(n, plan)
+            if stage != home:  # a tied weight (the LM head's, the embedding's) used on another stage: stored on the
+                owner = n.rpartition(".")[0]  # first name's, gathered to the other for its module's forward
+                plan[owner] = ModuleLayout(params=Layout(stage, on(stage).sbp))
+    return plan
+
+
+def _stage_of(name: str, plan: Mapping[str, Any]) -> Any:
+    return next(v.placement for k, v in plan.items() if isinstance(v, Layout) and fnmatch.fnmatchcase(name, k))

@@ -140,8 +140,9 @@ ZOO = {
 }
 
 
-# decoders whose transformers class ships no TP plan
+# decoders whose transformers class ships no TP plan, no pipeline plan
 NO_TP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm"}
+NO_PP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm", "llama4"}
 
 
 def _whole(t: Any) -> Any:
@@ -200,24 +201,37 @@ def textbook(model: nn.Module, strategy: str, world: int) -> float:
 
 
 def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
-    """One step; on one device when `strategy` is None."""
+    """One step; on one device when `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages,
+    `gt.Pipeline` of 1F1B over 2 micro-batches; each parameter's gradient and value from the rank holding it."""
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
-        if strategy is not None:
+        pipe = None
+        if strategy == "pp":
+            stages = [gt.placement("cpu", [r]) for r in range(world)]
+            gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages))
+            pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b")
+            gt.reset_stats()
+        elif strategy is not None:
             p = gt.placement("cpu", mesh_for(strategy, world))
             gt.to_global(model, p, plan_for(strategy, model))
             batch = {k: gt.to_global(v, p, batch_sbp(strategy)) for k, v in batch.items()}
             gt.reset_stats()
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
         with gt.comm_log() if strategy is not None else _nothing() as log:
-            res = model(**batch)
-            res.loss.backward()
+            if pipe is not None:
+                loss, res = pipe.step(**batch), None
+            else:
+                res = model(**batch)
+                loss = res.loss
+                loss.backward()
             opt.step()
-        out["type"] = type(res).__name__
-        out["loss"] = _whole(res.loss).item()
-        out["grads"] = {n: None if q.grad is None else _whole(q.grad) for n, q in model.named_parameters()}
-        out["params"] = {n: _whole(q) for n, q in model.named_parameters()}
+        out["type"] = type(res).__name__ if res is not None else None
+        held = lambda q: not isinstance(q, gt.GlobalTensor) or gt.rank() in q.placement  # noqa: E731
+        out["loss"] = _whole(loss).item() if held(loss) else None
+        out["grads"] = {n: None if q.grad is None else _whole(q.grad) for n, q in model.named_parameters()
+                        if held(q)}
+        out["params"] = {n: _whole(q) for n, q in model.named_parameters() if held(q)}
         if strategy is not None:
             out["fallback"] = dict(gt.stats()["fallback"])
             out["recv_bytes"] = log.recv_bytes
@@ -228,7 +242,14 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
         return body()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return gt.launch(body, world)[0]
+        results = gt.launch(body, world)
+    if strategy != "pp":
+        return results[0]
+    merged = dict(results[-1])  # the last stage holds the loss
+    for key in ("grads", "params"):
+        merged[key] = {n: v for r in results for n, v in r[key].items()}
+    merged["fallback"] = {k: v for r in results for k, v in r["fallback"].items()}
+    return merged
 
 
 class _nothing:
