@@ -110,6 +110,9 @@ ZOO = {
     "mamba": Arch("MambaConfig", "MambaForCausalLM", "lm"),
     # mixtures of experts
     "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", "lm", dtype=torch.float32),
+    # the same in fp64 with transformers' "eager" experts (a loop over the experts hit; grouped_mm has no fp64)
+    "mixtral_eager": Arch("MixtralConfig", "MixtralForCausalLM", "lm", (("_experts_implementation", "eager"),),
+                          fp32_inside=True),
     "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "lm", dtype=torch.float32),
     "deepseek_v2": Arch("DeepseekV2Config", "DeepseekV2ForCausalLM", "lm", (("num_key_value_heads", 4),),
                         dtype=torch.float32),
@@ -200,9 +203,10 @@ def textbook(model: nn.Module, strategy: str, world: int) -> float:
     return total
 
 
-def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
-    """One step; on one device when `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages,
-    `gt.Pipeline` of 1F1B over 2 micro-batches; each parameter's gradient and value from the rank holding it."""
+def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1) -> dict:
+    """`steps` training steps (the gradients and loss of the last, the parameters after it); on one device when
+    `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages, `gt.Pipeline` of 1F1B over 2
+    micro-batches; each parameter's gradient and value from the rank holding it."""
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
@@ -218,17 +222,23 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
             batch = {k: gt.to_global(v, p, batch_sbp(strategy)) for k, v in batch.items()}
             gt.reset_stats()
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+        losses = []
         with gt.comm_log() if strategy is not None else _nothing() as log:
-            if pipe is not None:
-                loss, res = pipe.step(**batch), None
-            else:
-                res = model(**batch)
-                loss = res.loss
-                loss.backward()
-            opt.step()
+            for i in range(steps):
+                if i:
+                    opt.zero_grad()
+                if pipe is not None:
+                    loss, res = pipe.step(**batch), None
+                else:
+                    res = model(**batch)
+                    loss = res.loss
+                    loss.backward()
+                opt.step()
+                losses.append(loss)
         out["type"] = type(res).__name__ if res is not None else None
         held = lambda q: not isinstance(q, gt.GlobalTensor) or gt.rank() in q.placement  # noqa: E731
         out["loss"] = _whole(loss).item() if held(loss) else None
+        out["losses"] = [_whole(x).item() if held(x) else None for x in losses]
         out["grads"] = {n: None if q.grad is None else _whole(q.grad) for n, q in model.named_parameters()
                         if held(q)}
         out["params"] = {n: _whole(q) for n, q in model.named_parameters() if held(q)}
@@ -236,10 +246,12 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4) -> dict:
             out["fallback"] = dict(gt.stats()["fallback"])
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
-            out["textbook"] = textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
+            out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
         return out
     if strategy is None:
-        return body()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return body()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         results = gt.launch(body, world)
