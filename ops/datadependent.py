@@ -43,7 +43,13 @@ def whole(func: Any, args: tuple, kwargs: dict) -> Any:
         metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs] if inside else None
         got = comm.all_gather_object(metas if comm.rank == placement.flat_ranks[0] else None,
                                      tuple(range(comm.world_size)))
-        metas = next(g for g in got if g is not None)
+        metas = next((g for g in got if g is not None), None)
+        if metas is None:  # the rank inside was at another collective: a pipeline stage's share of the schedule
+            raise RuntimeError(
+                f"{func}: its output's shape is data-dependent, and the ranks outside its placement {placement} "
+                "cannot learn it here (inside a pipeline stage, the other stages run another part of the "
+                "schedule); compute it outside the pipeline's stages, or with a shape that does not depend on "
+                "values (transformers' MoE: the default grouped experts, not experts_implementation='eager')")
         if not inside:
             device = comm.device_for(placement.device_type)
             outs = [None if m is None else torch.empty((0,), dtype=m[1], device=device) for m in metas]

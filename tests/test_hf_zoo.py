@@ -137,6 +137,10 @@ def test_zoo_pipeline_from_the_models_pp_plan(name: str) -> None:
     """`gt.hf.pp_plan` (the config's base_model_pp_plan) on two one-rank stages, 1F1B over 2 micro-batches with
     the model's own loss and keyword inputs: each parameter on one stage, tied ones (Gemma's, Cohere's LM head)
     used on the other, and the step equal to one device's."""
+    if name == "mixtral_eager":  # a loop over the experts hit (`nonzero`) inside a stage: refused by name
+        with pytest.raises(RuntimeError, match="data-dependent"):
+            hf_zoo.step(hf_zoo.ZOO[name], "pp", 2)
+        return
     got = hf_zoo.step(hf_zoo.ZOO[name], "pp", 2)
     _equal_one_device(name, got)
     assert not got["fallback"], got["fallback"]
