@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch._C import _increment_version
@@ -76,6 +77,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
                      for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
+    restates = inplace and known and changes_metadata(func, every[0], dec.out_shapes[0], dec.out_dtypes[0])
     where: dict = {}  # rank -> ShardSite, built only where the rule has its own kernel
 
     # positions of the tensor slots (flat calls): the common call is rebuilt without a tensor list
@@ -92,7 +94,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         comm = context.current()
         rank = comm.rank
         if rank not in members:
-            return _outside(func, dec, args, kwargs, tensors_of(args, kwargs), cls, comm, wrappers)
+            return _outside(func, dec, args, kwargs, tensors_of(args, kwargs), cls, comm, wrappers, restates)
         if boxed:
             STATS["boxed"][name] += 1
         if slots is not None:
@@ -131,7 +133,9 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             raise err from e
         if inplace:
             target = tensors[0]
-            if writeback:
+            if restates:  # the op changed the target's shape or strides: it takes the result, not its values
+                restate(target, func, args, kwargs, flatten_out(result)[0][0], out_layouts[0])
+            elif writeback:
                 target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
             return target
         if wrap_one is not None and isinstance(result, torch.Tensor):
@@ -188,6 +192,33 @@ def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
         _increment_version(tuple(t for t in ts if isinstance(t, cls)))
 
 
+def changes_metadata(func: Any, target: Any, out_shape: Any, out_dtype: Any) -> bool:
+    """Whether an in-place op changes its target's shape, strides or dtype (squeeze_, t_, resize_, as_strided_),
+    not only its values: torch tags the stride-changing ones `inplace_view` (t_ of a square matrix keeps its shape)."""
+    return torch.Tag.inplace_view in func.tags or tuple(out_shape) != tuple(target.shape) or out_dtype != target.dtype
+
+
+def restate(target: Any, func: Any, args: tuple, kwargs: dict, local: torch.Tensor, layout: Layout) -> None:
+    """The target of an in-place op that changes its metadata takes the op's result as its shard and layout,
+    and the op's sizes and strides on its wrapper.
+
+    Copying the result's values back into the target's shard (what an in-place op that only writes values
+    does) cannot hold a result of another shape, and for a stride-only change (t_ of a square matrix)
+    would write the transposed values through into every tensor sharing the target's memory, where torch
+    changes only the target's view of it. The wrapper's metadata is set by running the op on the wrapper
+    itself with the meta kernels (no data, no dispatch: as `return_and_correct_aliasing` does for torch's
+    wrapper subclasses), so it holds exactly the sizes and strides torch gives on one device.
+    """
+    with no_dispatch():
+        was = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was)
+    target._set_layout(local, layout)
+
+
 def _tensor_list(args: tuple, kwargs: dict) -> list:
     found: list = []
     map_tensors(args, kwargs, lambda t, i: found.append(t))
@@ -195,10 +226,12 @@ def _tensor_list(args: tuple, kwargs: dict) -> list:
 
 
 def _outside(func: Any, dec: Decision, args: tuple, kwargs: dict, tensors: list, cls: type, comm: Any,
-             wrappers: tuple) -> Any:
+             wrappers: tuple, restates: bool = False) -> Any:
     """A rank outside the placement: empty shards of the right dtypes, no computing, no collectives."""
     device = comm.device_for(dec.placement.device_type)  # the sim's ranks hold cuda shards with a cpu comm
     if dec.inplace:
+        if restates:  # its wrapper must say what the ranks inside say (the next call's key is built from it)
+            restate(tensors[0], func, args, kwargs, tensors[0]._local, dec.out_layouts[0])
         return tensors[0]
     if dec.out_shapes is None:  # data-dependent: the ranks inside tell the shapes (see _wrap_discovered)
         lay = _broadcast(dec.placement)
