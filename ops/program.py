@@ -83,7 +83,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     # positions of the tensor slots (flat calls): the common call is rebuilt without a tensor list
     direct_at = tuple(slots[k] for k in direct) if slots is not None else ()
     work_at = tuple((slots[k], dst) for k, dst in work) if slots is not None else ()
-    needs_tensors = overwrites or inplace or slots is None
+    # a fallback's tensors that the op writes besides its target (rrelu_with_noise's noise), boxed for the run:
+    # the kernel wrote the boxed copy, so the values are boxed back
+    written = _written_slots(func, args, kwargs, every, work, inplace, cls) if fallback else ()
+    needs_tensors = overwrites or inplace or slots is None or bool(written)
 
     def program(args: tuple, kwargs: dict) -> Any:
         tensors = tensors_of(args, kwargs) if needs_tensors else None
@@ -131,6 +134,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             if err is e:
                 raise
             raise err from e
+        if written:
+            for k in written:
+                t = tensors[k]
+                t._local.copy_(box(largs[slots[k]] if slots is not None else locs[k], targets[k], t._layout, t.shape))
         if inplace:
             target = tensors[0]
             if restates:  # the op changed the target's shape or strides: it takes the result, not its values
@@ -190,6 +197,20 @@ def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
         a = args[i] if i < len(args) else kwargs.get(name)
         ts = a if isinstance(a, (list, tuple)) else (a,)
         _increment_version(tuple(t for t in ts if isinstance(t, cls)))
+
+
+def _written_slots(func: Any, args: tuple, kwargs: dict, every: list, work: tuple, inplace: bool,
+                   cls: type) -> tuple:
+    """The tensor slots, boxed for the run, that the op's schema marks as written (`Tensor(b!)`), besides an
+    in-place target (which the in-place path writes back)."""
+    ids = set()
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write and not a.is_out and not (inplace and i == 0):
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            if isinstance(value, cls):
+                ids.add(id(value))
+    boxed = {k for k, _ in work}
+    return tuple(k for k, t in enumerate(every) if k in boxed and id(t) in ids)
 
 
 def changes_metadata(func: Any, target: Any, out_shape: Any, out_dtype: Any) -> bool:
