@@ -48,6 +48,12 @@ def in_place_view(func: Any, args: tuple, kwargs: dict) -> Any:
     if target._layout.ragged_axes:
         raise NotImplementedError(f"{func}: a ragged tensor's sizes are data and its class is its own; use the "
                                   f"out-of-place view ({TWINS[func]}) instead")
+    if target._is_view() and target.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{func}: the tensor is a view that autograd records: for an in-place view of a view of a tensor "
+            "subclass, autograd rebuilds it from its base with as_strided and the wrapper's own strides and offset "
+            "(not replayed view by view), which a GlobalTensor's wrapper does not hold as one device's does, so a "
+            f"later in-place write through it would get a wrong gradient; use the out-of-place view ({TWINS[func]})")
     view = balanced(TWINS[func], args, kwargs)
     restate(target, func, args, kwargs, view._local, view._layout)
     return target

@@ -86,7 +86,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     # a fallback's tensors that the op writes besides its target (rrelu_with_noise's noise), boxed for the run:
     # the kernel wrote the boxed copy, so the values are boxed back
     written = _written_slots(func, args, kwargs, every, work, inplace, cls) if fallback else ()
-    needs_tensors = overwrites or inplace or slots is None or bool(written)
+    writes = inplace or bool(written)
+    needs_tensors = overwrites or writes or slots is None
 
     def program(args: tuple, kwargs: dict) -> Any:
         tensors = tensors_of(args, kwargs) if needs_tensors else None
@@ -134,17 +135,17 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             if err is e:
                 raise
             raise err from e
-        if written:
+        if writes:  # one test on the common path, as before: an in-place target, or other written tensors
             for k in written:
                 t = tensors[k]
                 t._local.copy_(box(largs[slots[k]] if slots is not None else locs[k], targets[k], t._layout, t.shape))
-        if inplace:
-            target = tensors[0]
-            if restates:  # the op changed the target's shape or strides: it takes the result, not its values
-                restate(target, func, args, kwargs, flatten_out(result)[0][0], out_layouts[0])
-            elif writeback:
-                target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
-            return target
+            if inplace:
+                target = tensors[0]
+                if restates:  # the op changed the target's shape or strides: it takes the result, not its values
+                    restate(target, func, args, kwargs, flatten_out(result)[0][0], out_layouts[0])
+                elif writeback:
+                    target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
+                return target
         if wrap_one is not None and isinstance(result, torch.Tensor):
             out = wrap_one(result)
         else:

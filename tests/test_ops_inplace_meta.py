@@ -76,6 +76,17 @@ def test_in_place_view_keeps_the_split_strides_and_memory(name):
         torch.testing.assert_close(got_base, want_base)
 
 
+def test_in_place_view_of_a_view_autograd_records_is_refused():
+    """Autograd rebuilds an in-place view of a subclass' view from its base with as_strided and the wrapper's
+    strides and offset (torch's own TwoTensor gets y[1:].t_() then mul_ wrong too): refused, not wrong."""
+    def body():
+        x = gt.to_global(torch.randn(5, 4), mesh_placement((2,)), gt.split(0)).requires_grad_()
+        v = (x * 1)[1:]
+        v.t_()
+    with pytest.raises(NotImplementedError, match="out-of-place view"):
+        gt.launch(body, 2)
+
+
 MATMULS = [((5,), (5, 3)), ((4, 5), (5,)), ((5,), (5,)), ((5,), (2, 5, 3)), ((2, 4, 5), (5,))]
 
 
