@@ -85,7 +85,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     work_at = tuple((slots[k], dst) for k, dst in work) if slots is not None else ()
     # a fallback's tensors that the op writes besides its target (rrelu_with_noise's noise), boxed for the run:
     # the kernel wrote the boxed copy, so the values are boxed back
-    written = _written_slots(func, args, kwargs, every, work, inplace, cls) if fallback else ()
+    written = _written_slots(func, args, kwargs, every, slots, work, inplace, cls) if fallback else ()
     writes = inplace or bool(written)
     needs_tensors = overwrites or writes or slots is None
 
@@ -200,18 +200,24 @@ def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
         _increment_version(tuple(t for t in ts if isinstance(t, cls)))
 
 
-def _written_slots(func: Any, args: tuple, kwargs: dict, every: list, work: tuple, inplace: bool,
+def _written_slots(func: Any, args: tuple, kwargs: dict, every: list, slots: Any, work: tuple, inplace: bool,
                    cls: type) -> tuple:
     """The tensor slots, boxed for the run, that the op's schema marks as written (`Tensor(b!)`), besides an
-    in-place target (which the in-place path writes back)."""
-    ids = set()
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write and not a.is_out and not (inplace and i == 0):
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            if isinstance(value, cls):
-                ids.add(id(value))
+    in-place target (which the in-place path writes back). Where every tensor is positional a slot is matched
+    by its position, so a tensor also passed to an argument the op only reads is not written back from there."""
     boxed = {k for k, _ in work}
-    return tuple(k for k, t in enumerate(every) if k in boxed and id(t) in ids)
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write or a.is_out or (inplace and i == 0):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if not isinstance(value, cls):
+            continue
+        for k, t in enumerate(every):
+            if t is value and k in boxed and (slots is None or slots[k] == i):
+                found.append(k)
+                break
+    return tuple(found)
 
 
 def changes_metadata(func: Any, target: Any, out_shape: Any, out_dtype: Any) -> bool:
