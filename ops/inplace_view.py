@@ -1,5 +1,5 @@
 """In-place ops that change their target's shape or strides, not its values: squeeze_, unsqueeze_,
-transpose_, t_ (torch's in-place views) and resize_, resize_as_.
+transpose_, t_ (torch's in-place views), resize_, resize_as_, and addbmm_ of a target that broadcasts.
 
 Each is its out-of-place view twin, dispatched (so the split travels as `ops/view.py` says, boxing only
 where the view's rule must), whose shard and layout the target then takes, with the op's own sizes and
@@ -126,3 +126,19 @@ def resize(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 register([aten.resize_.default, aten.resize_as_.default], Rule(no_signatures, decompose=resize))
+
+
+def addbmm_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
+    """addbmm_ computes addbmm into its target, of the result's shape whatever the target's: torch's CPU kernel
+    resizes a target that only broadcasts ([1] beside [5, 10]), where its meta kernel (and every other in-place
+    op) refuses. The product is the out-of-place addbmm (dispatched: its own rule decides its layout); a target
+    of the result's shape takes its values in its own layout (copy_), another one takes the result whole."""
+    target = args[0]
+    out = aten.addbmm.default(*args, **kwargs)
+    if tuple(out.shape) == tuple(target.shape):
+        return aten.copy_.default(target, out)
+    restate(target, aten.resize_.default, (target, list(out.shape)), {}, out._local, out._layout)
+    return target
+
+
+register([aten.addbmm_.default], Rule(no_signatures, decompose=addbmm_in_place))

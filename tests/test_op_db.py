@@ -74,7 +74,6 @@ FALLBACKS = {
     "adaptive_max_pool3d.default": TODO,  # nn.functional.adaptive_max_pool3d
     "adaptive_max_pool3d_backward.default": TODO,  # nn.functional.adaptive_max_pool3d
     "addbmm.default": TODO,  # addbmm
-    "addbmm_.default": TODO,  # addbmm_
     "addmm_.default": TODO,  # addmm_, addmm.decomposed_, nn.functional.linear_cross_entropy.chunked_none
     "addmv.default": TODO,  # addmv
     "addmv_.default": TODO,  # addmv_
@@ -264,8 +263,6 @@ FALLBACKS = {
 ERRORS = {
     "sparse.sampled_addmm": "sparse layouts are not global tensors",
     "sparse.mm.reduce": "sparse layouts are not global tensors",
-    "addbmm_": "a self of another shape than the result ([1] beside [5, 10]): torch's CPU kernel resizes self, "
-               "its meta kernel (and every other in-place op) refuses it; the global tensor follows the meta kernel",
     "tensor_split": "indices given as a tensor: torch's composite kernel reads their memory in C++ without "
                     "dispatching an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
     "nn.functional.gaussian_nll_loss": "its check torch.any(var < 0) reads a Python value (.item()), which a rank "

@@ -1,5 +1,5 @@
 """In-place ops that change their target's metadata (squeeze_, unsqueeze_, transpose_, t_, resize_,
-as_strided_), the `*_copy` ops, matmul's vector cases, and fallbacks that write more than their target:
+addbmm_, as_strided_), the `*_copy` ops, matmul's vector cases, and fallbacks that write more than their target:
 values, shapes, strides and gradients equal one device; a fallback never leaves a target's metadata stale."""
 from __future__ import annotations
 
@@ -96,6 +96,24 @@ def test_matmul_vector_cases_match_one_device(mesh, shapes, data):
     sbps = [data.draw(sbps_for(mesh, s)) for s in shapes]
     torch.manual_seed(2)
     check(lambda a, b: torch.matmul(a, b), [torch.randn(s, dtype=D) for s in shapes], mesh, sbps)
+
+
+@given(meshes(), st.sampled_from([(1,), (10,), (5, 10), (1, 10)]), st.data())
+def test_addbmm_in_place_takes_the_result_shape(mesh, self_shape, data):
+    """torch's addbmm_ resizes a target that only broadcasts against the result (its CPU kernel does)."""
+    torch.manual_seed(5)
+    x, a, b = torch.randn(self_shape, dtype=D), torch.randn(3, 5, 4, dtype=D), torch.randn(3, 4, 10, dtype=D)
+    want = x.clone().addbmm_(a, b, beta=0.5)
+    sbps = [data.draw(sbps_for(mesh, t.shape)) for t in (x, a, b)]
+
+    def body():
+        p = mesh_placement(mesh)
+        gx, ga, gb = (gt.to_global(t.clone(), p, s) for t, s in zip((x, a, b), sbps))
+        assert gx.addbmm_(ga, gb, beta=0.5) is gx and gx.shape == want.shape and gx.stride() == want.stride()
+        got = gx.full_tensor()
+        return got if gt.rank() in p.flat_ranks else want
+    for got in gt.launch(body, mesh.world):
+        torch.testing.assert_close(got, want)
 
 
 RESIZES = [((4, 4, 4), (16, 4)), ((5, 5, 5), (25, 5)), ((6, 4), (5, 3)), ((6, 4), (24,)), ((), (1, 1, 1)),
