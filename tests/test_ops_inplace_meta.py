@@ -141,6 +141,22 @@ def test_resize_matches_one_device(mesh, sizes, data):
         assert got.shape == want.shape
 
 
+def test_resize_sends_only_what_it_must():
+    """The same count of elements keeps a split the reshape carries; fewer slices the flattened split dim, which
+    each rank does on its own rows, leaving a Partial sum (zeros beside its rows): neither sends a byte."""
+    def body():
+        p = mesh_placement((2,))
+        x = gt.to_global(torch.arange(32.0).reshape(8, 4), p, gt.split(0))
+        with gt.comm_log() as log:
+            x.resize_(4, 8)
+            same = x.sbp
+            x.resize_(4, 5)
+        return same, log.recv_bytes, x.full_tensor()
+    for same, received, got in gt.launch(body, 2):
+        assert same == (gt.split(0),) and received == 0
+        assert torch.equal(got, torch.arange(20.0).reshape(4, 5))
+
+
 def test_resize_as_takes_the_template_shape():
     def body():
         x = gt.to_global(torch.arange(24.0).reshape(4, 6), mesh_placement((2,)), gt.split(0))
