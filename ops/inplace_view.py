@@ -89,7 +89,9 @@ def resize(func: Any, args: tuple, kwargs: dict) -> Any:
     of elements is a reshape, fewer a prefix of the flattened tensor, more only from an empty tensor (whose
     new elements torch leaves uninitialized; here zeros). A non-contiguous target (its storage order is not
     its order), a non-contiguous memory format, or growing a non-empty tensor (torch keeps the elements a
-    former shrink left in the storage, which a global tensor does not) raise, naming the op.
+    former shrink left in the storage, which a global tensor does not) raise, naming the op. Whether the
+    tensor is contiguous on one device is read off its wrapper (in-place views restate its strides) and this
+    rank's shard (an out-of-place view's wrapper is contiguous, its shard is not): each rank reads its own.
     """
     target = args[0]
     if target._layout.ragged_axes:
