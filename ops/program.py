@@ -87,6 +87,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     # the kernel wrote the boxed copy, so the values are boxed back
     written = _written_slots(func, args, kwargs, every, slots, work, inplace, cls) if fallback else ()
     writes = inplace or bool(written)
+    # what the kernel writes in place: a copy where the result is boxed back; where the op changes the target's
+    # metadata in place, a new view of its shard (another GlobalTensor holding the same shard object keeps its
+    # sizes: the target takes the view)
+    first_copy = torch.Tensor.clone if writeback else torch.ops.aten.alias.default if restates else None
     needs_tensors = overwrites or writes or slots is None
 
     def program(args: tuple, kwargs: dict) -> Any:
@@ -109,8 +113,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 largs[i] = local_of(func, args[i], dst, cls, placement, comm)
                 if keep_converted:
                     _keep(args[i], largs[i], dst, cls)
-            if writeback:
-                largs[slots[0]] = largs[slots[0]].clone()
+            if first_copy is not None:
+                largs[slots[0]] = first_copy(largs[slots[0]])
         else:
             locs = [None] * len(tensors)
             for k in direct:
@@ -119,8 +123,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
                 if keep_converted:
                     _keep(tensors[k], locs[k], dst, cls)
-            if writeback:
-                locs[0] = locs[0].clone()
+            if first_copy is not None:
+                locs[0] = first_copy(locs[0])
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
         try:  # free until something raises (Python 3.11's exceptions cost nothing on the way through)
             if own_kernel is None:
