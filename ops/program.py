@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torch._C import _increment_version
@@ -76,12 +77,21 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
                      for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
+    restates = inplace and known and changes_metadata(func, every[0], dec.out_shapes[0], dec.out_dtypes[0])
     where: dict = {}  # rank -> ShardSite, built only where the rule has its own kernel
 
     # positions of the tensor slots (flat calls): the common call is rebuilt without a tensor list
     direct_at = tuple(slots[k] for k in direct) if slots is not None else ()
     work_at = tuple((slots[k], dst) for k, dst in work) if slots is not None else ()
-    needs_tensors = overwrites or inplace or slots is None
+    # a fallback's tensors that the op writes besides its target (rrelu_with_noise's noise), boxed for the run:
+    # the kernel wrote the boxed copy, so the values are boxed back
+    written = _written_slots(func, args, kwargs, every, slots, work, inplace, cls) if fallback else ()
+    writes = inplace or bool(written)
+    # what the kernel writes in place: a copy where the result is boxed back; where the op changes the target's
+    # metadata in place, a new view of its shard (another GlobalTensor holding the same shard object keeps its
+    # sizes: the target takes the view)
+    first_copy = torch.Tensor.clone if writeback else torch.ops.aten.alias.default if restates else None
+    needs_tensors = overwrites or writes or slots is None
 
     def program(args: tuple, kwargs: dict) -> Any:
         tensors = tensors_of(args, kwargs) if needs_tensors else None
@@ -92,7 +102,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         comm = context.current()
         rank = comm.rank
         if rank not in members:
-            return _outside(func, dec, args, kwargs, tensors_of(args, kwargs), cls, comm, wrappers)
+            return _outside(func, dec, args, kwargs, tensors_of(args, kwargs), cls, comm, wrappers, restates)
         if boxed:
             STATS["boxed"][name] += 1
         if slots is not None:
@@ -103,8 +113,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 largs[i] = local_of(func, args[i], dst, cls, placement, comm)
                 if keep_converted:
                     _keep(args[i], largs[i], dst, cls)
-            if writeback:
-                largs[slots[0]] = largs[slots[0]].clone()
+            if first_copy is not None:
+                largs[slots[0]] = first_copy(largs[slots[0]])
         else:
             locs = [None] * len(tensors)
             for k in direct:
@@ -113,8 +123,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 locs[k] = local_of(func, tensors[k], dst, cls, placement, comm)
                 if keep_converted:
                     _keep(tensors[k], locs[k], dst, cls)
-            if writeback:
-                locs[0] = locs[0].clone()
+            if first_copy is not None:
+                locs[0] = first_copy(locs[0])
             largs, kwargs = map_tensors(args, kwargs, lambda t, i: locs[i])
         try:  # free until something raises (Python 3.11's exceptions cost nothing on the way through)
             if own_kernel is None:
@@ -129,11 +139,17 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             if err is e:
                 raise
             raise err from e
-        if inplace:
-            target = tensors[0]
-            if writeback:
-                target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
-            return target
+        if writes:  # one test on the common path, as before: an in-place target, or other written tensors
+            for k in written:
+                t = tensors[k]
+                t._local.copy_(box(largs[slots[k]] if slots is not None else locs[k], targets[k], t._layout, t.shape))
+            if inplace:
+                target = tensors[0]
+                if restates:  # the op changed the target's shape or strides: it takes the result, not its values
+                    restate(target, func, args, kwargs, flatten_out(result)[0][0], out_layouts[0])
+                elif writeback:
+                    target._local.copy_(box(flatten_out(result)[0][0], out_layouts[0], target._layout, target.shape))
+                return target
         if wrap_one is not None and isinstance(result, torch.Tensor):
             out = wrap_one(result)
         else:
@@ -188,6 +204,53 @@ def _bump_written(written: tuple, args: tuple, kwargs: dict, cls: type) -> None:
         _increment_version(tuple(t for t in ts if isinstance(t, cls)))
 
 
+def _written_slots(func: Any, args: tuple, kwargs: dict, every: list, slots: Any, work: tuple, inplace: bool,
+                   cls: type) -> tuple:
+    """The tensor slots, boxed for the run, that the op's schema marks as written (`Tensor(b!)`), besides an
+    in-place target (which the in-place path writes back). Where every tensor is positional a slot is matched
+    by its position, so a tensor also passed to an argument the op only reads is not written back from there."""
+    boxed = {k for k, _ in work}
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write or a.is_out or (inplace and i == 0):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(a.name)
+        if not isinstance(value, cls):
+            continue
+        for k, t in enumerate(every):
+            if t is value and k in boxed and (slots is None or slots[k] == i):
+                found.append(k)
+                break
+    return tuple(found)
+
+
+def changes_metadata(func: Any, target: Any, out_shape: Any, out_dtype: Any) -> bool:
+    """Whether an in-place op changes its target's shape, strides or dtype (squeeze_, t_, resize_, as_strided_),
+    not only its values: torch tags the stride-changing ones `inplace_view` (t_ of a square matrix keeps its shape)."""
+    return torch.Tag.inplace_view in func.tags or tuple(out_shape) != tuple(target.shape) or out_dtype != target.dtype
+
+
+def restate(target: Any, func: Any, args: tuple, kwargs: dict, local: torch.Tensor, layout: Layout) -> None:
+    """The target of an in-place op that changes its metadata takes the op's result as its shard and layout,
+    and the op's sizes and strides on its wrapper.
+
+    Copying the result's values back into the target's shard (what an in-place op that only writes values
+    does) cannot hold a result of another shape, and for a stride-only change (t_ of a square matrix)
+    would write the transposed values through into every tensor sharing the target's memory, where torch
+    changes only the target's view of it. The wrapper's metadata is set by running the op on the wrapper
+    itself with the meta kernels (no data, no dispatch: as `return_and_correct_aliasing` does for torch's
+    wrapper subclasses), so it holds exactly the sizes and strides torch gives on one device.
+    """
+    with no_dispatch():
+        was = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was)
+    target._set_layout(local, layout)
+
+
 def _tensor_list(args: tuple, kwargs: dict) -> list:
     found: list = []
     map_tensors(args, kwargs, lambda t, i: found.append(t))
@@ -195,10 +258,12 @@ def _tensor_list(args: tuple, kwargs: dict) -> list:
 
 
 def _outside(func: Any, dec: Decision, args: tuple, kwargs: dict, tensors: list, cls: type, comm: Any,
-             wrappers: tuple) -> Any:
+             wrappers: tuple, restates: bool = False) -> Any:
     """A rank outside the placement: empty shards of the right dtypes, no computing, no collectives."""
     device = comm.device_for(dec.placement.device_type)  # the sim's ranks hold cuda shards with a cpu comm
     if dec.inplace:
+        if restates:  # its wrapper must say what the ranks inside say (the next call's key is built from it)
+            restate(tensors[0], func, args, kwargs, tensors[0]._local, dec.out_layouts[0])
         return tensors[0]
     if dec.out_shapes is None:  # data-dependent: the ranks inside tell the shapes (see _wrap_discovered)
         lay = _broadcast(dec.placement)

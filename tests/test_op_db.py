@@ -74,17 +74,16 @@ FALLBACKS = {
     "adaptive_max_pool3d.default": TODO,  # nn.functional.adaptive_max_pool3d
     "adaptive_max_pool3d_backward.default": TODO,  # nn.functional.adaptive_max_pool3d
     "addbmm.default": TODO,  # addbmm
-    "addbmm_.default": TODO,  # addbmm_
     "addmm_.default": TODO,  # addmm_, addmm.decomposed_, nn.functional.linear_cross_entropy.chunked_none
     "addmv.default": TODO,  # addmv
     "addmv_.default": TODO,  # addmv_
     "addr.default": TODO,  # addr
     "addr_.default": TODO,  # addr_
-    "alias_copy.default": TODO,  # alias_copy
     "allclose.default": TODO,  # allclose
     "aminmax.default": TODO,  # aminmax
     "as_strided.default": TODO,  # stft, as_strided, as_strided.partial_views
-    "as_strided_.default": TODO,  # as_strided_, as_strided.partial_views_
+    "as_strided_.default": "reads the storage: any element may land anywhere; the target takes the whole "
+                           "result, its sizes and strides restated (ops/program.py)",  # as_strided_, as_strided.partial_views_
     "as_strided_copy.default": TODO,  # as_strided_copy
     "as_strided_scatter.default": TODO,  # as_strided_scatter
     "avg_pool2d.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
@@ -115,7 +114,6 @@ FALLBACKS = {
     "diagonal_scatter.default": TODO,  # diagonal_scatter, linalg.eig, linalg.eigh
     "dist.default": TODO,  # dist
     "dot.default": TODO,  # dot, matmul, nn.functional.linear_cross_entropy.chunked_none
-    "expand_copy.default": TODO,  # expand_copy
     "fractional_max_pool2d.default": TODO,  # nn.functional.fractional_max_pool2d
     "fractional_max_pool2d_backward.default": TODO,  # nn.functional.fractional_max_pool2d
     "fractional_max_pool3d.default": TODO,  # nn.functional.fractional_max_pool3d
@@ -192,9 +190,10 @@ FALLBACKS = {
     "mv.default": TODO,  # addmv, mv, addr
     "nanmedian.default": TODO,  # nanmedian
     "nansum.default": TODO,  # nanmean, nansum
-    "narrow_copy.default": TODO,  # narrow_copy
     "native_group_norm.default": TODO,  # native_group_norm, nn.functional.group_norm
     "native_group_norm_backward.default": TODO,  # nn.functional.group_norm
+    "nll_loss_backward.default": TODO,  # nn.functional.linear_cross_entropy (its unbatched sample: 1-D logits)
+    "nll_loss_forward.default": TODO,  # nn.functional.linear_cross_entropy (its unbatched sample: 1-D logits)
     "nll_loss2d_backward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nll_loss2d_forward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nonzero_static.default": TODO,  # nonzero_static
@@ -202,7 +201,6 @@ FALLBACKS = {
     "normal.Tensor_Tensor": TODO,  # normal
     "normal.Tensor_float": TODO,  # normal.number_mean
     "ormqr.default": TODO,  # ormqr
-    "permute_copy.default": TODO,  # permute_copy
     "pixel_shuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "prod.default": TODO,  # prod
@@ -218,8 +216,6 @@ FALLBACKS = {
     "replication_pad1d_backward.default": TODO,  # nn.functional.pad.replicate
     "replication_pad2d.default": TODO,  # nn.functional.pad.replicate_negative
     "replication_pad2d_backward.default": TODO,  # nn.functional.pad.replicate_negative
-    "resize_.default": TODO,  # resize_, resize__
-    "resize_as_.default": TODO,  # resize_as_, resize_as__
     "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
     "rot90.default": TODO,  # rot90
     "rrelu_with_noise.default": TODO,  # nn.functional.rrelu
@@ -238,30 +234,16 @@ FALLBACKS = {
     "smooth_l1_loss_backward.default": TODO,  # nn.functional.smooth_l1_loss
     "soft_margin_loss.default": TODO,  # nn.functional.soft_margin_loss
     "soft_margin_loss_backward.default": TODO,  # nn.functional.soft_margin_loss
-    "split_with_sizes_copy.default": TODO,  # split_with_sizes_copy
-    "squeeze_.default": TODO,  # squeeze_
-    "squeeze_.dim": TODO,  # stft, matmul, quantile
-    "squeeze_.dims": TODO,  # squeeze.multiple_
-    "squeeze_copy.default": TODO,  # squeeze_copy
-    "squeeze_copy.dim": TODO,  # squeeze_copy
-    "t_.default": TODO,  # t_
-    "t_copy.default": TODO,  # t_copy
     "take.default": TODO,  # put, take
     "trace.default": TODO,  # trace
-    "transpose_.default": TODO,  # stft, transpose_
-    "transpose_copy.int": TODO,  # transpose_copy
     "triangular_solve.default": TODO,  # triangular_solve
     "tril.default": TODO,  # cholesky, lu_unpack, lu
     "tril_.default": TODO,  # ormqr, tril_, linalg.householder_product
     "triu.default": TODO,  # lu_unpack, lu, lu_solve
     "triu_.default": TODO,  # triu_
-    "unbind_copy.int": TODO,  # unbind_copy
     "unfold.default": TODO,  # unfold
     "unfold_backward.default": TODO,  # unfold, unfold_copy
     "unfold_copy.default": TODO,  # unfold_copy
-    "unsafe_split.Tensor": TODO,  # unsafe_chunk, unsafe_split
-    "unsqueeze_.default": TODO,  # native_group_norm, unsqueeze_, nn.functional.dropout3d_
-    "unsqueeze_copy.default": TODO,  # unsqueeze_copy
     "upsample_bicubic2d.default": TODO,  # nn.functional.interpolate.bicubic
     "upsample_bicubic2d_backward.default": TODO,  # nn.functional.interpolate.bicubic
     "upsample_bilinear2d.default": TODO,  # nn.functional.interpolate.bilinear, nn.functional.upsample_bilinear
@@ -273,7 +255,6 @@ FALLBACKS = {
     "upsample_trilinear3d.default": TODO,  # nn.functional.interpolate.trilinear
     "upsample_trilinear3d_backward.default": TODO,  # nn.functional.interpolate.trilinear
     "vdot.default": TODO,  # vdot, linalg.vecdot
-    "view_copy.default": TODO,  # view_copy
     "torch_nn._linear_cross_entropy_batch_chunked.default": TODO,  # nn.functional.linear_cross_entropy.chunked
     "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": TODO,  # nn.functional.linear_cross_entropy.chunked_none
 }
@@ -282,15 +263,14 @@ FALLBACKS = {
 ERRORS = {
     "sparse.sampled_addmm": "sparse layouts are not global tensors",
     "sparse.mm.reduce": "sparse layouts are not global tensors",
+    "tensor_split": "indices given as a tensor: torch's composite kernel reads their memory in C++ without "
+                    "dispatching an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
+    "nn.functional.gaussian_nll_loss": "its check torch.any(var < 0) reads a Python value (.item()), which a rank "
+                                       "outside the placement (the 'world' layout) does not hold; ops/scalar.py "
+                                       "tells it so, naming the fix",
 }
-KNOWN_WRONG = {  # being fixed (issue 34): listed so the suite says which, not silently
-    "matmul": TODO, "__rmatmul__": TODO, "nn.functional.rrelu": TODO, "t_": TODO,
-}
-KNOWN_ERRORS = {k: TODO for k in [
-    "addbmm_", "stft", "nn.functional.linear_cross_entropy", "as_strided_", "as_strided.partial_views_",
-    "native_group_norm", "native_batch_norm", "tensor_split", "squeeze_", "squeeze.multiple_", "resize_",
-    "resize__", "unsqueeze_", "transpose_", "t_", "nn.functional.dropout3d_", "__rmatmul__", "matmul",
-    "ravel", "view", "flatten", "repeat_interleave", "nn.functional.gaussian_nll_loss"]}
+KNOWN_WRONG: dict = {}  # being fixed (issue 34): listed so the suite says which, not silently
+KNOWN_ERRORS: dict = {}
 
 ENTRIES = {e.key: e for e in sweep.entries()}
 

@@ -109,8 +109,8 @@ def _pointwise(func: Any, args: tuple, kwargs: dict, flat: list, first: GlobalTe
                 raise ValueError(f"{func}: a ragged tensor meets a {t.sbp} one; other operands of a ragged one must "
                                  "be ragged alike or Broadcast on its placement (or split as it is on its other axes)")
             return _cut_operand(func, t._local, tuple(t.shape), shape, layout, sizes, held) if inside else t._local
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return _cut_operand(func, t, tuple(t.shape), shape, layout, sizes) if inside else t
+        if isinstance(t, torch.Tensor) and t.dim() > 0:  # outside the placement: an empty shard, like the others
+            return _cut_operand(func, t, tuple(t.shape), shape, layout, sizes) if inside else t.new_empty((0,))
         return t
 
     largs, lkwargs = tree_map(local, (args, kwargs))
