@@ -53,7 +53,9 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             decomposed = compile_decomposition(func, rule, cls)
         else:
             def decomposed(args: tuple, kwargs: dict) -> Any:
-                if _adopt(tensors_of(args, kwargs), cls):
+                tensors = tensors_of(args, kwargs)
+                refuse_cut(func, tensors[0])
+                if _adopt(tensors, cls):
                     return args[0]
                 return rule.decompose(func, args, kwargs)
         decomposed.decision = dec  # type: ignore[attr-defined]
@@ -92,6 +94,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     # sizes: the target takes the view)
     first_copy = torch.Tensor.clone if writeback else torch.ops.aten.alias.default if restates else None
     needs_tensors = overwrites or writes or slots is None
+    # a view op whose input had to change layout (a slice of a split dim) computes on a converted copy: its
+    # outputs hold no view of the input's shards, so they are marked, and so are views of them (`refuse_cut`)
+    view = func.is_view and not inplace
+    cuts = view and any(k == 0 for k, _ in work)
 
     def program(args: tuple, kwargs: dict) -> Any:
         tensors = tensors_of(args, kwargs) if needs_tensors else None
@@ -140,6 +146,8 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
                 raise
             raise err from e
         if writes:  # one test on the common path, as before: an in-place target, or other written tensors
+            if inplace:
+                refuse_cut(func, tensors[0])
             for k in written:
                 t = tensors[k]
                 t._local.copy_(box(largs[slots[k]] if slots is not None else locs[k], targets[k], t._layout, t.shape))
@@ -161,10 +169,27 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         if fresh:
             for o in flatten_out(result)[0]:
                 _FRESH[o] = True
+        if view and (cuts or getattr(args[0], "_cut_from", None) is not None):
+            for o in flatten_out(out)[0]:
+                if o is not None:
+                    o._cut_from = getattr(args[0], "_cut_from", None) or str(func)
         return out
 
     program.decision = dec  # type: ignore[attr-defined]
     return program
+
+
+def refuse_cut(func: Any, target: Any) -> None:
+    """An in-place write into a view whose input had to change layout for it would land in a converted copy,
+    never in the tensor it was cut from (one device writes through the view): an error, not a lost write."""
+    cut = getattr(target, "_cut_from", None)
+    if cut is not None:
+        raise RuntimeError(
+            f"{func}: writes into a view ({cut}) of a tensor whose split the view crosses: such a view is "
+            "computed on a gathered copy, not on the tensor's shards, so the write would not reach the tensor. "
+            "Write into the tensor with one op instead (x.index_put_, x.masked_fill_, x.copy_(torch.where(...)), "
+            "x.slice_scatter), lay the tensor out so the view keeps a split it does not cross, or clone() the "
+            "view to use it on its own")
 
 
 def compile_decomposition(func: Any, rule: Any, cls: type) -> Callable[[tuple, dict], Any]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import example, given, strategies as st
@@ -157,3 +158,42 @@ def test_flip_of_a_split_dim_swaps_mirror_rows_and_keeps_the_split():
     converting (a gather, or Partial and its reduction) would move 48 B to each rank."""
     for y, grad, received, sbp, _ in _flip_on(Mesh((4,)), (8,), (gt.split(0),), [0]):
         assert torch.equal(y, torch.arange(8.0, dtype=D).flip(0)) and sbp == (gt.split(0),) and received == 16
+
+
+CUT_WRITES = {  # name -> (write, whether the view crosses the split of x, S(0) over 2 ranks)
+    "slice": (lambda x: x[2:5].fill_(1), True),
+    "select": (lambda x: x[3].fill_(1), True),
+    "setitem": (lambda x: x.__setitem__(slice(2, 5), 1.0), True),
+    "narrow": (lambda x: x.narrow(0, 2, 3).fill_(1), True),
+    "chunk": (lambda x: x.chunk(2)[1].mul_(3), True),
+    "reshape-select": (lambda x: x.view(4, 8)[1].fill_(1), True),
+    "view-of-a-cut": (lambda x: x[2:6][1:2].add_(1), True),
+    "columns": (lambda x: x.__setitem__((slice(None), slice(1, 3)), 2.0), False),
+    "transposed-row": (lambda x: x.t()[0].fill_(1), False),
+    "clone-of-a-cut": (lambda x: x[2:5].clone().fill_(1), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CUT_WRITES))
+def test_a_write_through_a_view_reaches_the_tensor_or_is_refused(name):
+    """One device writes through a view into its base. A view whose input had to be gathered for it (a slice
+    or select of the split dim) is a copy: a write into it would be lost, silently (it was: issue 34), so it
+    raises, naming the view; a view that keeps a split writes through, as on one device."""
+    write, crosses = CUT_WRITES[name]
+    base = torch.arange(32.).reshape(8, 4)
+    want = base.clone()
+    write(want)
+
+    def body():
+        x = gt.to_global(base.clone(), gt.placement("cpu", [0, 1]), gt.split(0))
+        try:
+            write(x)
+        except RuntimeError as e:
+            return str(e)
+        return x.full_tensor()
+    got = gt.launch(body, 2)
+    for g in got:
+        if crosses:
+            assert isinstance(g, str) and "writes into a view" in g and "gathered copy" in g, g
+        else:
+            torch.testing.assert_close(g, want)
