@@ -33,7 +33,6 @@ FALLBACKS = {
     "_cdist_backward.default": TODO,  # cdist
     "_cdist_forward.default": TODO,  # cdist
     "_chunk_cat.default": TODO,  # _chunk_cat
-    "_conj_physical.default": TODO,  # fft.ihfft2, fft.ihfftn
     "_ctc_loss.Tensor": TODO,  # nn.functional.ctc_loss
     "_ctc_loss.default": TODO,  # nn.functional.ctc_loss
     "_ctc_loss_backward.Tensor": TODO,  # nn.functional.ctc_loss
@@ -41,18 +40,9 @@ FALLBACKS = {
     "_embedding_bag.default": TODO,  # nn.functional.embedding_bag
     "_embedding_bag_backward.default": TODO,  # nn.functional.embedding_bag
     "_embedding_bag_per_sample_weights_backward.default": TODO,  # nn.functional.embedding_bag
-    "_fft_c2c.default": TODO,  # fft.fft, fft.fft2, fft.fftn
-    "_fft_c2r.default": TODO,  # fft.hfft, fft.hfft2, fft.hfftn
-    "_fft_r2c.default": TODO,  # stft, fft.fft, fft.hfft
     "_histogramdd_bin_edges.default": TODO,  # histogramdd
     "_histogramdd_from_bin_cts.default": TODO,  # histogramdd
     "_histogramdd_from_bin_tensors.default": TODO,  # histogramdd
-    "_linalg_check_errors.default": TODO,  # linalg.cholesky, linalg.eig, linalg.eigvals
-    "_linalg_det.default": TODO,  # linalg.det
-    "_linalg_eigh.default": TODO,  # linalg.eigh, linalg.eigvalsh, linalg.matrix_rank.hermitian
-    "_linalg_slogdet.default": TODO,  # logdet, linalg.slogdet
-    "_linalg_solve_ex.default": TODO,  # linalg.eig, linalg.eigvals, linalg.solve
-    "_linalg_svd.default": TODO,  # svd, svd_lowrank, pca_lowrank
     "_native_batch_norm_legit.default": TODO,  # _native_batch_norm_legit
     "_pdist_backward.default": TODO,  # nn.functional.pdist
     "_pdist_forward.default": TODO,  # nn.functional.pdist
@@ -101,9 +91,6 @@ FALLBACKS = {
     "bucketize.Tensor": TODO,  # bucketize
     "cauchy_.default": TODO,  # cauchy, cauchy_
     "channel_shuffle.default": TODO,  # nn.functional.channel_shuffle
-    "cholesky.default": TODO,  # cholesky
-    "cholesky_inverse.default": TODO,  # cholesky_inverse
-    "cholesky_solve.default": TODO,  # cholesky_solve
     "col2im.default": TODO,  # nn.functional.unfold
     "convolution.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
     "convolution_backward.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
@@ -121,7 +108,6 @@ FALLBACKS = {
     "fractional_max_pool3d.default": TODO,  # nn.functional.fractional_max_pool3d
     "fractional_max_pool3d_backward.default": TODO,  # nn.functional.fractional_max_pool3d
     "geometric_.default": TODO,  # geometric, geometric_
-    "geqrf.default": TODO,  # geqrf
     "glu.default": TODO,  # nn.functional.glu
     "glu_backward.default": TODO,  # nn.functional.glu
     "grid_sampler_2d.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
@@ -146,21 +132,8 @@ FALLBACKS = {
     "index_reduce_.default": TODO,  # index_reduce.mean_, index_reduce.prod_, index_reduce.amin_
     "index_select.default": TODO,  # index_fill, index_copy, index_select
     "isin.Tensor_Tensor": TODO,  # isin
-    "linalg_cholesky_ex.default": TODO,  # linalg.cholesky, linalg.cholesky_ex
-    "linalg_cross.default": TODO,  # cross, linalg.cross
-    "linalg_eig.default": TODO,  # linalg.eig, linalg.eigvals
-    "linalg_householder_product.default": TODO,  # linalg.householder_product
-    "linalg_inv_ex.default": TODO,  # linalg.inv, linalg.inv_ex, linalg.tensorinv
-    "linalg_ldl_factor_ex.default": TODO,  # linalg.ldl_factor, linalg.ldl_factor_ex
-    "linalg_ldl_solve.default": TODO,  # linalg.ldl_solve
-    "linalg_lstsq.default": TODO,  # linalg.lstsq, linalg.lstsq.grad_oriented
-    "linalg_lu.default": TODO,  # linalg.lu
-    "linalg_lu_factor_ex.default": TODO,  # lu, linalg.lu_factor, linalg.lu_factor_ex
-    "linalg_lu_solve.default": TODO,  # lu_solve, logdet, linalg.det
-    "linalg_matrix_exp.default": TODO,  # matrix_exp
-    "linalg_pinv.atol_rtol_tensor": TODO,  # pinverse, linalg.lstsq, linalg.lstsq.grad_oriented
-    "linalg_qr.default": TODO,  # qr, svd_lowrank, pca_lowrank
-    "linalg_solve_triangular.default": TODO,  # cholesky, lu, lu_solve
+    "linalg_householder_product.default": "its backward writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it (x[:, 0:1].sub_(1) on S(1) leaves x unchanged): replicated until such writes refuse",  # linalg.householder_product
+    "linalg_lstsq.default": "no meta kernel in torch, and with the gelsd/gelss drivers its residuals exist only when every matrix has full rank: the values decide the output shape",  # linalg.lstsq, linalg.lstsq.grad_oriented
     "linspace.Scalar_Tensor": TODO,  # linspace.tensor_overload
     "linspace.Tensor_Scalar": TODO,  # linspace.tensor_overload
     "linspace.Tensor_Tensor": TODO,  # linspace.tensor_overload
@@ -172,7 +145,6 @@ FALLBACKS = {
     "logspace.Tensor_Scalar": TODO,  # logspace.tensor_overload
     "logspace.Tensor_Tensor": TODO,  # logspace.tensor_overload
     "logsumexp.default": TODO,  # logsumexp, masked.logsumexp
-    "lu_unpack.default": TODO,  # lu_unpack, lu, lu_solve
     "masked_scatter.default": TODO,  # combinations, masked_scatter, masked_select
     "masked_scatter_.default": TODO,  # masked_scatter_
     "masked_scatter_backward.default": TODO,  # masked_scatter
@@ -201,7 +173,7 @@ FALLBACKS = {
     "norm.ScalarOpt_dim": TODO,  # nn.functional.triplet_margin_loss, nn.functional.triplet_margin_with_distance_loss, nn.functional.pairwise_distance
     "normal.Tensor_Tensor": TODO,  # normal
     "normal.Tensor_float": TODO,  # normal.number_mean
-    "ormqr.default": TODO,  # ormqr
+    "ormqr.default": "its backward (householder_product's) writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it: replicated until such writes refuse",  # ormqr
     "permute_copy.default": TODO,  # permute_copy
     "pixel_shuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
@@ -250,7 +222,6 @@ FALLBACKS = {
     "trace.default": TODO,  # trace
     "transpose_.default": TODO,  # stft, transpose_
     "transpose_copy.int": TODO,  # transpose_copy
-    "triangular_solve.default": TODO,  # triangular_solve
     "tril.default": TODO,  # cholesky, lu_unpack, lu
     "tril_.default": TODO,  # ormqr, tril_, linalg.householder_product
     "triu.default": TODO,  # lu_unpack, lu, lu_solve
