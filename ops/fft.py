@@ -5,10 +5,17 @@ other dim is carried, so a split there passes and each rank transforms its own l
 transformed dim cannot pass (every output frequency reads the whole line) and is gathered first. The
 transforms are linear (real-linear for r2c and c2r), so a Partial input gives a Partial output; the
 normalization scales by the transformed dims' sizes only, which every rank holds whole.
+
+torch's CPU fft (MKL) raises on a tensor with no lines (an empty untouched dim), which an uneven split
+gives a rank: the kernel returns that rank's empty output itself.
 """
 from __future__ import annotations
 
-from .registry import P, Ctx, Rule, S, aten, register
+from typing import Any
+
+import torch
+
+from .registry import P, Ctx, Rule, S, ShardSite, always, aten, register
 
 
 def fft_signatures(ctx: Ctx) -> list:
@@ -17,6 +24,16 @@ def fft_signatures(ctx: Ctx) -> list:
     return [((S(d),), (S(d),)) for d in range(n) if d not in transformed] + [((P,), (P,))]
 
 
-register([aten._fft_r2c.default, aten._fft_c2c.default, aten._fft_c2r.default], Rule(fft_signatures))
+def fft_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The transform of this rank's lines; none (an empty shard): the empty output, shaped as torch's meta says."""
+    x = args[0]
+    if x.numel() or x.device.type == "meta":
+        return func(*args, **kwargs)
+    out = func(torch.empty(x.shape, dtype=x.dtype, device="meta"), *args[1:], **kwargs)
+    return torch.empty(out.shape, dtype=out.dtype, device=x.device)
 
-__all__ = ["fft_signatures"]
+
+register([aten._fft_r2c.default, aten._fft_c2c.default, aten._fft_c2r.default],
+         Rule(fft_signatures, kernel=fft_local, plain_when=always))
+
+__all__ = ["fft_signatures", "fft_local"]
