@@ -14,15 +14,23 @@ computed from the whole A on every rank: Broadcast.
 
 `_linalg_check_errors` reads its info's values and raises: each rank checks its own shard (no
 collective on the common, error-free call) and names the failing matrix by its global batch index, as
-one device does; only the ranks holding a failing matrix raise, and `gt.launch` (or the collective
-watch under torchrun) surfaces the lowest such rank's error.
+one device does (so do the kernels that raise themselves: `cholesky`, `check_errors=True`); only the
+ranks holding a failing matrix raise, and `gt.launch` (or the collective watch under torchrun)
+surfaces the lowest-numbered such rank's error: the first failing matrix, as on one device, when that
+rank holds the earliest failure (a split of the first batch dim over ranks in mesh order), else another
+failing one.
 
-`linalg_lstsq` keeps the fallback: torch has no meta kernel for it, and with the gelsd/gelss drivers
-its residuals exist only when every matrix has full rank (a value, not a shape, decides).
-`linalg_householder_product` and `ormqr` keep it too, though their forward would split alike: their
-backward writes in place through slices of its intermediates, and a view whose input the dispatcher
-converts (`x[:, 0:1]` of an `S(1)` x, taken from a Partial copy) does not alias its base, so the
-writes would be lost (wrong gradients). Replicated, every intermediate is whole and the views alias.
+Where a split is not taken: `linalg_lstsq` keeps the fallback (torch has no meta kernel for it, and
+with the gelsd/gelss drivers its residuals exist only when every matrix has full rank: a value, not a
+shape, decides). `linalg_householder_product` and `ormqr` keep it too, and `_linalg_svd` splits only
+without U and V (svdvals, norms), though their forward would split alike: their backward writes in
+place through views of its intermediates (svd's `E.diagonal().fill_(1)`, householder's slices), and a
+view whose input the dispatcher converts (a `diagonal` that falls back gathers E into a copy; `x[:, 0:1]`
+of an `S(1)` x is taken from a Partial copy) does not alias its base: the writes would be lost (NaN or
+wrong gradients). Run whole, every intermediate is Broadcast and the views alias.
+
+On CUDA torch picks some solvers by batch size (batched Jacobi for eigh and svd of small matrices),
+whose eigenvector signs may differ from a call on fewer matrices: only the CPU claim above is tested.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .dims import Carried, carried
-from .registry import B, P, Ctx, Rule, ShardSite, S, aten, register
+from .registry import B, P, Ctx, Rule, ShardSite, S, always, aten, register
 
 Cores = Sequence[Optional[int]] | Callable[[Ctx], Sequence[Optional[int]]]
 
@@ -71,20 +79,65 @@ def _aligned(shape: Sequence[int], batch: Sequence[int], d: int) -> Optional[int
     return k
 
 
+# -- errors naming a matrix by its global batch index ---------------------------------------------
+_ELEMENT = re.compile(r"\(Batch element (\d+)\)")
+
+
+def renumbered(core0: int | Callable[[Ctx], int], meta: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+    """A kernel running the op on this rank's shards whose errors name a failing matrix ("(Batch element i)",
+    torch's words) by its global batch index, as one device does, not by its place in the shard.
+    `core0`: the core dims of the first input, whose batch torch's index counts; `meta`: the rule's stand-in
+    for a meta kernel torch lacks, used when the dispatcher checks shapes on meta shards."""
+    def kernel(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
+        if meta is not None and where.checking:
+            return meta(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as e:
+            found = _ELEMENT.search(str(e))
+            if found is None or where.checking:
+                raise
+            core = core0(where.ctx) if callable(core0) else core0
+            local, whole = args[0].shape, where.ctx.shapes[0]
+            batch = len(whole) - core
+            starts = [start for start, _ in where.in_box(0)[:batch]]
+            index = [start + k for start, k in zip(starts, _unravel(int(found.group(1)), local[:batch]))]
+            glob = _ravel(index, whole[:batch])
+            raise type(e)(str(e)[:found.start()] + f"(Batch element {glob})" + str(e)[found.end():]) from None
+    return kernel
+
+
+def _unravel(i: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        out.append(i % n)
+        i //= n
+    return out[::-1]
+
+
+def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
+    i = 0
+    for k, n in zip(index, shape):
+        i = i * n + k
+    return i
+
+
 def batched(core_in: Cores, core_out: Cores,
             more: Optional[Callable[[Ctx], list]] = None, **rule: Any) -> Rule:
-    """A rule splitting the batch dims (`batch_dims`), plus `more(ctx)`'s own 1-D signatures."""
+    """A rule splitting the batch dims (`batch_dims`), plus `more(ctx)`'s own 1-D signatures; its kernel names
+    a failing matrix by its global batch index (`renumbered`)."""
     def dims(ctx: Ctx) -> list:
         cin = core_in(ctx) if callable(core_in) else core_in
         cout = core_out(ctx) if callable(core_out) else core_out
         return batch_dims(ctx, cin, cout)
     base = carried(dims)
+    kernel = renumbered(lambda ctx: (core_in(ctx) if callable(core_in) else core_in)[0], rule.get("meta"))
     if more is None:
-        return Rule(base.signatures, **rule)
+        return Rule(base.signatures, kernel=kernel, plain_when=always, **rule)
 
     def signatures(ctx: Ctx) -> list:
         return list(base.signatures(ctx)) + list(more(ctx))
-    return Rule(signatures, **rule)
+    return Rule(signatures, kernel=kernel, plain_when=always, **rule)
 
 
 def solve_signatures(a: Sequence[int], b: int, x: int, cols: Callable[[Ctx], Optional[int]]) -> Callable:
@@ -151,7 +204,11 @@ register([aten.cholesky.default, aten.cholesky_inverse.default, aten.linalg_matr
 register([aten.linalg_lu_factor_ex.default, aten.linalg_ldl_factor_ex.default], batched((2,), (2, 1, 0)))
 register([aten.linalg_lu.default], batched((2,), _placeholder("pivot", (2, 2, 2), (0,))))
 register([aten.lu_unpack.default], batched((2, 1), _lu_unpack_cores))
-register([aten._linalg_svd.default], batched((2,), _placeholder("compute_uv", (2, 1, 2), (0, 2))))
+# svd splits its batch only without U and V (svdvals, norms and cond without gradients): its backward fills
+# E's diagonal in place through `diagonal`, which has no rule yet and falls back, so a split E would be
+# gathered into a copy and the fill lost (NaN gradients). With U and V it runs whole on every rank.
+register([aten._linalg_svd.default],
+         batched((2,), lambda ctx: (None, None, None) if ctx.named("compute_uv", True) else (None, 1, None)))
 register([aten._linalg_eigh.default], batched((2,), _placeholder("compute_v", (1, 2), (1,))))
 register([aten.linalg_eig.default], batched((2,), (1, 2)))
 register([aten.linalg_qr.default], batched((2,), _qr_cores))
@@ -206,43 +263,11 @@ register([aten.linalg_cross.default], Rule(cross_signatures))
 
 
 # -- _linalg_check_errors: each rank checks its own matrices ------------------------------------------
-_ELEMENT = re.compile(r"\(Batch element (\d+)\)")
-
-
-def check_errors_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> None:
-    """torch's check on this rank's info shard, its error naming the failing matrix by its global batch index."""
-    try:
-        return func(*args, **kwargs)
-    except RuntimeError as e:
-        found = _ELEMENT.search(str(e))
-        if found is None or where.checking:
-            raise
-        starts = [start for start, _ in where.in_box(0)]
-        index = [start + k for start, k in zip(starts, _unravel(int(found.group(1)), args[0].shape))]
-        glob = _ravel(index, where.ctx.shapes[0])
-        raise type(e)(str(e)[:found.start()] + f"(Batch element {glob})" + str(e)[found.end():]) from None
-
-
-def _unravel(i: int, shape: Sequence[int]) -> list[int]:
-    out = []
-    for n in reversed(shape):
-        out.append(i % n)
-        i //= n
-    return out[::-1]
-
-
-def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
-    i = 0
-    for k, n in zip(index, shape):
-        i = i * n + k
-    return i
-
-
 def check_errors_signatures(ctx: Ctx) -> list:
     return [((S(d),), ()) for d in range(len(ctx.shapes[0]))]
 
 
-register([aten._linalg_check_errors.default], Rule(check_errors_signatures, kernel=check_errors_local))
+register([aten._linalg_check_errors.default], Rule(check_errors_signatures, kernel=renumbered(0), plain_when=always))
 
-__all__ = ["batch_dims", "batched", "solve_signatures", "columns_of", "cross_signatures", "check_errors_local",
+__all__ = ["batch_dims", "batched", "solve_signatures", "columns_of", "cross_signatures", "renumbered",
            "geqrf_meta"]

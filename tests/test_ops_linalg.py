@@ -74,6 +74,12 @@ OPS = {
 }
 
 
+def _singular_values(a: torch.Tensor) -> torch.Tensor:
+    """svd without U and V (compute_uv=False), the form whose batch splits (torch's svdvals asks for U and V
+    whenever its input is a tensor subclass, so it runs whole here)."""
+    return torch.ops.aten._linalg_svd(a, False, False)[1]
+
+
 def _fallen() -> set:
     return {k.removeprefix("aten.").split(".")[0] for k in gt.stats()["fallback"]} & LINALG_ATEN
 
@@ -108,12 +114,13 @@ def _forward(fn, inputs: list, sbps: list, world: int = 4):
         return gt.launch(body, world)[0]
 
 
-@pytest.mark.parametrize("name", ["inv", "cholesky", "solve", "lu", "svd", "eigh", "qr", "slogdet", "pinv",
-                                  "matrix_exp", "geqrf", "lu_factor_solve"])
+@pytest.mark.parametrize("name", ["inv", "cholesky", "solve", "lu", "singular_values", "eigh", "qr", "slogdet",
+                                  "pinv", "matrix_exp", "geqrf", "lu_factor_solve"])
 def test_shared_batch_split_stays_and_sends_nothing(name):
     """Every input split alike on the batch: each rank computes its own matrices, the outputs keep the split
-    (info, pivots, eigenvalues, determinants too) and the call sends nothing at all."""
-    fn, makers, _ = OPS[name]
+    (info, pivots, eigenvalues, determinants too) and the call sends nothing at all. (svd with U and V runs
+    whole: see ops/linalg.py.)"""
+    fn, makers, _ = OPS[name] if name in OPS else (_singular_values, [_general], False)
     g = torch.Generator().manual_seed(3)
     inputs = [make(g, (6,), 3) for make in makers]
     want = fn(*inputs)
@@ -171,25 +178,65 @@ def test_cross_splits_every_other_dim_and_is_bilinear():
     assert sbp == (gt.split(2),) and sent == []
 
 
-@pytest.mark.parametrize("world,bad", [(4, 5), (3, 0), (2, 7)])
-def test_check_errors_name_the_global_batch_element(world, bad):
-    """linalg.cholesky of a batch split over ranks, one matrix not positive definite: the same error as one
-    device, naming that matrix's global index, raised by the rank that holds it (the others send nothing)."""
-    g = torch.Generator().manual_seed(8)
-    a = _spd(g, (8,), 3)
+def _not_pd(a: torch.Tensor, bad: int) -> torch.Tensor:
+    a = a.clone()
     a[bad, 0, 0] = -1.0
+    return a
+
+
+def _singular(a: torch.Tensor, bad: int) -> torch.Tensor:
+    a = a.clone()
+    a[bad] = 0.0
+    return a
+
+
+RAISING = {  # name -> (function, how the bad matrix is made)
+    "linalg.cholesky": (torch.linalg.cholesky, _not_pd),
+    "cholesky": (torch.cholesky, _not_pd),  # its kernel checks its info itself
+    "cholesky_ex_checked": (lambda a: torch.linalg.cholesky_ex(a, check_errors=True).L, _not_pd),
+    "inv": (torch.linalg.inv, _singular),
+    "solve": (lambda a: torch.linalg.solve(a, a[..., :1]), _singular),
+    "lu_factor": (lambda a: torch.linalg.lu_factor(a).LU, _singular),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RAISING))
+@pytest.mark.parametrize("world,bad", [(4, 5), (3, 0), (2, 7)])
+def test_errors_name_the_global_batch_element(name, world, bad):
+    """A batch split over ranks, one matrix not positive definite (singular): the same error as one device,
+    naming that matrix's global index, raised by the rank that holds it (the others send nothing)."""
+    fn, spoil = RAISING[name]
+    g = torch.Generator().manual_seed(8)
+    a = spoil(_spd(g, (8,), 3), bad)
+    with pytest.raises(RuntimeError) as one:  # LinAlgError, or RuntimeError (lu_factor's)
+        fn(a)
+
+    def body():
+        p = mesh_placement((world,))
+        return fn(gt.to_global(a, p, gt.split(0))).full_tensor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError) as ours:
+            gt.launch(body, world)
+    assert f"(Batch element {bad})" in str(one.value)
+    assert type(ours.value) is type(one.value) and str(one.value) in str(ours.value)
+
+
+def test_error_index_on_a_2d_batch_split_on_its_second_dim():
+    """A (2, 6) batch split on dim 1 over 3 ranks: the failing matrix (1, 4) is global element 10."""
+    g = torch.Generator().manual_seed(12)
+    a = _spd(g, (2, 6), 3)
+    a[1, 4, 0, 0] = -1.0
     with pytest.raises(torch.linalg.LinAlgError) as one:
         torch.linalg.cholesky(a)
 
     def body():
-        p = mesh_placement((world,))
-        return torch.linalg.cholesky(gt.to_global(a, p, gt.split(0))).full_tensor()
+        return torch.linalg.cholesky(gt.to_global(a, mesh_placement((3,)), gt.split(1))).full_tensor()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(torch.linalg.LinAlgError) as ours:
-            gt.launch(body, world)
-    assert f"(Batch element {bad})" in str(one.value)
-    assert str(one.value) in str(ours.value)
+            gt.launch(body, 3)
+    assert "(Batch element 10)" in str(one.value) and str(one.value) in str(ours.value)
 
 
 def test_info_values_at_their_global_places():
