@@ -209,8 +209,11 @@ register([aten.lu_unpack.default], batched((2, 1), _lu_unpack_cores))
 # gathered into a copy and the fill lost (NaN gradients). With U and V it runs whole on every rank.
 register([aten._linalg_svd.default],
          batched((2,), lambda ctx: (None, None, None) if ctx.named("compute_uv", True) else (None, 1, None)))
-register([aten._linalg_eigh.default], batched((2,), _placeholder("compute_v", (1, 2), (1,))))
-register([aten.linalg_eig.default], batched((2,), (1, 2)))
+# eigh splits its batch only without eigenvectors (eigvalsh); eig never (eigvals asks for vectors on a tensor
+# subclass): a gradient reaching the eigenvectors fills E's diagonal in place, lost as svd's (see above)
+register([aten._linalg_eigh.default],
+         batched((2,), lambda ctx: (None, None) if ctx.named("compute_v", True) else (1, None)))
+register([aten.linalg_eig.default], batched((2,), (None, None)))
 register([aten.linalg_qr.default], batched((2,), _qr_cores))
 register([aten._linalg_det.default], batched((2,), (0, 2, 1)))
 register([aten._linalg_slogdet.default], batched((2,), (0, 0, 2, 1)))
