@@ -204,13 +204,16 @@ register([aten.cholesky.default, aten.cholesky_inverse.default, aten.linalg_matr
 register([aten.linalg_lu_factor_ex.default, aten.linalg_ldl_factor_ex.default], batched((2,), (2, 1, 0)))
 register([aten.linalg_lu.default], batched((2,), _placeholder("pivot", (2, 2, 2), (0,))))
 register([aten.lu_unpack.default], batched((2, 1), _lu_unpack_cores))
-# svd splits its batch only without U and V (svdvals, norms and cond without gradients): its backward fills
-# E's diagonal in place through `diagonal`, which has no rule yet and falls back, so a split E would be
-# gathered into a copy and the fill lost (NaN gradients). With U and V it runs whole on every rank.
+# svd splits its batch only without U and V (an explicit compute_uv=False: torch's svdvals asks for U and V on
+# a tensor subclass): its backward fills E's diagonal in place through `diagonal`, which has no rule yet and
+# falls back, so a split E would be gathered into a copy and the fill lost (NaN gradients). With U and V it
+# runs whole on every rank. Once `diagonal` keeps a batch split (its view then aliases), svd, eigh and eig
+# can take their full batch cores, (2, 1, 2), (1, 2) and (1, 2): tests/test_ops_linalg.py checks each
+# output's gradient alone, the path that breaks.
 register([aten._linalg_svd.default],
          batched((2,), lambda ctx: (None, None, None) if ctx.named("compute_uv", True) else (None, 1, None)))
-# eigh splits its batch only without eigenvectors (eigvalsh); eig never (eigvals asks for vectors on a tensor
-# subclass): a gradient reaching the eigenvectors fills E's diagonal in place, lost as svd's (see above)
+# eigh splits its batch only without eigenvectors (an explicit compute_v=False); eig never (eigvals asks for
+# vectors on a tensor subclass): a gradient reaching the eigenvectors fills E's diagonal in place, lost as svd's (see above)
 register([aten._linalg_eigh.default],
          batched((2,), lambda ctx: (None, None) if ctx.named("compute_v", True) else (1, None)))
 register([aten.linalg_eig.default], batched((2,), (None, None)))

@@ -66,6 +66,10 @@ def _global(fn, x: torch.Tensor, mesh, sbp: tuple):
         real = torch.view_as_real(y) if y.is_complex() else y
         (real * _loss_weights(y)).sum().backward()
         inside = gt.rank() in p.flat_ranks
+        # the wrapper carries the conjugate/negative bits exactly as its shard: neither (ops/complex.py)
+        bits = {(y.is_conj(), y.is_neg()), (y._local.is_conj(), y._local.is_neg()),
+                (gx.grad._local.is_conj(), gx.grad._local.is_neg())}
+        assert bits == {(False, False)}, bits
         return y.full_tensor(), gx.grad.full_tensor(), y.sbp, sent, inside
     gt.reset_stats()
     with warnings.catch_warnings():
