@@ -140,10 +140,10 @@ def batched(core_in: Cores, core_out: Cores,
     return Rule(signatures, kernel=kernel, plain_when=always, **rule)
 
 
-def solve_signatures(a: Sequence[int], b: int, x: int, cols: Callable[[Ctx], Optional[int]]) -> Callable:
-    """A solve's column-parallel and linear signatures: the inputs at positions `a` (the factors) whole,
-    B (position `b`) split on the dim `cols(ctx)` names (None: no such dim) giving the same dim of output
-    `x`, or Partial giving a Partial `x`; every other output (factors, info) whole."""
+def solve_signatures(b: int, x: int, cols: Callable[[Ctx], Optional[int]]) -> Callable:
+    """A solve's column-parallel and linear signatures: the right-hand side (input `b`) split on the dim
+    `cols(ctx)` names (None: no such dim) giving the same dim of output `x`, or Partial giving a Partial
+    `x`; the other inputs (the matrix, its factors) whole, and so every other output (factors, info)."""
     def more(ctx: Ctx) -> list:
         n_in, n_out = len(ctx.shapes), len(ctx.out_shapes)
         outs = lambda sbp: tuple(sbp if j == x else B for j in range(n_out))  # noqa: E731
@@ -161,8 +161,8 @@ def _named(name: str, default: Any) -> Callable[[Ctx], Any]:
     return lambda ctx: ctx.named(name, default)
 
 
-def columns_of(b: int, left: Callable[[Ctx], bool] = lambda ctx: True, vector: Callable[[Ctx], bool] = lambda ctx: False,
-               ) -> Callable[[Ctx], Optional[int]]:
+def columns_of(b: int, left: Callable[[Ctx], bool] = lambda ctx: True,
+               vector: Callable[[Ctx], bool] = lambda ctx: False) -> Callable[[Ctx], Optional[int]]:
     """The dim of input `b` whose slices are solved independently: its columns for `A X = B` (left), its
     rows for `X A = B`; None for a vector right-hand side."""
     def cols(ctx: Ctx) -> Optional[int]:
@@ -187,7 +187,8 @@ def _qr_cores(ctx: Ctx) -> tuple:
 
 
 def _lu_unpack_cores(ctx: Ctx) -> tuple:
-    return (2 if ctx.arg(3, "unpack_pivots", True) else None,) + ((2, 2) if ctx.arg(2, "unpack_data", True) else (None, None))
+    data = (2, 2) if ctx.arg(2, "unpack_data", True) else (None, None)
+    return (2 if ctx.arg(3, "unpack_pivots", True) else None,) + data
 
 
 def geqrf_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
@@ -213,7 +214,8 @@ register([aten.lu_unpack.default], batched((2, 1), _lu_unpack_cores))
 register([aten._linalg_svd.default],
          batched((2,), lambda ctx: (None, None, None) if ctx.named("compute_uv", True) else (None, 1, None)))
 # eigh splits its batch only without eigenvectors (an explicit compute_v=False); eig never (eigvals asks for
-# vectors on a tensor subclass): a gradient reaching the eigenvectors fills E's diagonal in place, lost as svd's (see above)
+# vectors on a tensor subclass): a gradient reaching the eigenvectors fills E's diagonal in place, lost as
+# svd's (see above)
 register([aten._linalg_eigh.default],
          batched((2,), lambda ctx: (None, None) if ctx.named("compute_v", True) else (1, None)))
 register([aten.linalg_eig.default], batched((2,), (None, None)))
@@ -240,15 +242,15 @@ def _solve_ex_cores(ctx: Ctx) -> tuple:
 _left = _named("left", True)
 register([aten._linalg_solve_ex.default],
          batched(lambda ctx: _solve_ex_cores(ctx)[0], lambda ctx: _solve_ex_cores(ctx)[1],
-                 solve_signatures((0,), 1, 0, columns_of(1, _left, _solve_vector))))
+                 solve_signatures(1, 0, columns_of(1, _left, _solve_vector))))
 register([aten.linalg_solve_triangular.default],
-         batched((2, 2), (2,), solve_signatures((0,), 1, 0, columns_of(1, _left))))
+         batched((2, 2), (2,), solve_signatures(1, 0, columns_of(1, _left))))
 register([aten.linalg_lu_solve.default],
-         batched((2, 1, 2), (2,), solve_signatures((0, 1), 2, 0, columns_of(2, _left))))
+         batched((2, 1, 2), (2,), solve_signatures(2, 0, columns_of(2, _left))))
 register([aten.linalg_ldl_solve.default],
-         batched((2, 1, 2), (2,), solve_signatures((0, 1), 2, 0, columns_of(2))))
-register([aten.cholesky_solve.default], batched((2, 2), (2,), solve_signatures((1,), 0, 0, columns_of(0))))
-register([aten.triangular_solve.default], batched((2, 2), (2, 2), solve_signatures((1,), 0, 0, columns_of(0))))
+         batched((2, 1, 2), (2,), solve_signatures(2, 0, columns_of(2))))
+register([aten.cholesky_solve.default], batched((2, 2), (2,), solve_signatures(0, 0, columns_of(0))))
+register([aten.triangular_solve.default], batched((2, 2), (2, 2), solve_signatures(0, 0, columns_of(0))))
 
 
 # -- cross products: every dim but the one crossed, and bilinear ---------------------------------------

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
-from ops_support import check, mesh_placement, meshes, world_of
+from ops_support import check, mesh_placement, meshes
 
 D = torch.float64
 LINALG_ATEN = {  # the aten ops ops/linalg.py gives rules; none of them may run replicated here
@@ -92,8 +92,8 @@ def _fallen() -> set:
 
 @settings(max_examples=2)
 @pytest.mark.parametrize("name", sorted(OPS))
-@given(mesh=meshes([(2,), (3,), (4,), (2, 2)]), batch=st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=1, max_size=2),
-       n=st.integers(1, 3), data=st.data())
+@given(mesh=meshes([(2,), (3,), (4,), (2, 2)]),
+       batch=st.lists(st.sampled_from([0, 1, 2, 3, 5]), min_size=1, max_size=2), n=st.integers(1, 3), data=st.data())
 def test_batch_split_equals_one_device(name, mesh, batch, n, data):
     """Any batch (empty and uneven shards included), the first input's batch split on mesh axis 0 and every
     other choice random (a batch dim or Broadcast, per input and axis): values equal one device's, and
@@ -295,3 +295,15 @@ def test_outside_ranks_hold_empty_shards(world):
     for rank, held in enumerate(got):
         assert [h[:2] for h in held] == want
         assert rank == 1 or all(h[2] == 0 for h in held)
+
+
+def test_pinv_tolerance_tensor_follows_the_batch():
+    """pinv's atol as a tensor is per matrix: split with the batch dim it matches, or whole."""
+    g = torch.Generator().manual_seed(13)
+    a, tol = torch.randn(4, 3, 5, 3, dtype=D, generator=g), torch.rand(3, dtype=D, generator=g)
+    cases = ((((gt.split(1),), (gt.split(0),)), (gt.split(1),)), (((gt.split(0),), (gt.broadcast,)), (gt.split(0),)))
+    for sbps, want in cases:
+        gt.reset_stats()
+        got = check(lambda x, t: torch.linalg.pinv(x, atol=t.detach()), [a, tol], (2,), list(sbps),
+                    rtol=1e-7, atol=1e-9)
+        assert got == [want] and not _fallen()
