@@ -81,3 +81,5 @@ register([aten._neg_view.default], _pointwise_with(neg_view_local))
 # polar(abs, angle) = abs * e^(i angle): linear in abs alone; complex(real, imag): linear in both together
 register([aten.polar.default], linear(((0,),)))
 register([aten.complex.default], linear(((0, 1),)))
+# the conjugate computed into new memory (resolve_conj, ihfftn's output): linear over the reals, so P passes
+register([aten._conj_physical.default], linear(((0,),)))

@@ -25,252 +25,220 @@ TODO = "no rule yet (issue 34)"
 
 # aten op -> why it runs replicated (the op_db entries that reach it, for the reader)
 FALLBACKS = {
-    "_adaptive_avg_pool2d.default": TODO,  # nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d, nn.functional.interpolate.area
-    "_adaptive_avg_pool2d_backward.default": TODO,  # nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d, nn.functional.interpolate.area
-    "_adaptive_avg_pool3d.default": TODO,  # nn.functional.adaptive_avg_pool3d
-    "_adaptive_avg_pool3d_backward.default": TODO,  # nn.functional.adaptive_avg_pool3d
-    "_batch_norm_with_update.default": TODO,  # _batch_norm_with_update
-    "_cdist_backward.default": TODO,  # cdist
-    "_cdist_forward.default": TODO,  # cdist
-    "_chunk_cat.default": TODO,  # _chunk_cat
-    "_conj_physical.default": TODO,  # fft.ihfft2, fft.ihfftn
-    "_ctc_loss.Tensor": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss.default": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss_backward.Tensor": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss_backward.default": TODO,  # nn.functional.ctc_loss
-    "_embedding_bag.default": TODO,  # nn.functional.embedding_bag
-    "_embedding_bag_backward.default": TODO,  # nn.functional.embedding_bag
-    "_embedding_bag_per_sample_weights_backward.default": TODO,  # nn.functional.embedding_bag
-    "_fft_c2c.default": TODO,  # fft.fft, fft.fft2, fft.fftn
-    "_fft_c2r.default": TODO,  # fft.hfft, fft.hfft2, fft.hfftn
-    "_fft_r2c.default": TODO,  # stft, fft.fft, fft.hfft
-    "_histogramdd_bin_edges.default": TODO,  # histogramdd
-    "_histogramdd_from_bin_cts.default": TODO,  # histogramdd
-    "_histogramdd_from_bin_tensors.default": TODO,  # histogramdd
-    "_linalg_check_errors.default": TODO,  # linalg.cholesky, linalg.eig, linalg.eigvals
-    "_linalg_det.default": TODO,  # linalg.det
-    "_linalg_eigh.default": TODO,  # linalg.eigh, linalg.eigvalsh, linalg.matrix_rank.hermitian
-    "_linalg_slogdet.default": TODO,  # logdet, linalg.slogdet
-    "_linalg_solve_ex.default": TODO,  # linalg.eig, linalg.eigvals, linalg.solve
-    "_linalg_svd.default": TODO,  # svd, svd_lowrank, pca_lowrank
-    "_native_batch_norm_legit.default": TODO,  # _native_batch_norm_legit
-    "_pdist_backward.default": TODO,  # nn.functional.pdist
-    "_pdist_forward.default": TODO,  # nn.functional.pdist
-    "_prelu_kernel.default": TODO,  # nn.functional.prelu
-    "_prelu_kernel_backward.default": TODO,  # nn.functional.prelu
-    "_segment_reduce_backward.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
-    "_to_sparse.default": TODO,  # to_sparse
-    "_to_sparse.sparse_dim": TODO,  # to_sparse
-    "_trilinear.default": TODO,  # nn.functional.bilinear
-    "_unique.default": TODO,  # index_fill
-    "_unsafe_masked_index.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
-    "_unsafe_masked_index_put_accumulate.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
-    "_upsample_bilinear2d_aa.default": TODO,  # _upsample_bilinear2d_aa
-    "_upsample_bilinear2d_aa_backward.default": TODO,  # _upsample_bilinear2d_aa
-    "_upsample_nearest_exact1d.default": TODO,  # nn.functional.interpolate.nearest-exact
-    "_upsample_nearest_exact1d_backward.default": TODO,  # nn.functional.interpolate.nearest-exact
-    "adaptive_max_pool2d.default": TODO,  # nn.functional.adaptive_max_pool1d, nn.functional.adaptive_max_pool2d
-    "adaptive_max_pool2d_backward.default": TODO,  # nn.functional.adaptive_max_pool1d, nn.functional.adaptive_max_pool2d
-    "adaptive_max_pool3d.default": TODO,  # nn.functional.adaptive_max_pool3d
-    "adaptive_max_pool3d_backward.default": TODO,  # nn.functional.adaptive_max_pool3d
-    "addbmm.default": TODO,  # addbmm
-    "addmm_.default": TODO,  # addmm_, addmm.decomposed_, nn.functional.linear_cross_entropy.chunked_none
-    "addmv.default": TODO,  # addmv
-    "addmv_.default": TODO,  # addmv_
-    "addr.default": TODO,  # addr
-    "addr_.default": TODO,  # addr_
-    "allclose.default": TODO,  # allclose
-    "aminmax.default": TODO,  # aminmax
-    "as_strided.default": TODO,  # stft, as_strided, as_strided.partial_views
-    "as_strided_.default": "reads the storage: any element may land anywhere; the target takes the whole "
-                           "result, its sizes and strides restated (ops/program.py)",  # as_strided_, as_strided.partial_views_
-    "as_strided_copy.default": TODO,  # as_strided_copy
-    "as_strided_scatter.default": TODO,  # as_strided_scatter
-    "avg_pool2d.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
-    "avg_pool2d_backward.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
-    "avg_pool3d.default": TODO,  # nn.functional.avg_pool3d
-    "avg_pool3d_backward.default": TODO,  # nn.functional.avg_pool3d
-    "baddbmm_.default": TODO,  # baddbmm_
-    "batch_norm_backward.default": TODO,  # _batch_norm_with_update
-    "bernoulli.default": TODO,  # bernoulli
-    "binary_cross_entropy.default": TODO,  # nn.functional.binary_cross_entropy
-    "binary_cross_entropy_backward.default": TODO,  # nn.functional.binary_cross_entropy
-    "binary_cross_entropy_with_logits.default": TODO,  # nn.functional.binary_cross_entropy_with_logits
-    "block_diag.default": TODO,  # block_diag
-    "bucketize.Tensor": TODO,  # bucketize
-    "cauchy_.default": TODO,  # cauchy, cauchy_
-    "channel_shuffle.default": TODO,  # nn.functional.channel_shuffle
-    "cholesky.default": TODO,  # cholesky
-    "cholesky_inverse.default": TODO,  # cholesky_inverse
-    "cholesky_solve.default": TODO,  # cholesky_solve
-    "col2im.default": TODO,  # nn.functional.unfold
-    "convolution.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
-    "convolution_backward.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
-    "count_nonzero.default": TODO,  # count_nonzero
-    "diag_embed.default": TODO,  # diag, diag_embed, svd
-    "diagonal.default": TODO,  # corrcoef, diag, diag_embed
-    "diagonal_backward.default": TODO,  # corrcoef, diag, diagonal
-    "diagonal_copy.default": TODO,  # diag, diagonal_copy
-    "diagonal_scatter.default": TODO,  # diagonal_scatter, linalg.eig, linalg.eigh
-    "dist.default": TODO,  # dist
-    "dot.default": TODO,  # dot, matmul, nn.functional.linear_cross_entropy.chunked_none
-    "fractional_max_pool2d.default": TODO,  # nn.functional.fractional_max_pool2d
-    "fractional_max_pool2d_backward.default": TODO,  # nn.functional.fractional_max_pool2d
-    "fractional_max_pool3d.default": TODO,  # nn.functional.fractional_max_pool3d
-    "fractional_max_pool3d_backward.default": TODO,  # nn.functional.fractional_max_pool3d
-    "geometric_.default": TODO,  # geometric, geometric_
-    "geqrf.default": TODO,  # geqrf
-    "glu.default": TODO,  # nn.functional.glu
-    "glu_backward.default": TODO,  # nn.functional.glu
-    "grid_sampler_2d.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
-    "grid_sampler_2d_backward.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
-    "grid_sampler_3d.default": TODO,  # grid_sampler_3d
-    "grid_sampler_3d_backward.default": TODO,  # grid_sampler_3d
-    "hash_tensor.default": TODO,  # hash_tensor
-    "histogram.bin_ct": TODO,  # histogram
-    "histogram.bins_tensor": TODO,  # histogram
-    "huber_loss.default": TODO,  # nn.functional.huber_loss
-    "huber_loss_backward.default": TODO,  # nn.functional.huber_loss
-    "im2col.default": TODO,  # nn.functional.unfold
-    "index_add.default": TODO,  # index_select, index_add, index_reduce.mean
-    "index_add_.default": TODO,  # index_add_
-    "index_copy.default": TODO,  # index_copy
-    "index_copy_.default": TODO,  # index_copy_
-    "index_fill.int_Scalar": TODO,  # index_fill, index_copy, index_reduce.mean
-    "index_fill.int_Tensor": TODO,  # index_fill, trace
-    "index_fill_.int_Scalar": TODO,  # index_fill_
-    "index_fill_.int_Tensor": TODO,  # index_fill_
-    "index_reduce.default": TODO,  # index_reduce.mean, index_reduce.prod, index_reduce.amin
-    "index_reduce_.default": TODO,  # index_reduce.mean_, index_reduce.prod_, index_reduce.amin_
-    "index_select.default": TODO,  # index_fill, index_copy, index_select
-    "isin.Tensor_Tensor": TODO,  # isin
-    "linalg_cholesky_ex.default": TODO,  # linalg.cholesky, linalg.cholesky_ex
-    "linalg_cross.default": TODO,  # cross, linalg.cross
-    "linalg_eig.default": TODO,  # linalg.eig, linalg.eigvals
-    "linalg_householder_product.default": TODO,  # linalg.householder_product
-    "linalg_inv_ex.default": TODO,  # linalg.inv, linalg.inv_ex, linalg.tensorinv
-    "linalg_ldl_factor_ex.default": TODO,  # linalg.ldl_factor, linalg.ldl_factor_ex
-    "linalg_ldl_solve.default": TODO,  # linalg.ldl_solve
-    "linalg_lstsq.default": TODO,  # linalg.lstsq, linalg.lstsq.grad_oriented
-    "linalg_lu.default": TODO,  # linalg.lu
-    "linalg_lu_factor_ex.default": TODO,  # lu, linalg.lu_factor, linalg.lu_factor_ex
-    "linalg_lu_solve.default": TODO,  # lu_solve, logdet, linalg.det
-    "linalg_matrix_exp.default": TODO,  # matrix_exp
-    "linalg_pinv.atol_rtol_tensor": TODO,  # pinverse, linalg.lstsq, linalg.lstsq.grad_oriented
-    "linalg_qr.default": TODO,  # qr, svd_lowrank, pca_lowrank
-    "linalg_solve_triangular.default": TODO,  # cholesky, lu, lu_solve
-    "linspace.Scalar_Tensor": TODO,  # linspace.tensor_overload
-    "linspace.Tensor_Scalar": TODO,  # linspace.tensor_overload
-    "linspace.Tensor_Tensor": TODO,  # linspace.tensor_overload
-    "log_normal_.default": TODO,  # log_normal, log_normal_
-    "log_sigmoid_backward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
-    "log_sigmoid_forward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
-    "logcumsumexp.default": TODO,  # logcumsumexp
-    "logspace.Scalar_Tensor": TODO,  # logspace.tensor_overload
-    "logspace.Tensor_Scalar": TODO,  # logspace.tensor_overload
-    "logspace.Tensor_Tensor": TODO,  # logspace.tensor_overload
-    "logsumexp.default": TODO,  # logsumexp, masked.logsumexp
-    "lu_unpack.default": TODO,  # lu_unpack, lu, lu_solve
-    "masked_scatter.default": TODO,  # combinations, masked_scatter, masked_select
-    "masked_scatter_.default": TODO,  # masked_scatter_
-    "masked_scatter_backward.default": TODO,  # masked_scatter
-    "max_pool2d_with_indices.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
-    "max_pool2d_with_indices_backward.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
-    "max_pool3d_with_indices.default": TODO,  # nn.functional.max_pool3d
-    "max_pool3d_with_indices_backward.default": TODO,  # nn.functional.max_pool3d
-    "max_unpool2d.default": TODO,  # nn.functional.max_unpool1d, nn.functional.max_unpool1d.grad, nn.functional.max_unpool2d
-    "max_unpool3d.default": TODO,  # nn.functional.max_unpool3d, nn.functional.max_unpool3d.grad
-    "mean.dim": TODO,  # mean
-    "median.default": TODO,  # median
-    "multi_margin_loss.default": TODO,  # nn.functional.multi_margin_loss
-    "multi_margin_loss_backward.default": TODO,  # nn.functional.multi_margin_loss
-    "multilabel_margin_loss_backward.default": TODO,  # nn.functional.multilabel_margin_loss
-    "multilabel_margin_loss_forward.default": TODO,  # nn.functional.multilabel_margin_loss
-    "multinomial.default": TODO,  # multinomial
-    "mv.default": TODO,  # addmv, mv, addr
-    "nanmedian.default": TODO,  # nanmedian
-    "nansum.default": TODO,  # nanmean, nansum
-    "native_group_norm.default": TODO,  # native_group_norm, nn.functional.group_norm
-    "native_group_norm_backward.default": TODO,  # nn.functional.group_norm
-    "nll_loss_backward.default": TODO,  # nn.functional.linear_cross_entropy (its unbatched sample: 1-D logits)
-    "nll_loss_forward.default": TODO,  # nn.functional.linear_cross_entropy (its unbatched sample: 1-D logits)
-    "nll_loss2d_backward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
-    "nll_loss2d_forward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
-    "nonzero_static.default": TODO,  # nonzero_static
-    "norm.ScalarOpt_dim": TODO,  # nn.functional.triplet_margin_loss, nn.functional.triplet_margin_with_distance_loss, nn.functional.pairwise_distance
-    "normal.Tensor_Tensor": TODO,  # normal
-    "normal.Tensor_float": TODO,  # normal.number_mean
-    "ormqr.default": TODO,  # ormqr
-    "pixel_shuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
-    "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
-    "prod.default": TODO,  # prod
-    "prod.dim_int": TODO,  # prod, masked.prod
-    "put.default": TODO,  # put, take
-    "put_.default": TODO,  # put_
-    "reflection_pad1d.default": TODO,  # stft, nn.functional.pad.reflect
-    "reflection_pad1d_backward.default": TODO,  # nn.functional.pad.reflect
-    "renorm.default": TODO,  # renorm
-    "renorm_.default": TODO,  # renorm_
-    "repeat.default": TODO,  # nn.functional.instance_norm, repeat, tile
-    "replication_pad1d.default": TODO,  # nn.functional.pad.replicate
-    "replication_pad1d_backward.default": TODO,  # nn.functional.pad.replicate
-    "replication_pad2d.default": TODO,  # nn.functional.pad.replicate_negative
-    "replication_pad2d_backward.default": TODO,  # nn.functional.pad.replicate_negative
-    "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
-    "rot90.default": TODO,  # rot90
-    "rrelu_with_noise.default": TODO,  # nn.functional.rrelu
-    "rrelu_with_noise_.default": TODO,  # nn.functional.rrelu_
-    "rrelu_with_noise_backward.default": TODO,  # nn.functional.rrelu
-    "scatter.src": TODO,  # max.reduction_with_dim, median, nanmedian
-    "scatter_.reduce": TODO,  # scatter_
-    "scatter_add.default": TODO,  # cummax, cummin
-    "scatter_reduce.two": TODO,  # scatter_reduce.sum, scatter_reduce.prod, scatter_reduce.mean
-    "scatter_reduce_.two": TODO,  # scatter_reduce.sum_, scatter_reduce.prod_, scatter_reduce.mean_
-    "searchsorted.Tensor": TODO,  # searchsorted
-    "segment_reduce.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
-    "select_scatter.default": TODO,  # select_scatter
-    "slice_scatter.default": TODO,  # slice_scatter
-    "smooth_l1_loss.default": TODO,  # nn.functional.smooth_l1_loss
-    "smooth_l1_loss_backward.default": TODO,  # nn.functional.smooth_l1_loss
-    "soft_margin_loss.default": TODO,  # nn.functional.soft_margin_loss
-    "soft_margin_loss_backward.default": TODO,  # nn.functional.soft_margin_loss
-    "take.default": TODO,  # put, take
-    "trace.default": TODO,  # trace
-    "triangular_solve.default": TODO,  # triangular_solve
-    "tril.default": TODO,  # cholesky, lu_unpack, lu
-    "tril_.default": TODO,  # ormqr, tril_, linalg.householder_product
-    "triu.default": TODO,  # lu_unpack, lu, lu_solve
-    "triu_.default": TODO,  # triu_
-    "unfold.default": TODO,  # unfold
-    "unfold_backward.default": TODO,  # unfold, unfold_copy
-    "unfold_copy.default": TODO,  # unfold_copy
-    "upsample_bicubic2d.default": TODO,  # nn.functional.interpolate.bicubic
-    "upsample_bicubic2d_backward.default": TODO,  # nn.functional.interpolate.bicubic
-    "upsample_bilinear2d.default": TODO,  # nn.functional.interpolate.bilinear, nn.functional.upsample_bilinear
-    "upsample_bilinear2d_backward.default": TODO,  # nn.functional.interpolate.bilinear, nn.functional.upsample_bilinear
-    "upsample_linear1d.default": TODO,  # nn.functional.interpolate.linear
-    "upsample_linear1d_backward.default": TODO,  # nn.functional.interpolate.linear
-    "upsample_nearest1d.default": TODO,  # nn.functional.interpolate.nearest, nn.functional.upsample_nearest
-    "upsample_nearest1d_backward.default": TODO,  # nn.functional.interpolate.nearest, nn.functional.upsample_nearest
-    "upsample_trilinear3d.default": TODO,  # nn.functional.interpolate.trilinear
-    "upsample_trilinear3d_backward.default": TODO,  # nn.functional.interpolate.trilinear
-    "vdot.default": TODO,  # vdot, linalg.vecdot
-    "torch_nn._linear_cross_entropy_batch_chunked.default": TODO,  # nn.functional.linear_cross_entropy.chunked
-    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": TODO,  # nn.functional.linear_cross_entropy.chunked_none
+    '_adaptive_avg_pool2d.default': TODO,
+    '_adaptive_avg_pool2d_backward.default': TODO,
+    '_adaptive_avg_pool3d.default': TODO,
+    '_adaptive_avg_pool3d_backward.default': TODO,
+    '_batch_norm_with_update.default': TODO,
+    '_cdist_backward.default': TODO,
+    '_cdist_forward.default': TODO,
+    '_chunk_cat.default': TODO,
+    '_ctc_loss.Tensor': TODO,
+    '_ctc_loss.default': TODO,
+    '_ctc_loss_backward.Tensor': TODO,
+    '_ctc_loss_backward.default': TODO,
+    '_embedding_bag.default': TODO,
+    '_embedding_bag_backward.default': TODO,
+    '_embedding_bag_per_sample_weights_backward.default': TODO,
+    '_histogramdd_bin_edges.default': TODO,
+    '_histogramdd_from_bin_cts.default': TODO,
+    '_histogramdd_from_bin_tensors.default': TODO,
+    '_native_batch_norm_legit.default': TODO,
+    '_pdist_backward.default': TODO,
+    '_pdist_forward.default': TODO,
+    '_prelu_kernel.default': TODO,
+    '_prelu_kernel_backward.default': TODO,
+    '_segment_reduce_backward.default': TODO,
+    '_to_sparse.default': TODO,
+    '_to_sparse.sparse_dim': TODO,
+    '_trilinear.default': TODO,
+    '_unique.default': TODO,
+    '_unsafe_masked_index.default': TODO,
+    '_unsafe_masked_index_put_accumulate.default': TODO,
+    '_upsample_bilinear2d_aa.default': TODO,
+    '_upsample_bilinear2d_aa_backward.default': TODO,
+    '_upsample_nearest_exact1d.default': TODO,
+    '_upsample_nearest_exact1d_backward.default': TODO,
+    'adaptive_max_pool2d.default': TODO,
+    'adaptive_max_pool2d_backward.default': TODO,
+    'adaptive_max_pool3d.default': TODO,
+    'adaptive_max_pool3d_backward.default': TODO,
+    'addbmm.default': TODO,
+    'addmm_.default': TODO,
+    'addmv.default': TODO,
+    'addmv_.default': TODO,
+    'addr.default': TODO,
+    'addr_.default': TODO,
+    'allclose.default': TODO,
+    'aminmax.default': TODO,
+    'as_strided.default': TODO,
+    'as_strided_.default': 'reads the storage: any element may land anywhere; the target takes the whole result, its sizes and strides restated (ops/program.py)',
+    'as_strided_copy.default': TODO,
+    'as_strided_scatter.default': TODO,
+    'avg_pool2d.default': TODO,
+    'avg_pool2d_backward.default': TODO,
+    'avg_pool3d.default': TODO,
+    'avg_pool3d_backward.default': TODO,
+    'baddbmm_.default': TODO,
+    'batch_norm_backward.default': TODO,
+    'bernoulli.default': TODO,
+    'binary_cross_entropy.default': TODO,
+    'binary_cross_entropy_backward.default': TODO,
+    'binary_cross_entropy_with_logits.default': TODO,
+    'block_diag.default': TODO,
+    'bucketize.Tensor': TODO,
+    'cauchy_.default': TODO,
+    'channel_shuffle.default': TODO,
+    'col2im.default': TODO,
+    'convolution.default': TODO,
+    'convolution_backward.default': TODO,
+    'count_nonzero.default': TODO,
+    'diag_embed.default': TODO,
+    'diagonal.default': TODO,
+    'diagonal_backward.default': TODO,
+    'diagonal_copy.default': TODO,
+    'diagonal_scatter.default': TODO,
+    'dist.default': TODO,
+    'dot.default': TODO,
+    'fractional_max_pool2d.default': TODO,
+    'fractional_max_pool2d_backward.default': TODO,
+    'fractional_max_pool3d.default': TODO,
+    'fractional_max_pool3d_backward.default': TODO,
+    'geometric_.default': TODO,
+    'glu.default': TODO,
+    'glu_backward.default': TODO,
+    'grid_sampler_2d.default': TODO,
+    'grid_sampler_2d_backward.default': TODO,
+    'grid_sampler_3d.default': TODO,
+    'grid_sampler_3d_backward.default': TODO,
+    'hash_tensor.default': TODO,
+    'histogram.bin_ct': TODO,
+    'histogram.bins_tensor': TODO,
+    'huber_loss.default': TODO,
+    'huber_loss_backward.default': TODO,
+    'im2col.default': TODO,
+    'index_add.default': TODO,
+    'index_add_.default': TODO,
+    'index_copy.default': TODO,
+    'index_copy_.default': TODO,
+    'index_fill.int_Scalar': TODO,
+    'index_fill.int_Tensor': TODO,
+    'index_fill_.int_Scalar': TODO,
+    'index_fill_.int_Tensor': TODO,
+    'index_reduce.default': TODO,
+    'index_reduce_.default': TODO,
+    'index_select.default': TODO,
+    'isin.Tensor_Tensor': TODO,
+    'linalg_householder_product.default': 'its backward writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it (x[:, 0:1].sub_(1) on S(1) leaves x unchanged): replicated until such writes refuse',
+    'linalg_lstsq.default': 'no meta kernel in torch, and with the gelsd/gelss drivers its residuals exist only when every matrix has full rank: the values decide the output shape',
+    'linspace.Scalar_Tensor': TODO,
+    'linspace.Tensor_Scalar': TODO,
+    'linspace.Tensor_Tensor': TODO,
+    'log_normal_.default': TODO,
+    'log_sigmoid_backward.default': TODO,
+    'log_sigmoid_forward.default': TODO,
+    'logcumsumexp.default': TODO,
+    'logspace.Scalar_Tensor': TODO,
+    'logspace.Tensor_Scalar': TODO,
+    'logspace.Tensor_Tensor': TODO,
+    'logsumexp.default': TODO,
+    'masked_scatter.default': TODO,
+    'masked_scatter_.default': TODO,
+    'masked_scatter_backward.default': TODO,
+    'max_pool2d_with_indices.default': TODO,
+    'max_pool2d_with_indices_backward.default': TODO,
+    'max_pool3d_with_indices.default': TODO,
+    'max_pool3d_with_indices_backward.default': TODO,
+    'max_unpool2d.default': TODO,
+    'max_unpool3d.default': TODO,
+    'mean.dim': TODO,
+    'median.default': TODO,
+    'multi_margin_loss.default': TODO,
+    'multi_margin_loss_backward.default': TODO,
+    'multilabel_margin_loss_backward.default': TODO,
+    'multilabel_margin_loss_forward.default': TODO,
+    'multinomial.default': TODO,
+    'mv.default': TODO,
+    'nanmedian.default': TODO,
+    'nansum.default': TODO,
+    'native_group_norm.default': TODO,
+    'native_group_norm_backward.default': TODO,
+    'nll_loss2d_backward.default': TODO,
+    'nll_loss2d_forward.default': TODO,
+    'nll_loss_backward.default': TODO,
+    'nll_loss_forward.default': TODO,
+    'nonzero_static.default': TODO,
+    'norm.ScalarOpt_dim': TODO,
+    'normal.Tensor_Tensor': TODO,
+    'normal.Tensor_float': TODO,
+    'ormqr.default': "its backward (householder_product's) writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it: replicated until such writes refuse",
+    'pixel_shuffle.default': TODO,
+    'pixel_unshuffle.default': TODO,
+    'prod.default': TODO,
+    'prod.dim_int': TODO,
+    'put.default': TODO,
+    'put_.default': TODO,
+    'reflection_pad1d.default': TODO,
+    'reflection_pad1d_backward.default': TODO,
+    'renorm.default': TODO,
+    'renorm_.default': TODO,
+    'repeat.default': TODO,
+    'replication_pad1d.default': TODO,
+    'replication_pad1d_backward.default': TODO,
+    'replication_pad2d.default': TODO,
+    'replication_pad2d_backward.default': TODO,
+    'roll.default': TODO,
+    'rot90.default': TODO,
+    'rrelu_with_noise.default': TODO,
+    'rrelu_with_noise_.default': TODO,
+    'rrelu_with_noise_backward.default': TODO,
+    'scatter.src': TODO,
+    'scatter_.reduce': TODO,
+    'scatter_add.default': TODO,
+    'scatter_reduce.two': TODO,
+    'scatter_reduce_.two': TODO,
+    'searchsorted.Tensor': TODO,
+    'segment_reduce.default': TODO,
+    'select_scatter.default': TODO,
+    'slice_scatter.default': TODO,
+    'smooth_l1_loss.default': TODO,
+    'smooth_l1_loss_backward.default': TODO,
+    'soft_margin_loss.default': TODO,
+    'soft_margin_loss_backward.default': TODO,
+    'take.default': TODO,
+    'torch_nn._linear_cross_entropy_batch_chunked.default': TODO,
+    'torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default': TODO,
+    'trace.default': TODO,
+    'tril.default': TODO,
+    'tril_.default': TODO,
+    'triu.default': TODO,
+    'triu_.default': TODO,
+    'unfold.default': TODO,
+    'unfold_backward.default': TODO,
+    'unfold_copy.default': TODO,
+    'upsample_bicubic2d.default': TODO,
+    'upsample_bicubic2d_backward.default': TODO,
+    'upsample_bilinear2d.default': TODO,
+    'upsample_bilinear2d_backward.default': TODO,
+    'upsample_linear1d.default': TODO,
+    'upsample_linear1d_backward.default': TODO,
+    'upsample_nearest1d.default': TODO,
+    'upsample_nearest1d_backward.default': TODO,
+    'upsample_trilinear3d.default': TODO,
+    'upsample_trilinear3d_backward.default': TODO,
+    'vdot.default': TODO,
 }
-
 # op_db entry -> why it raises
 ERRORS = {
-    "sparse.sampled_addmm": "sparse layouts are not global tensors",
-    "sparse.mm.reduce": "sparse layouts are not global tensors",
-    "tensor_split": "indices given as a tensor: torch's composite kernel reads their memory in C++ without "
-                    "dispatching an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
-    "nn.functional.gaussian_nll_loss": "its check torch.any(var < 0) reads a Python value (.item()), which a rank "
-                                       "outside the placement (the 'world' layout) does not hold; ops/scalar.py "
-                                       "tells it so, naming the fix",
+    'nn.functional.gaussian_nll_loss': "its check torch.any(var < 0) reads a Python value (.item()), which a rank outside the placement (the 'world' layout) does not hold; ops/scalar.py tells it so, naming the fix",
+    'sparse.mm.reduce': 'sparse layouts are not global tensors',
+    'sparse.sampled_addmm': 'sparse layouts are not global tensors',
+    'tensor_split': "indices given as a tensor: torch's composite kernel reads their memory in C++ without dispatching an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
 }
-KNOWN_WRONG: dict = {}  # being fixed (issue 34): listed so the suite says which, not silently
-KNOWN_ERRORS: dict = {}
+KNOWN_WRONG = {
+}
+KNOWN_ERRORS = {
+}
 
 ENTRIES = {e.key: e for e in sweep.entries()}
 
