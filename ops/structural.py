@@ -12,14 +12,16 @@ values it moves, so Partial (sum) passes where the op only moves values.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..runtime import context
-from ..sbp import Partial, Split
+from ..sbp import Broadcast, Partial, Split
 from .datadependent import whole
-from .indexing import write_along_dim
+from .indexing import _indexing, write_along_dim
+from .reduction import reduction
 from .registry import B, Ctx, P, Rule, S, ShardSite, aten, is_inplace, no_signatures, pointwise_dims, register
 
 
@@ -540,3 +542,164 @@ register([aten.put.default, aten.put_.default], Rule(put_signatures, kernel=put_
 # -- _unique: distinct values, as many as the data says --------------------------------------------
 # run whole on every rank of the placement, as the other data-dependent ops (ops/datadependent.py)
 register([aten._unique.default], Rule(no_signatures, decompose=whole))
+
+
+# -- hash_tensor: a hash of each slice along the reduced dims ----------------------------------------
+# kept dims pass; a split reduced dim would need a Partial of the hash's own combining, which no SBP is
+register([aten.hash_tensor.default], reduction(None))
+
+
+# -- histograms: counts are sums over the points -----------------------------------------------------
+def _histogram_key(args: tuple, kwargs: dict) -> Any:
+    """What the signatures read of the float arguments: whether a range fixes the bin edges."""
+    return kwargs.get("range") is None
+
+
+def histogram_signatures(ctx: Ctx) -> list:
+    """(self[, bins][, weight]) -> (hist, bin_edges): the points (and their weights) split any way give
+    Partial counts where the edges do not depend on the points (a bins tensor, or a range) and the counts
+    are not normalized (density); the edges are the same on every rank."""
+    if ctx.named("density", False):
+        return []
+    if ctx.func == aten.histogram.bin_ct and ctx.kwargs.get("range") is None:
+        return []  # the edges span the points' min and max
+    k = len(ctx.shapes)
+    weight = 2 if ctx.func == aten.histogram.bins_tensor else 1  # the weight's slot, where given
+    return [(tuple(S(d) if i in (0, weight) else B for i in range(k)), (P, B)) for d in range(_n(ctx))]
+
+
+def histogram_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """torch has no meta kernel for histograms; their shapes follow from the bins alone."""
+    x, bins = args[0], args[1] if len(args) > 1 else kwargs.get("bins", 100)
+    edges = bins.shape[0] if isinstance(bins, torch.Tensor) else bins + 1
+    return x.new_empty((edges - 1,)), x.new_empty((edges,))
+
+
+def histogramdd_meta(func: Any, args: tuple, kwargs: dict) -> Any:
+    x, bins = args[0], args[1]
+    if func == aten._histogramdd_bin_edges.default:
+        return [x.new_empty((b + 1,)) for b in bins]
+    counts = [b.shape[0] - 1 for b in bins] if func == aten._histogramdd_from_bin_tensors.default else list(bins)
+    return x.new_empty(counts)
+
+
+register([aten.histogram.bin_ct, aten.histogram.bins_tensor],
+         Rule(histogram_signatures, scalar_key=_histogram_key, meta=histogram_meta))
+
+
+def histogramdd_signatures(ctx: Ctx) -> list:
+    """(points [N, D], [bins...], [weight [N]]) -> counts: points split on N (with their weights) give Partial
+    counts where the edges are fixed (bins tensors, or a range) and not normalized. _histogramdd_bin_edges
+    only reads the points for their min and max: with a range given, any split gives the same edges."""
+    if ctx.named("density", False):
+        return []
+    tensors_bins = ctx.func == aten._histogramdd_from_bin_tensors.default
+    if not tensors_bins and ctx.kwargs.get("range", ctx.args[2] if len(ctx.args) > 2 else None) is None:
+        return []
+    k = len(ctx.shapes)
+    if ctx.func == aten._histogramdd_bin_edges.default:
+        return [((S(d),) + (B,) * (k - 1), (B,) * len(ctx.out_shapes)) for d in range(_n(ctx))]
+    nbins = len(ctx.args[1]) if tensors_bins else 0
+    return [(tuple(S(0) if i == 0 or i > nbins else B for i in range(k)), (P,))]
+
+
+register([aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
+          aten._histogramdd_from_bin_tensors.default],
+         Rule(histogramdd_signatures, meta=histogramdd_meta,
+              scalar_key=lambda args, kwargs: (args[2] if len(args) > 2 else kwargs.get("range")) is None))
+
+
+# -- _chunk_cat: the dims before `dim` are every tensor's alike ------------------------------------
+def chunk_cat_signatures(ctx: Ctx) -> list:
+    n, k = _n(ctx), len(ctx.shapes)
+    dim = ctx.arg(1, "dim") % max(n, 1)
+    return [((S(d),) * k, (S(d),)) for d in range(dim)] + [((P,) * k, (P,))]
+
+
+register([aten._chunk_cat.default], Rule(chunk_cat_signatures))
+
+
+# -- block_diag: every tensor placed in zeros --------------------------------------------------------
+def block_diag_signatures(ctx: Ctx) -> list:
+    """Each tensor split (on its first or its last dim; 0-d ones whole) gives a Partial result: each rank
+    places its blocks, a whole tensor placed by one rank of the axis (`block_diag_local`); linear."""
+    first = tuple(S(0) if s else B for s in ctx.shapes)
+    last = tuple(S(len(s) - 1) if s else B for s in ctx.shapes)
+    return [(first, (P,)), (last, (P,)), ((P,) * len(ctx.shapes), (P,))]
+
+
+def block_diag_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """Each shard at its place in the whole result: a tensor's rows and columns follow those before it
+    (a 1-D tensor is one row, a 0-d one a 1x1 block). A tensor whole on an axis where the result is Partial
+    is placed by the rank at coordinate 0 of that axis alone, so that the sum counts it once."""
+    tensors = args[0]
+    if all(lay.sbp == where.out_layouts[0].sbp and not any(isinstance(s, Partial) for s in lay.sbp)
+           for lay in where.in_layouts):
+        return func(*args, **kwargs)
+    out = tensors[0].new_zeros(where.out_shape(0)) if tensors else torch.zeros(where.out_shape(0))
+    coord = where.in_layouts[0].placement.coord(where.rank)
+    partial_axes = [a for a, s in enumerate(where.out_layouts[0].sbp) if isinstance(s, Partial)]
+    row = col = 0
+    for i, t in enumerate(tensors):
+        shape = where.ctx.shapes[i]
+        rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if shape else 1)
+        lay = where.in_layouts[i]
+        counted = all(not isinstance(lay.sbp[a], Broadcast) or coord[a] == 0 for a in partial_axes)
+        if counted and t.numel():
+            box = where.in_box(i)
+            (r0, nr), (c0, nc) = (box[0], box[1]) if len(shape) == 2 else ((0, 1), box[0] if shape else (0, 1))
+            out[row + r0:row + r0 + nr, col + c0:col + c0 + nc] = t.reshape(nr, nc)
+        row, col = row + rows, col + cols
+    return out
+
+
+register([aten.block_diag.default], Rule(block_diag_signatures, kernel=block_diag_local))
+
+
+# -- _unsafe_masked_index(_put_accumulate): x[indices] where a mask says, as indexing.py's rules ----
+def _as_index_call(ctx: Ctx) -> Ctx:
+    """The call as `self[indices]` (indexing.py's `_indexing` reads the indices at argument 1)."""
+    k = sum(t is not None for t in ctx.args[2])
+    return replace(ctx, args=(ctx.args[0], ctx.args[2]), shapes=(ctx.shapes[0],) + tuple(ctx.shapes[2:2 + k]))
+
+
+def masked_index_signatures(ctx: Ctx) -> list:
+    """(self, mask, *indices) -> where(mask, self[indices], fill): a dim not indexed passes from self, a broadcast
+    dim of the indices from the indices; the mask split alike where it has the dim. The indexed dims stay whole,
+    so torch's clamping of the indices is the same on the shards."""
+    pos, bshape, dims, bdims = _indexing(_as_index_call(ctx))
+    idx = [tuple(t.shape) for t in ctx.args[2] if t is not None]
+    out, mask = ctx.out_shapes[0], ctx.shapes[1]
+    sigs = [((S(d), pointwise_dims(mask, out, o)) + (B,) * len(idx), (S(o),)) for d, o in dims.items()]
+    for j, o in bdims.items():
+        split = tuple(pointwise_dims(s, bshape, j) for s in idx)
+        if any(s != B for s in split):
+            sigs.append(((B, pointwise_dims(mask, out, o)) + split, (S(o),)))
+    return sigs
+
+
+def masked_put_signatures(ctx: Ctx) -> list:
+    """(self, mask, *indices, values) -> self's shape, values added where the mask says: a dim not indexed split
+    alike in self and values (and the mask); P self and values; indices split along a broadcast dim with values
+    split alike (each rank adds its part: P)."""
+    pos, bshape, dims, bdims = _indexing(_as_index_call(ctx))
+    idx = [tuple(t.shape) for t in ctx.args[2] if t is not None]
+    mask, values = ctx.shapes[1], ctx.shapes[-1]
+    result = [0] * (len(ctx.shapes[0]) - len(pos) + len(bshape))  # self[indices].shape
+    for d, o in dims.items():
+        result[o] = ctx.shapes[0][d]
+    for j, o in bdims.items():
+        result[o] = bshape[j]
+    wb = (B,) * len(idx)
+    sigs = [((S(d), pointwise_dims(mask, result, o)) + wb + (pointwise_dims(values, result, o),), (S(d),))
+            for d, o in dims.items()]
+    sigs.append(((P, B) + wb + (P,), (P,)))
+    for j, o in bdims.items():
+        split = tuple(pointwise_dims(s, bshape, j) for s in idx)
+        if any(s != B for s in split):
+            sigs.append(((P, pointwise_dims(mask, result, o)) + split + (pointwise_dims(values, result, o),), (P,)))
+    return sigs
+
+
+register([aten._unsafe_masked_index.default], Rule(masked_index_signatures))
+register([aten._unsafe_masked_index_put_accumulate.default], Rule(masked_put_signatures))
