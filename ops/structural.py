@@ -46,8 +46,19 @@ def _local_diagonal(offset: int, rows: tuple, cols: tuple) -> tuple[int, int, in
 
 # -- tril / triu -----------------------------------------------------------------------------------
 def tri_signatures(ctx: Ctx) -> list:
-    """Every split passes (the matrix dims by `tri_local`'s offset); zeroing entries is linear: P passes."""
-    return [((S(d),), (S(d),)) for d in range(_n(ctx))] + [((P,), (P,))]
+    """Batch dims pass. In place (tril_), a split matrix dim passes too, by `tri_local`'s offset, and P (zeroing
+    entries is linear).
+
+    The out-of-place op keeps its matrix dims whole, though the offset kernel computes it as exactly: its
+    result is often viewed and written through next (`tril(-1).diagonal().fill_(1)` in torch's own
+    householder_product gradient), and a view whose input must first be converted (the diagonal of a
+    non-square row split, or of a Partial) is a view of the converted copy, so the write would be lost (a
+    conversion does not keep aliases, ops/program.py). Whole matrix dims keep the diagonal a view. In place,
+    the target keeps the layout it had: no new layout for a later view to convert."""
+    n = _n(ctx)
+    if not is_inplace(ctx.func):
+        return [((S(d),), (S(d),)) for d in range(n - 2)]
+    return [((S(d),), (S(d),)) for d in range(n)] + [((P,), (P,))]
 
 
 def tri_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
@@ -73,32 +84,61 @@ def _diag_args(ctx: Ctx, n: int, d1: str = "dim1", d2: str = "dim2", defaults: t
 
 
 def diagonal_signatures(ctx: Ctx) -> list:
-    """Batch dims pass (to their place among the output's leading dims); a split matrix dim gives a
-    Partial diagonal (`diagonal_local`); a view: P passes."""
+    """Batch dims pass (to their place among the output's leading dims).
+
+    A split matrix dim passes to the diagonal where each rank's block holds exactly its balanced part of the
+    diagonal (rows split with offset >= 0 and as many diagonal entries as rows, or columns alike with
+    offset <= 0: a square matrix's main diagonal): the shard's own diagonal at the shifted offset, still a
+    view of the shard, so writes through it (`x.diagonal().fill_(1)`) land. `diagonal_copy`, which nothing
+    writes through, also takes any split matrix dim, the diagonal then Partial (`diagonal_local`), and a
+    Partial input. The view does not take a Partial input: its shard is a view of the input's, which the
+    reduction a later reader makes of it may overwrite in place (torch.corrcoef's gradient came out wrong).
+    A mesh axis splitting the diagonal and another giving a Partial of it must not cut the same matrix dim
+    (nested cuts: the first axis' pieces are not the diagonal's); `diagonal_local` refuses that."""
     n = _n(ctx)
-    _, d1, d2 = _diag_args(ctx, n)
+    offset, d1, d2 = _diag_args(ctx, n)
     rest = [d for d in range(n) if d not in (d1, d2)]
     sigs = [((S(d),), (S(k),)) for k, d in enumerate(rest)]
-    return sigs + [((S(d1),), (P,)), ((S(d2),), (P,)), ((P,), (P,))]
+    length = ctx.out_shapes[0][-1]
+    if offset >= 0 and length == ctx.shapes[0][d1]:
+        sigs.append(((S(d1),), (S(n - 2),)))
+    if offset <= 0 and length == ctx.shapes[0][d2]:
+        sigs.append(((S(d2),), (S(n - 2),)))
+    if ctx.func == aten.diagonal_copy.default:
+        sigs += [((S(d1),), (P,)), ((S(d2),), (P,)), ((P,), (P,))]
+    return sigs
 
 
 def diagonal_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
-    """The diagonal entries of this rank's block, at their global places in zeros of the diagonal's length."""
+    """The diagonal entries of this rank's block: the block's own diagonal where the output is split along it
+    (the signatures see to it that those are exactly its part), else placed at their global places in zeros
+    of the diagonal's length (a Partial term)."""
     n = _n(where.ctx)
     offset, d1, d2 = _diag_args(where.ctx, n)
     if _held_whole(where, 0, (d1, d2)):
         return func(*args, **kwargs)
     box = where.in_box(0)
     lo, first, count = _local_diagonal(offset, box[d1], box[d2])
+    ins, outs = where.in_layouts[0].sbp, where.out_layouts[0].sbp
+    if where.checking:
+        along = {i.dim for i, o in zip(ins, outs) if isinstance(i, Split) and isinstance(o, Split) and o.dim == n - 2}
+        summed = {i.dim for i, o in zip(ins, outs) if isinstance(i, Split) and isinstance(o, Partial)}
+        if len(along) > 1 or along & summed:
+            raise ValueError("diagonal: mesh axes split and sum the same matrix dim")
+    if not any(isinstance(s, Partial) for s in outs):
+        return func(args[0], lo, d1, d2)
     out = args[0].new_zeros(where.out_shape(0))
-    if count:
-        out[..., first:first + count] = torch.diagonal(args[0], lo, d1, d2)
+    o0, on = where.out_box(0)[-1]
+    a, b = max(first, o0), min(first + count, o0 + on)
+    if b > a:
+        out[..., a - o0:b - o0] = torch.diagonal(args[0], lo, d1, d2)[..., a - first:b - first]
     return out
 
 
 register([aten.diagonal.default, aten.diagonal_copy.default],
          Rule(diagonal_signatures, kernel=diagonal_local,
-              plain_when=lambda ctx, ins, outs: not any(isinstance(o, Partial) for o in outs[0].sbp)))
+              plain_when=lambda ctx, ins, outs: not any(isinstance(s, Split) and s.dim in _diag_args(ctx, _n(ctx))[1:]
+                                                        for s in ins[0].sbp)))
 
 
 def _embed_dims(ctx: Ctx) -> tuple:
@@ -588,7 +628,7 @@ register([aten.histogram.bin_ct, aten.histogram.bins_tensor],
 
 
 def histogramdd_signatures(ctx: Ctx) -> list:
-    """(points [N, D], [bins...], [weight [N]]) -> counts: points split on N (with their weights) give Partial
+    """(points [..., D], [bins...], [weight [...]]) -> counts: points split (with their weights) give Partial
     counts where the edges are fixed (bins tensors, or a range) and not normalized. _histogramdd_bin_edges
     only reads the points for their min and max: with a range given, any split gives the same edges."""
     if ctx.named("density", False):
@@ -596,11 +636,11 @@ def histogramdd_signatures(ctx: Ctx) -> list:
     tensors_bins = ctx.func == aten._histogramdd_from_bin_tensors.default
     if not tensors_bins and ctx.kwargs.get("range", ctx.args[2] if len(ctx.args) > 2 else None) is None:
         return []
-    k = len(ctx.shapes)
+    k, points = len(ctx.shapes), range(_n(ctx) - 1)  # the last dim holds each point's coordinates
     if ctx.func == aten._histogramdd_bin_edges.default:
-        return [((S(d),) + (B,) * (k - 1), (B,) * len(ctx.out_shapes)) for d in range(_n(ctx))]
+        return [((S(d),) + (B,) * (k - 1), (B,) * len(ctx.out_shapes)) for d in points]
     nbins = len(ctx.args[1]) if tensors_bins else 0
-    return [(tuple(S(0) if i == 0 or i > nbins else B for i in range(k)), (P,))]
+    return [(tuple(S(d) if i == 0 or i > nbins else B for i in range(k)), (P,)) for d in points]
 
 
 register([aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,

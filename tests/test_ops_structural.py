@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
+from globaltensor.runtime.comm import all_reduce_recv_bytes
 from ops_support import check, mesh_placement, meshes, sbps_for
 
 D = torch.float64
@@ -262,8 +263,9 @@ def test_allclose_and_spaces_match_one_device(case, data):
 
 # -- what moves ---------------------------------------------------------------------------------------
 def test_split_matrix_diagonal_and_triangle_move_nothing_but_the_diagonal():
-    """tril of a row-split matrix stays split with nothing received; its diagonal is Partial, and reading it
-    whole costs one all-reduce of the diagonal (n elements), not the matrix's gather."""
+    """tril_ of a row-split matrix stays split with nothing received; the main diagonal of a square one is a
+    split view of the shards (a write through it lands); an off-diagonal copy is Partial, and reading it
+    whole costs one all-reduce of the diagonal (n - 1 elements), not the matrix's gather."""
     n, ranks = 8, 4
     t = torch.arange(n * n, dtype=torch.float32).reshape(n, n)
 
@@ -271,14 +273,78 @@ def test_split_matrix_diagonal_and_triangle_move_nothing_but_the_diagonal():
         p = mesh_placement((ranks,))
         x = gt.to_global(t, p, gt.split(0))
         with gt.comm_log() as log:
-            low = torch.tril(x, 1)
-            diag = torch.diagonal(x, -1)
+            low = (x * 1).tril_(1)
+            main = low.diagonal()
+            main.fill_(-1.0)
+            off = torch.diagonal_copy(x, -1)
         moved = log.recv_bytes
         with gt.comm_log() as log:
-            whole = diag.full_tensor()
-        return low.sbp, diag.sbp, moved, log.recv_bytes, low.full_tensor(), whole
-    for rank, (lsbp, dsbp, moved, reduced, low, whole) in enumerate(gt.launch(body, ranks)):
-        assert lsbp == (gt.split(0),) and dsbp == (gt.partial_sum,) and moved == 0
-        from globaltensor.runtime.comm import all_reduce_recv_bytes
+            whole = off.full_tensor()
+        return low.sbp, main.sbp, off.sbp, moved, log.recv_bytes, low.full_tensor(), whole
+    want = torch.tril(t, 1)
+    want.diagonal().fill_(-1.0)
+    for rank, (lsbp, msbp, osbp, moved, reduced, low, whole) in enumerate(gt.launch(body, ranks)):
+        assert lsbp == msbp == (gt.split(0),) and osbp == (gt.partial_sum,) and moved == 0
         assert reduced == all_reduce_recv_bytes(n - 1, 4, ranks, rank)
-        assert torch.equal(low, torch.tril(t, 1)) and torch.equal(whole, torch.diagonal(t, -1))
+        assert torch.equal(low, want) and torch.equal(whole, torch.diagonal(t, -1))
+
+
+# -- histograms, block_diag, _chunk_cat, hash_tensor, _unsafe_masked_index -----------------------------
+@given(tensor_case(partial=False), st.data())
+def test_histograms_match_one_device(case, data):
+    """Counts over split points are Partial where the edges are fixed: a bins tensor or a range."""
+    mesh, shape, sbp, seed = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=D)
+    w = torch.rand(shape, generator=g, dtype=D)
+    wsbp = data.draw(sbps_for(mesh, shape))
+    edges = torch.sort(torch.randn(data.draw(st.integers(2, 6)), generator=g, dtype=D)).values
+    bins = data.draw(st.integers(1, 6))
+    check(lambda x, w: tuple(torch.histogram(x, bins, range=(-1.0, 1.5), weight=w)), [x, w], mesh, [sbp, wsbp],
+          grad=False)
+    check(lambda x, e: tuple(torch.histogram(x, e)), [x, edges], mesh, [sbp, (gt.broadcast,) * len(mesh)],
+          grad=False)
+    check(lambda x: tuple(torch.histogram(x, bins)), [x], mesh, [sbp], grad=False)  # edges from min/max: whole
+    points = x.reshape(-1, shape[-1])[:, :2]
+    psbp = data.draw(sbps_for(mesh, tuple(points.shape)))
+    dd = [2] * points.shape[1]
+    ranges = [-1.0, 1.0] * points.shape[1]
+    check(lambda p: (torch.histogramdd(p, dd, range=ranges).hist,), [points], mesh, [psbp], grad=False)
+    check(lambda p: (torch.histogramdd(p, [edges] * points.shape[1]).hist,), [points], mesh, [psbp], grad=False)
+
+
+@given(meshes(), st.lists(st.tuples(st.integers(0, 2), sizes, sizes), min_size=1, max_size=3), st.data())
+def test_block_diag_matches_one_device(mesh, specs, data):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn((r, c)[:nd], generator=g, dtype=D) for nd, r, c in specs]
+    sbps = [data.draw(sbps_for(mesh, tuple(x.shape), partial=True)) for x in xs]
+    check(lambda *xs: torch.block_diag(*xs), xs, mesh, sbps)
+
+
+@given(tensor_case(min_dims=2, partial=True), st.data())
+def test_chunk_cat_and_hash_tensor_match_one_device(case, data):
+    mesh, shape, sbp, seed = case
+    g = torch.Generator().manual_seed(seed)
+    dim = data.draw(st.integers(1, len(shape) - 1))
+    x = torch.randn(shape, generator=g, dtype=D)
+    y = torch.randn(shape[:dim] + (data.draw(sizes),) + shape[dim + 1:], generator=g, dtype=D)
+    ysbp = data.draw(sbps_for(mesh, tuple(y.shape), partial=True))
+    chunks = data.draw(st.integers(1, 4))
+    check(lambda x, y: torch.ops.aten._chunk_cat([x, y], dim, chunks), [x, y], mesh, [sbp, ysbp], grad=False)
+    if not any(s == gt.partial_sum for s in sbp):
+        check(lambda x: torch.ops.aten.hash_tensor(x, [dim]), [x.float()], mesh, [sbp], grad=False)
+
+
+@given(tensor_case(min_dims=2, max_dims=2, partial=True), st.data())
+def test_unsafe_masked_index_matches_one_device(case, data):
+    """The upsampling decomposition's read, and its backward (the accumulating put)."""
+    mesh, shape, sbp, seed = case
+    g = torch.Generator().manual_seed(seed)
+    a, b = data.draw(sizes), data.draw(sizes)
+    i0 = torch.randint(-1, shape[0] + 1, (a, 1), generator=g)
+    i1 = torch.randint(-1, shape[1] + 1, (1, b), generator=g)
+    mask = (i0 >= 0) & (i0 < shape[0]) & (i1 >= 0) & (i1 < shape[1])
+    x = torch.randn(shape, generator=g, dtype=D)
+    s = [data.draw(sbps_for(mesh, tuple(t.shape))) for t in (mask, i0, i1)]
+    check(lambda x, m, i, j: torch.ops.aten._unsafe_masked_index(x, m, [i, j], -1.5),
+          [x, mask, i0, i1], mesh, [sbp] + s)
