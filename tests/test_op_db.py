@@ -32,7 +32,6 @@ FALLBACKS = {
     "_batch_norm_with_update.default": TODO,  # _batch_norm_with_update
     "_cdist_backward.default": TODO,  # cdist
     "_cdist_forward.default": TODO,  # cdist
-    "_chunk_cat.default": TODO,  # _chunk_cat
     "_conj_physical.default": TODO,  # fft.ihfft2, fft.ihfftn
     "_ctc_loss.Tensor": TODO,  # nn.functional.ctc_loss
     "_ctc_loss.default": TODO,  # nn.functional.ctc_loss
@@ -44,9 +43,6 @@ FALLBACKS = {
     "_fft_c2c.default": TODO,  # fft.fft, fft.fft2, fft.fftn
     "_fft_c2r.default": TODO,  # fft.hfft, fft.hfft2, fft.hfftn
     "_fft_r2c.default": TODO,  # stft, fft.fft, fft.hfft
-    "_histogramdd_bin_edges.default": TODO,  # histogramdd
-    "_histogramdd_from_bin_cts.default": TODO,  # histogramdd
-    "_histogramdd_from_bin_tensors.default": TODO,  # histogramdd
     "_linalg_check_errors.default": TODO,  # linalg.cholesky, linalg.eig, linalg.eigvals
     "_linalg_det.default": TODO,  # linalg.det
     "_linalg_eigh.default": TODO,  # linalg.eigh, linalg.eigvalsh, linalg.matrix_rank.hermitian
@@ -62,9 +58,6 @@ FALLBACKS = {
     "_to_sparse.default": TODO,  # to_sparse
     "_to_sparse.sparse_dim": TODO,  # to_sparse
     "_trilinear.default": TODO,  # nn.functional.bilinear
-    "_unique.default": TODO,  # index_fill
-    "_unsafe_masked_index.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
-    "_unsafe_masked_index_put_accumulate.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
     "_upsample_bilinear2d_aa.default": TODO,  # _upsample_bilinear2d_aa
     "_upsample_bilinear2d_aa_backward.default": TODO,  # _upsample_bilinear2d_aa
     "_upsample_nearest_exact1d.default": TODO,  # nn.functional.interpolate.nearest-exact
@@ -81,12 +74,11 @@ FALLBACKS = {
     "addr.default": TODO,  # addr
     "addr_.default": TODO,  # addr_
     "alias_copy.default": TODO,  # alias_copy
-    "allclose.default": TODO,  # allclose
     "aminmax.default": TODO,  # aminmax
     "as_strided.default": TODO,  # stft, as_strided, as_strided.partial_views
     "as_strided_.default": TODO,  # as_strided_, as_strided.partial_views_
     "as_strided_copy.default": TODO,  # as_strided_copy
-    "as_strided_scatter.default": TODO,  # as_strided_scatter
+    "as_strided_scatter.default": "addresses the storage by the whole tensor's strides and offset, which say nothing of where a shard's elements sit",  # as_strided_scatter
     "avg_pool2d.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
     "avg_pool2d_backward.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
     "avg_pool3d.default": TODO,  # nn.functional.avg_pool3d
@@ -97,8 +89,6 @@ FALLBACKS = {
     "binary_cross_entropy.default": TODO,  # nn.functional.binary_cross_entropy
     "binary_cross_entropy_backward.default": TODO,  # nn.functional.binary_cross_entropy
     "binary_cross_entropy_with_logits.default": TODO,  # nn.functional.binary_cross_entropy_with_logits
-    "block_diag.default": TODO,  # block_diag
-    "bucketize.Tensor": TODO,  # bucketize
     "cauchy_.default": TODO,  # cauchy, cauchy_
     "channel_shuffle.default": TODO,  # nn.functional.channel_shuffle
     "cholesky.default": TODO,  # cholesky
@@ -107,12 +97,6 @@ FALLBACKS = {
     "col2im.default": TODO,  # nn.functional.unfold
     "convolution.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
     "convolution_backward.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
-    "count_nonzero.default": TODO,  # count_nonzero
-    "diag_embed.default": TODO,  # diag, diag_embed, svd
-    "diagonal.default": TODO,  # corrcoef, diag, diag_embed
-    "diagonal_backward.default": TODO,  # corrcoef, diag, diagonal
-    "diagonal_copy.default": TODO,  # diag, diagonal_copy
-    "diagonal_scatter.default": TODO,  # diagonal_scatter, linalg.eig, linalg.eigh
     "dist.default": TODO,  # dist
     "dot.default": TODO,  # dot, matmul, nn.functional.linear_cross_entropy.chunked_none
     "expand_copy.default": TODO,  # expand_copy
@@ -128,24 +112,9 @@ FALLBACKS = {
     "grid_sampler_2d_backward.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
     "grid_sampler_3d.default": TODO,  # grid_sampler_3d
     "grid_sampler_3d_backward.default": TODO,  # grid_sampler_3d
-    "hash_tensor.default": TODO,  # hash_tensor
-    "histogram.bin_ct": TODO,  # histogram
-    "histogram.bins_tensor": TODO,  # histogram
     "huber_loss.default": TODO,  # nn.functional.huber_loss
     "huber_loss_backward.default": TODO,  # nn.functional.huber_loss
     "im2col.default": TODO,  # nn.functional.unfold
-    "index_add.default": TODO,  # index_select, index_add, index_reduce.mean
-    "index_add_.default": TODO,  # index_add_
-    "index_copy.default": TODO,  # index_copy
-    "index_copy_.default": TODO,  # index_copy_
-    "index_fill.int_Scalar": TODO,  # index_fill, index_copy, index_reduce.mean
-    "index_fill.int_Tensor": TODO,  # index_fill, trace
-    "index_fill_.int_Scalar": TODO,  # index_fill_
-    "index_fill_.int_Tensor": TODO,  # index_fill_
-    "index_reduce.default": TODO,  # index_reduce.mean, index_reduce.prod, index_reduce.amin
-    "index_reduce_.default": TODO,  # index_reduce.mean_, index_reduce.prod_, index_reduce.amin_
-    "index_select.default": TODO,  # index_fill, index_copy, index_select
-    "isin.Tensor_Tensor": TODO,  # isin
     "linalg_cholesky_ex.default": TODO,  # linalg.cholesky, linalg.cholesky_ex
     "linalg_cross.default": TODO,  # cross, linalg.cross
     "linalg_eig.default": TODO,  # linalg.eig, linalg.eigvals
@@ -161,21 +130,12 @@ FALLBACKS = {
     "linalg_pinv.atol_rtol_tensor": TODO,  # pinverse, linalg.lstsq, linalg.lstsq.grad_oriented
     "linalg_qr.default": TODO,  # qr, svd_lowrank, pca_lowrank
     "linalg_solve_triangular.default": TODO,  # cholesky, lu, lu_solve
-    "linspace.Scalar_Tensor": TODO,  # linspace.tensor_overload
-    "linspace.Tensor_Scalar": TODO,  # linspace.tensor_overload
-    "linspace.Tensor_Tensor": TODO,  # linspace.tensor_overload
     "log_normal_.default": TODO,  # log_normal, log_normal_
     "log_sigmoid_backward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
     "log_sigmoid_forward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
     "logcumsumexp.default": TODO,  # logcumsumexp
-    "logspace.Scalar_Tensor": TODO,  # logspace.tensor_overload
-    "logspace.Tensor_Scalar": TODO,  # logspace.tensor_overload
-    "logspace.Tensor_Tensor": TODO,  # logspace.tensor_overload
     "logsumexp.default": TODO,  # logsumexp, masked.logsumexp
     "lu_unpack.default": TODO,  # lu_unpack, lu, lu_solve
-    "masked_scatter.default": TODO,  # combinations, masked_scatter, masked_select
-    "masked_scatter_.default": TODO,  # masked_scatter_
-    "masked_scatter_backward.default": TODO,  # masked_scatter
     "max_pool2d_with_indices.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
     "max_pool2d_with_indices_backward.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
     "max_pool3d_with_indices.default": TODO,  # nn.functional.max_pool3d
@@ -197,7 +157,7 @@ FALLBACKS = {
     "native_group_norm_backward.default": TODO,  # nn.functional.group_norm
     "nll_loss2d_backward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nll_loss2d_forward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
-    "nonzero_static.default": TODO,  # nonzero_static
+    "nonzero_static.default": "each output row is one nonzero's position in row-major order: which rows a rank's nonzeros fill depends on every element before its block",  # nonzero_static
     "norm.ScalarOpt_dim": TODO,  # nn.functional.triplet_margin_loss, nn.functional.triplet_margin_with_distance_loss, nn.functional.pairwise_distance
     "normal.Tensor_Tensor": TODO,  # normal
     "normal.Tensor_float": TODO,  # normal.number_mean
@@ -207,33 +167,20 @@ FALLBACKS = {
     "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "prod.default": TODO,  # prod
     "prod.dim_int": TODO,  # prod, masked.prod
-    "put.default": TODO,  # put, take
-    "put_.default": TODO,  # put_
     "reflection_pad1d.default": TODO,  # stft, nn.functional.pad.reflect
     "reflection_pad1d_backward.default": TODO,  # nn.functional.pad.reflect
     "renorm.default": TODO,  # renorm
     "renorm_.default": TODO,  # renorm_
-    "repeat.default": TODO,  # nn.functional.instance_norm, repeat, tile
     "replication_pad1d.default": TODO,  # nn.functional.pad.replicate
     "replication_pad1d_backward.default": TODO,  # nn.functional.pad.replicate
     "replication_pad2d.default": TODO,  # nn.functional.pad.replicate_negative
     "replication_pad2d_backward.default": TODO,  # nn.functional.pad.replicate_negative
     "resize_.default": TODO,  # resize_, resize__
     "resize_as_.default": TODO,  # resize_as_, resize_as__
-    "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
-    "rot90.default": TODO,  # rot90
     "rrelu_with_noise.default": TODO,  # nn.functional.rrelu
     "rrelu_with_noise_.default": TODO,  # nn.functional.rrelu_
     "rrelu_with_noise_backward.default": TODO,  # nn.functional.rrelu
-    "scatter.src": TODO,  # max.reduction_with_dim, median, nanmedian
-    "scatter_.reduce": TODO,  # scatter_
-    "scatter_add.default": TODO,  # cummax, cummin
-    "scatter_reduce.two": TODO,  # scatter_reduce.sum, scatter_reduce.prod, scatter_reduce.mean
-    "scatter_reduce_.two": TODO,  # scatter_reduce.sum_, scatter_reduce.prod_, scatter_reduce.mean_
-    "searchsorted.Tensor": TODO,  # searchsorted
     "segment_reduce.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
-    "select_scatter.default": TODO,  # select_scatter
-    "slice_scatter.default": TODO,  # slice_scatter
     "smooth_l1_loss.default": TODO,  # nn.functional.smooth_l1_loss
     "smooth_l1_loss_backward.default": TODO,  # nn.functional.smooth_l1_loss
     "soft_margin_loss.default": TODO,  # nn.functional.soft_margin_loss
@@ -246,19 +193,11 @@ FALLBACKS = {
     "squeeze_copy.dim": TODO,  # squeeze_copy
     "t_.default": TODO,  # t_
     "t_copy.default": TODO,  # t_copy
-    "take.default": TODO,  # put, take
     "trace.default": TODO,  # trace
     "transpose_.default": TODO,  # stft, transpose_
     "transpose_copy.int": TODO,  # transpose_copy
     "triangular_solve.default": TODO,  # triangular_solve
-    "tril.default": TODO,  # cholesky, lu_unpack, lu
-    "tril_.default": TODO,  # ormqr, tril_, linalg.householder_product
-    "triu.default": TODO,  # lu_unpack, lu, lu_solve
-    "triu_.default": TODO,  # triu_
     "unbind_copy.int": TODO,  # unbind_copy
-    "unfold.default": TODO,  # unfold
-    "unfold_backward.default": TODO,  # unfold, unfold_copy
-    "unfold_copy.default": TODO,  # unfold_copy
     "unsafe_split.Tensor": TODO,  # unsafe_chunk, unsafe_split
     "unsqueeze_.default": TODO,  # native_group_norm, unsqueeze_, nn.functional.dropout3d_
     "unsqueeze_copy.default": TODO,  # unsqueeze_copy
