@@ -1,14 +1,20 @@
-"""Structural ops: triangles and diagonals, roll/rot90/repeat/unfold, slice and select scatters, searches.
+"""Structural ops: triangles and diagonals, roll/rot90/repeat/unfold, scatters into slices, diagonals and
+masks, take/put, writes along a dim, searches, histograms, and a few that read everything.
 
 Most of them leave some dims alone (the batch dims of `tril`, the dims `roll` does not roll): a split
 there passes with nothing moved. The matrix dims of the triangle and diagonal ops may be split too, with
 a kernel told where its block sits (`ShardSite`): a block at rows r0, columns c0 holds global element
-(r0 + i, c0 + j), so the global diagonal `offset` is the local diagonal `offset + r0 - c0`. `tril` of a
-block is then `tril` with that offset, exactly; the diagonal of a block is a run of the global diagonal,
-which the reading ops (`diagonal`) return placed in zeros of its full length, a Partial sum over the
-ranks that cut the matrix (every entry sits in one block), and the writing ops (`diag_embed`,
-`diagonal_scatter`) write from a whole source into their block only. Everything here is linear in the
-values it moves, so Partial (sum) passes where the op only moves values.
+(r0 + i, c0 + j), so the global diagonal `offset` is the local diagonal `offset + r0 - c0`. `tril_` of a
+block is then `tril_` with that offset, exactly; the diagonal of a block is a run of the global diagonal:
+`diagonal_copy` returns it placed in zeros of the full length, a Partial sum over the ranks that cut the
+matrix (every entry sits in one block), the view `diagonal` only where that run is the rank's balanced
+part (so that it stays a view), and the writing ops (`diag_embed`, `diagonal_backward`,
+`diagonal_scatter`) write from a whole source into their block only. Ops that only move values are
+linear, so Partial (sum) passes through them.
+
+A view's result is a view of the shard it ran on; where its input had to be converted first, that is a
+copy, and a write through the view would not reach the input. The rules here avoid giving a new layout
+to results that torch itself views and writes through next (see `tri_signatures`).
 """
 from __future__ import annotations
 
@@ -240,7 +246,8 @@ def sized_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch
     return func(args[0], list(where.out_shape(0)), *args[2:], **kwargs)
 
 
-register([aten.unfold_backward.default], Rule(unfold_backward_signatures, kernel=sized_local, plain_when=lambda *_: True))
+register([aten.unfold_backward.default],
+         Rule(unfold_backward_signatures, kernel=sized_local, plain_when=lambda *_: True))
 
 
 def rot90_signatures(ctx: Ctx) -> list:
