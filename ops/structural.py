@@ -90,28 +90,25 @@ def _diag_args(ctx: Ctx, n: int, d1: str = "dim1", d2: str = "dim2", defaults: t
 
 
 def diagonal_signatures(ctx: Ctx) -> list:
-    """Batch dims pass (to their place among the output's leading dims).
+    """Batch dims pass (to their place among the output's leading dims); a view of the shard: P passes.
 
     A split matrix dim passes to the diagonal where each rank's block holds exactly its balanced part of the
     diagonal (rows split with offset >= 0 and as many diagonal entries as rows, or columns alike with
     offset <= 0: a square matrix's main diagonal): the shard's own diagonal at the shifted offset, still a
     view of the shard, so writes through it (`x.diagonal().fill_(1)`) land. `diagonal_copy`, which nothing
-    writes through, also takes any split matrix dim, the diagonal then Partial (`diagonal_local`), and a
-    Partial input. The view does not take a Partial input: its shard is a view of the input's, which the
-    reduction a later reader makes of it may overwrite in place (torch.corrcoef's gradient came out wrong).
-    A mesh axis splitting the diagonal and another giving a Partial of it must not cut the same matrix dim
+    writes through, also takes any split matrix dim, the diagonal then Partial (`diagonal_local`). A mesh axis splitting the diagonal and another giving a Partial of it must not cut the same matrix dim
     (nested cuts: the first axis' pieces are not the diagonal's); `diagonal_local` refuses that."""
     n = _n(ctx)
     offset, d1, d2 = _diag_args(ctx, n)
     rest = [d for d in range(n) if d not in (d1, d2)]
-    sigs = [((S(d),), (S(k),)) for k, d in enumerate(rest)]
+    sigs = [((S(d),), (S(k),)) for k, d in enumerate(rest)] + [((P,), (P,))]
     length = ctx.out_shapes[0][-1]
     if offset >= 0 and length == ctx.shapes[0][d1]:
         sigs.append(((S(d1),), (S(n - 2),)))
     if offset <= 0 and length == ctx.shapes[0][d2]:
         sigs.append(((S(d2),), (S(n - 2),)))
     if ctx.func == aten.diagonal_copy.default:
-        sigs += [((S(d1),), (P,)), ((S(d2),), (P,)), ((P,), (P,))]
+        sigs += [((S(d1),), (P,)), ((S(d2),), (P,))]
     return sigs
 
 
