@@ -18,11 +18,16 @@ to results that torch itself views and writes through next (see `tri_signatures`
 """
 from __future__ import annotations
 
+import itertools
+import zlib
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 import torch
 
+from ..boxing.boxes import numel, sizes
+from ..layout import Layout, slice_box
 from ..runtime import context
 from ..sbp import Broadcast, Partial, Split
 from .datadependent import whole
@@ -216,12 +221,123 @@ def others(moved: Any, partial: bool = True) -> Any:
     return signatures
 
 
-def _rolled(ctx: Ctx) -> set:
+def _shifts(ctx: Ctx) -> dict:
+    """{rolled dim: shift in [0, size)}; empty where roll flattens (no dims), which moves every dim."""
     dims = list(ctx.arg(2, "dims", []) or [])
-    return set(range(_n(ctx))) if not dims else {d % _n(ctx) for d in dims}  # no dims: rolls the flattened
+    shape, out = ctx.shapes[0], {}
+    for d, k in zip(dims, ctx.arg(1, "shifts")):
+        d %= len(shape)
+        out[d] = (out.get(d, 0) + k) % shape[d] if shape[d] else 0
+    return out
 
 
-register([aten.roll.default], Rule(others(_rolled)))
+def roll_signatures(ctx: Ctx) -> list:
+    """Every split passes. A dim not rolled holds the same rows rolled; a split rolled dim stays that split,
+    each rank receiving the rows that roll into its block from the ranks holding them (`roll_local`,
+    charged by `roll_cost`), where a conversion first (to another dim's split) costs no less. Roll without
+    dims rolls the flattened tensor: no split passes. Only moves values: P passes."""
+    if not list(ctx.arg(2, "dims", []) or []):
+        return [((P,), (P,))]
+    return [((S(d),), (S(d),)) for d in range(_n(ctx))] + [((P,), (P,))]
+
+
+def _segments(start: int, size: int, shift: int, n: int) -> list:
+    """[start, start + size) rolled by `shift` on a dim of n: (source start, destination start, length) runs."""
+    runs, dst = [], (start + shift) % n if n else 0
+    while size > 0:
+        length = min(size, n - dst)
+        runs.append((start, dst, length))
+        start, dst, size = start + length, 0, size - length
+    return runs
+
+
+@lru_cache(maxsize=4096)
+def roll_pieces(layout: Layout, shape: tuple, shifts: tuple, src: int, dst: int) -> tuple:
+    """The pieces of `src`'s shard that roll into `dst`'s, as (box in src's shard, box in dst's shard)."""
+    a, b = layout.shard(shape, src), layout.shard(shape, dst)
+    per_dim = []
+    for d, ((s0, sn), (d0, dn)) in enumerate(zip(a, b)):
+        if d not in dict(shifts):
+            per_dim.append([((0, sn), (0, dn))] if (s0, sn) == (d0, dn) else [])
+            continue
+        runs = []
+        for start, to, length in _segments(s0, sn, dict(shifts)[d], shape[d]):
+            lo, hi = max(to, d0), min(to + length, d0 + dn)
+            if hi > lo:
+                runs.append(((start + lo - to - s0, hi - lo), (lo - d0, hi - lo)))
+        per_dim.append(runs)
+    pieces = [(tuple(p[0] for p in combo), tuple(p[1] for p in combo)) for combo in itertools.product(*per_dim)]
+    return tuple(p for p in pieces if numel(p[1]))
+
+
+def _roll_peers(layout: Layout, shifts: tuple, rank: int) -> list:
+    """The ranks holding the same rows as `rank` but on the mesh axes that split a rolled dim (itself too)."""
+    pl, rolled = layout.placement, {d for d, _ in shifts}
+    axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim in rolled}
+    here = pl.coord(rank)
+    return [q for q in pl.flat_ranks if all(a in axes or x == y for a, (x, y) in enumerate(zip(pl.coord(q), here)))]
+
+
+_ROLL_KEY = zlib.crc32(b"roll")
+
+
+def roll_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The shard rolled where no rolled dim is split; else assembled from the pieces that roll into it."""
+    layout, shape, rank = where.in_layouts[0], tuple(where.ctx.shapes[0]), where.rank
+    shifts = tuple(sorted(_shifts(where.ctx).items()))
+    if not any(isinstance(s, Split) and s.dim in dict(shifts) for s in layout.sbp):
+        return func(*args, **kwargs)
+    x = args[0]
+    out = torch.empty_like(x)
+    if where.checking:
+        return out
+    sends, recvs, places = {}, {}, {}
+    for q in _roll_peers(layout, shifts, rank):
+        if q == rank:
+            for a, b in roll_pieces(layout, shape, shifts, rank, rank):
+                slice_box(out, b).copy_(slice_box(x, a))
+            continue
+        given = roll_pieces(layout, shape, shifts, rank, q)
+        if given:
+            sends[q] = torch.cat([slice_box(x, a).reshape(-1) for a, _ in given])
+        taken = roll_pieces(layout, shape, shifts, q, rank)
+        if taken:
+            recvs[q] = ((sum(numel(b) for _, b in taken),), x.dtype)
+            places[q] = taken
+    if sends or recvs:
+        for q, got in context.current().exchange(sends, recvs, device=x.device, key=_ROLL_KEY).items():
+            at = 0
+            for _, b in places[q]:
+                slice_box(out, b).copy_(got[at:at + numel(b)].reshape(sizes(b)))
+                at += numel(b)
+    return out
+
+
+def roll_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    """What `roll_local` receives per global rank, and its latency terms (the most peers a rank hears or tells)."""
+    layout, shape = targets[0], tuple(ctx.shapes[0])
+    shifts = tuple(sorted(_shifts(ctx).items()))
+    if not any(isinstance(s, Split) and s.dim in dict(shifts) for s in layout.sbp):
+        return (), 0
+    ranks = layout.placement.flat_ranks
+    recv, hears, tells = [0] * (max(ranks) + 1), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+    for r in ranks:
+        for q in _roll_peers(layout, shifts, r):
+            n = sum(numel(b) for _, b in roll_pieces(layout, shape, shifts, q, r)) if q != r else 0
+            if n:
+                recv[r] += n * ctx.args[0].dtype.itemsize
+                hears[r] += 1
+                tells[q] += 1
+    if not any(recv):
+        return (), 0
+    return tuple(recv), max(max(hears.values()), max(tells.values()))
+
+
+def _rolls_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    return not any(isinstance(s, Split) and s.dim in _shifts(ctx) for s in ins[0].sbp)
+
+
+register([aten.roll.default], Rule(roll_signatures, kernel=roll_local, kernel_cost=roll_cost, plain_when=_rolls_no_split))
 
 
 def _unfolded(ctx: Ctx) -> set:

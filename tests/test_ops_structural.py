@@ -348,3 +348,18 @@ def test_unsafe_masked_index_matches_one_device(case, data):
     s = [data.draw(sbps_for(mesh, tuple(t.shape))) for t in (mask, i0, i1)]
     check(lambda x, m, i, j: torch.ops.aten._unsafe_masked_index(x, m, [i, j], -1.5),
           [x, mask, i0, i1], mesh, [sbp] + s)
+
+
+def test_roll_of_a_split_dim_sends_only_the_rows_that_cross():
+    """A ring shift: rolled by one row, each rank of 4 receives the one row (4 floats) its neighbour held,
+    and the result keeps the split."""
+    t = torch.arange(32.0).reshape(8, 4)
+
+    def body():
+        x = gt.to_global(t, mesh_placement((4,)), gt.split(0))
+        with gt.comm_log() as log:
+            y = torch.roll(x, 1, 0)
+        return y.sbp, log.recv_bytes, y.full_tensor()
+    for sbp, received, full in gt.launch(body, 4):
+        assert sbp == (gt.split(0),) and received == 4 * 4
+        assert torch.equal(full, torch.roll(t, 1, 0))
