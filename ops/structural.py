@@ -241,9 +241,12 @@ def roll_signatures(ctx: Ctx) -> list:
     return [((S(d),), (S(d),)) for d in range(_n(ctx))] + [((P,), (P,))]
 
 
-def _segments(start: int, size: int, shift: int, n: int) -> list:
-    """[start, start + size) rolled by `shift` on a dim of n: (source start, destination start, length) runs."""
-    runs, dst = [], (start + shift) % n if n else 0
+def _runs(kind: str, param: int, start: int, size: int, n: int) -> list:
+    """Where rows [start, start + size) of a dim of n land: (source start, destination start, length) runs.
+    `roll` by `param`: shifted, wrapping at n; `repeat` `param` times: once in each copy."""
+    if kind == "repeat":
+        return [(start, c * n + start, size) for c in range(param)] if size else []
+    runs, dst = [], (start + param) % n if n else 0
     while size > 0:
         length = min(size, n - dst)
         runs.append((start, dst, length))
@@ -252,16 +255,20 @@ def _segments(start: int, size: int, shift: int, n: int) -> list:
 
 
 @lru_cache(maxsize=4096)
-def roll_pieces(layout: Layout, shape: tuple, shifts: tuple, src: int, dst: int) -> tuple:
-    """The pieces of `src`'s shard that roll into `dst`'s, as (box in src's shard, box in dst's shard)."""
-    a, b = layout.shard(shape, src), layout.shard(shape, dst)
+def moved_pieces(src_layout: Layout, in_shape: tuple, dst_layout: Layout, out_shape: tuple, moves: tuple,
+                 src: int, dst: int) -> tuple:
+    """The pieces of `src`'s input shard that land in `dst`'s output shard, as (box in src's shard, box in
+    dst's shard). `moves`: (dim, kind, param) per dim the op moves rows along (`_runs`); every other dim is
+    the same in both (the two ranks hold the same rows there)."""
+    a, b = src_layout.shard(in_shape, src), dst_layout.shard(out_shape, dst)
+    how = {d: (kind, param) for d, kind, param in moves}
     per_dim = []
     for d, ((s0, sn), (d0, dn)) in enumerate(zip(a, b)):
-        if d not in dict(shifts):
+        if d not in how:
             per_dim.append([((0, sn), (0, dn))] if (s0, sn) == (d0, dn) else [])
             continue
         runs = []
-        for start, to, length in _segments(s0, sn, dict(shifts)[d], shape[d]):
+        for start, to, length in _runs(*how[d], s0, sn, in_shape[d]):
             lo, hi = max(to, d0), min(to + length, d0 + dn)
             if hi > lo:
                 runs.append(((start + lo - to - s0, hi - lo), (lo - d0, hi - lo)))
@@ -270,42 +277,35 @@ def roll_pieces(layout: Layout, shape: tuple, shifts: tuple, src: int, dst: int)
     return tuple(p for p in pieces if numel(p[1]))
 
 
-def _roll_peers(layout: Layout, shifts: tuple, rank: int) -> list:
-    """The ranks holding the same rows as `rank` but on the mesh axes that split a rolled dim (itself too)."""
-    pl, rolled = layout.placement, {d for d, _ in shifts}
-    axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim in rolled}
+def _peers(layout: Layout, dims: set, rank: int) -> list:
+    """The ranks holding the same rows as `rank` but on the mesh axes that split one of `dims` (itself too)."""
+    pl = layout.placement
+    axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, Split) and s.dim in dims}
     here = pl.coord(rank)
     return [q for q in pl.flat_ranks if all(a in axes or x == y for a, (x, y) in enumerate(zip(pl.coord(q), here)))]
 
 
-_ROLL_KEY = zlib.crc32(b"roll")
+_MOVE_KEY = zlib.crc32(b"roll")  # its messages' key (`Communicator.exchange`), the same in every process
 
 
-def roll_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
-    """The shard rolled where no rolled dim is split; else assembled from the pieces that roll into it."""
-    layout, shape, rank = where.in_layouts[0], tuple(where.ctx.shapes[0]), where.rank
-    shifts = tuple(sorted(_shifts(where.ctx).items()))
-    if not any(isinstance(s, Split) and s.dim in dict(shifts) for s in layout.sbp):
-        return func(*args, **kwargs)
-    x = args[0]
-    out = torch.empty_like(x)
-    if where.checking:
-        return out
+def exchange_moved(x: torch.Tensor, out: torch.Tensor, src_layout: Layout, in_shape: tuple, dst_layout: Layout,
+                   out_shape: tuple, moves: tuple, rank: int) -> torch.Tensor:
+    """`out` (this rank's output shard) filled with the pieces that land in it: its own copied, its peers'
+    received, one message per peer (the pieces flattened in order)."""
     sends, recvs, places = {}, {}, {}
-    for q in _roll_peers(layout, shifts, rank):
+    for q in _peers(src_layout, {d for d, _, _ in moves}, rank):
         if q == rank:
-            for a, b in roll_pieces(layout, shape, shifts, rank, rank):
+            for a, b in moved_pieces(src_layout, in_shape, dst_layout, out_shape, moves, rank, rank):
                 slice_box(out, b).copy_(slice_box(x, a))
             continue
-        given = roll_pieces(layout, shape, shifts, rank, q)
+        given = moved_pieces(src_layout, in_shape, dst_layout, out_shape, moves, rank, q)
         if given:
             sends[q] = torch.cat([slice_box(x, a).reshape(-1) for a, _ in given])
-        taken = roll_pieces(layout, shape, shifts, q, rank)
+        taken = moved_pieces(src_layout, in_shape, dst_layout, out_shape, moves, q, rank)
         if taken:
-            recvs[q] = ((sum(numel(b) for _, b in taken),), x.dtype)
-            places[q] = taken
+            recvs[q], places[q] = ((sum(numel(b) for _, b in taken),), x.dtype), taken
     if sends or recvs:
-        for q, got in context.current().exchange(sends, recvs, device=x.device, key=_ROLL_KEY).items():
+        for q, got in context.current().exchange(sends, recvs, device=x.device, key=_MOVE_KEY).items():
             at = 0
             for _, b in places[q]:
                 slice_box(out, b).copy_(got[at:at + numel(b)].reshape(sizes(b)))
@@ -313,24 +313,52 @@ def roll_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.
     return out
 
 
-def roll_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
-    """What `roll_local` receives per global rank, and its latency terms (the most peers a rank hears or tells)."""
-    layout, shape = targets[0], tuple(ctx.shapes[0])
-    shifts = tuple(sorted(_shifts(ctx).items()))
-    if not any(isinstance(s, Split) and s.dim in dict(shifts) for s in layout.sbp):
-        return (), 0
-    ranks = layout.placement.flat_ranks
+def moved_cost(src_layout: Layout, in_shape: tuple, dst_layout: Layout, out_shape: tuple, moves: tuple,
+               itemsize: int) -> tuple:
+    """What `exchange_moved` receives per global rank, and its latency terms: as a point-to-point conversion's
+    (`boxing/exchange.py`), the most peers a rank receives from or sends to."""
+    ranks = src_layout.placement.flat_ranks
     recv, hears, tells = [0] * (max(ranks) + 1), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
     for r in ranks:
-        for q in _roll_peers(layout, shifts, r):
-            n = sum(numel(b) for _, b in roll_pieces(layout, shape, shifts, q, r)) if q != r else 0
+        for q in _peers(src_layout, {d for d, _, _ in moves}, r):
+            n = sum(numel(b) for _, b in moved_pieces(src_layout, in_shape, dst_layout, out_shape, moves, q, r)) \
+                if q != r else 0
             if n:
-                recv[r] += n * ctx.args[0].dtype.itemsize
+                recv[r] += n * itemsize
                 hears[r] += 1
                 tells[q] += 1
     if not any(recv):
         return (), 0
     return tuple(recv), max(max(hears.values()), max(tells.values()))
+
+
+def _roll_moves(ctx: Ctx, layout: Layout) -> tuple:
+    """(dim, "roll", shift) for each rolled dim some mesh axis splits."""
+    split = {s.dim for s in layout.sbp if isinstance(s, Split)}
+    return tuple((d, "roll", k) for d, k in sorted(_shifts(ctx).items()) if d in split)
+
+
+def roll_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The shard rolled along its whole rolled dims, then the rows that roll into it along the split ones."""
+    layout, shape = where.in_layouts[0], tuple(where.ctx.shapes[0])
+    moves = _roll_moves(where.ctx, layout)
+    if not moves:
+        return func(*args, **kwargs)
+    shifts = _shifts(where.ctx)
+    whole = [d for d in shifts if d not in {m[0] for m in moves} and shifts[d]]
+    x = torch.roll(args[0], [shifts[d] for d in whole], whole) if whole else args[0]
+    out = torch.empty_like(x)
+    if where.checking:
+        return out
+    return exchange_moved(x, out, layout, shape, layout, shape, moves, where.rank)
+
+
+def roll_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    moves = _roll_moves(ctx, targets[0])
+    if not moves:
+        return (), 0
+    shape = tuple(ctx.shapes[0])
+    return moved_cost(targets[0], shape, targets[0], shape, moves, ctx.args[0].dtype.itemsize)
 
 
 def _rolls_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
@@ -381,14 +409,54 @@ register([aten.rot90.default], Rule(rot90_signatures))
 
 
 def repeat_signatures(ctx: Ctx) -> list:
-    """A dim repeated once passes (shifted by the dims repeat puts in front); a split dim repeated r times would
-    be r copies of each shard, not a balanced split of the result. Linear: P passes."""
+    """A dim repeated once passes (shifted by the dims repeat puts in front). A split dim repeated r times is
+    not r copies of each shard (the result's balanced split cuts the copies elsewhere): each rank receives
+    the rows of its block from the ranks holding them (`repeat_local`, charged by `repeat_cost`), where no
+    dims are put in front. Linear: P passes."""
     reps = list(ctx.arg(1, "repeats"))
     extra = len(reps) - _n(ctx)
-    return [((S(d),), (S(d + extra),)) for d in range(_n(ctx)) if reps[d + extra] == 1] + [((P,), (P,))]
+    return [((S(d),), (S(d + extra),)) for d in range(_n(ctx)) if reps[d + extra] == 1 or not extra] + [((P,), (P,))]
 
 
-register([aten.repeat.default], Rule(repeat_signatures))
+def _repeat_moves(ctx: Ctx, layout: Layout) -> tuple:
+    """(dim, "repeat", times) for each dim repeated more than once that some mesh axis splits."""
+    reps = list(ctx.arg(1, "repeats"))
+    if len(reps) != _n(ctx):
+        return ()
+    split = {s.dim for s in layout.sbp if isinstance(s, Split)}
+    return tuple((d, "repeat", r) for d, r in enumerate(reps) if r > 1 and d in split)
+
+
+def repeat_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The shard repeated along its whole dims, then the rows of its block along the split repeated ones."""
+    layout = where.in_layouts[0]
+    moves = _repeat_moves(where.ctx, layout)
+    if not moves:
+        return func(*args, **kwargs)
+    moved = {d for d, _, _ in moves}
+    reps = list(where.ctx.arg(1, "repeats"))
+    x = args[0].repeat([1 if d in moved else r for d, r in enumerate(reps)])
+    out = x.new_empty(where.out_shape(0))
+    if where.checking:
+        return out
+    in_shape = tuple(n if d in moved else n * r for d, (n, r) in enumerate(zip(where.ctx.shapes[0], reps)))
+    return exchange_moved(x, out, layout, in_shape, where.out_layouts[0], tuple(where.ctx.out_shapes[0]), moves,
+                          where.rank)
+
+
+def repeat_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    moves = _repeat_moves(ctx, targets[0])
+    if not moves:
+        return (), 0
+    moved = {d for d, _, _ in moves}
+    reps = list(ctx.arg(1, "repeats"))
+    in_shape = tuple(n if d in moved else n * r for d, (n, r) in enumerate(zip(ctx.shapes[0], reps)))
+    return moved_cost(targets[0], in_shape, out_layouts[0], tuple(ctx.out_shapes[0]), moves,
+                      ctx.args[0].dtype.itemsize)
+
+
+register([aten.repeat.default], Rule(repeat_signatures, kernel=repeat_local, kernel_cost=repeat_cost,
+                                     plain_when=lambda ctx, ins, outs: not _repeat_moves(ctx, ins[0])))
 
 
 # -- select_scatter / slice_scatter ----------------------------------------------------------------

@@ -363,3 +363,19 @@ def test_roll_of_a_split_dim_sends_only_the_rows_that_cross():
     for sbp, received, full in gt.launch(body, 4):
         assert sbp == (gt.split(0),) and received == 4 * 4
         assert torch.equal(full, torch.roll(t, 1, 0))
+
+
+def test_repeat_of_a_split_dim_receives_only_the_rows_of_its_block():
+    """[8] split over 4, repeated twice: rank k's block of the 16 is rows 4k..4k+3 mod 8, of which it holds
+    two (ranks 0, 3) or none (ranks 1, 2): 2 or 4 floats received, not the 6 of a gather."""
+    t = torch.arange(8.0)
+
+    def body():
+        x = gt.to_global(t, mesh_placement((4,)), gt.split(0))
+        with gt.comm_log() as log:
+            y = x.repeat(2)
+        return y.sbp, log.recv_bytes, y.full_tensor()
+    got = gt.launch(body, 4)
+    assert [r[1] for r in got] == [8, 16, 16, 8]
+    for sbp, _, full in got:
+        assert sbp == (gt.split(0),) and torch.equal(full, t.repeat(2))
