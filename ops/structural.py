@@ -101,8 +101,10 @@ def diagonal_signatures(ctx: Ctx) -> list:
     diagonal (rows split with offset >= 0 and as many diagonal entries as rows, or columns alike with
     offset <= 0: a square matrix's main diagonal): the shard's own diagonal at the shifted offset, still a
     view of the shard, so writes through it (`x.diagonal().fill_(1)`) land. `diagonal_copy`, which nothing
-    writes through, also takes any split matrix dim, the diagonal then Partial (`diagonal_local`). A mesh axis splitting the diagonal and another giving a Partial of it must not cut the same matrix dim
-    (nested cuts: the first axis' pieces are not the diagonal's); `diagonal_local` refuses that."""
+    writes through, also takes any split matrix dim, the diagonal then Partial (`diagonal_local`). A mesh axis
+    splitting the diagonal and another giving a Partial of it must not cut the same matrix dim (nested cuts:
+    the first axis' pieces are not the diagonal's), nor two axes split the diagonal from both matrix dims;
+    `diagonal_local` refuses those."""
     n = _n(ctx)
     offset, d1, d2 = _diag_args(ctx, n)
     rest = [d for d in range(n) if d not in (d1, d2)]
@@ -365,7 +367,8 @@ def _rolls_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
     return not any(isinstance(s, Split) and s.dim in _shifts(ctx) for s in ins[0].sbp)
 
 
-register([aten.roll.default], Rule(roll_signatures, kernel=roll_local, kernel_cost=roll_cost, plain_when=_rolls_no_split))
+register([aten.roll.default],
+         Rule(roll_signatures, kernel=roll_local, kernel_cost=roll_cost, plain_when=_rolls_no_split))
 
 
 def _unfolded(ctx: Ctx) -> set:
