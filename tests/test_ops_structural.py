@@ -1,9 +1,10 @@
 """Structural ops (ops/structural.py) against one device: triangles and diagonals with split matrix dims
 (the kernels that offset the diagonal by where a block sits), roll/rot90/repeat/unfold over the dims they
 leave alone, select/slice/diagonal/masked scatters, take/put, index_fill/copy/reduce and scatter_reduce
-split along the written dim, searches, count_nonzero, allclose. Values and gradients over any input
-nd-SBPs (Partial where the op is linear), uneven shapes, worlds larger than the mesh; bytes where a rule
-leaves a Partial to reduce."""
+split along the written dim, searches, count_nonzero, allclose, histograms, block_diag, _chunk_cat,
+hash_tensor, _unsafe_masked_index. Values and gradients over any input nd-SBPs (Partial where the op is
+linear), uneven shapes, worlds larger than the mesh; bytes where a rule communicates: a Partial diagonal
+reduced, the rows roll and repeat exchange between ranks."""
 from __future__ import annotations
 
 import torch
