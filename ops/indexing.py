@@ -75,6 +75,8 @@ def gather_signatures(ctx: Ctx) -> list:
 def read_along_dim(func, args, kwargs, where: ShardSite):
     """gather / index_select of a self split along `dim`: entries held elsewhere read 0 (the output is P)."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
+    if not where.ctx.shapes[0]:  # a 0-d self (torch takes it as one row): never split
+        return func(*args, **kwargs)
     start, size = where.in_box(0)[dim]
     full = where.ctx.shapes[0][dim]
     if size == full:
@@ -117,6 +119,8 @@ def _scatter_value_is_zero(args: tuple, kwargs: dict) -> bool:
 def write_along_dim(func, args, kwargs, where: ShardSite):
     """scatter / index_add into a self split along `dim`: writes for rows held elsewhere land in a spare row."""
     x, dim, index = args[0], args[1] % max(args[0].dim(), 1), args[2]
+    if not where.ctx.shapes[0]:  # a 0-d self (torch takes it as one row): never split
+        return func(*args, **kwargs)
     start, size = where.in_box(0)[dim]
     full = where.ctx.shapes[0][dim]
     if size == full:
