@@ -42,7 +42,8 @@ def reduction(partial, n_out: int = 1) -> Rule:
 def mean_local(func, args, kwargs, where: ShardSite):
     """Sum the shard, divide by the global count: the shards' results add up to the mean."""
     dims, keep = reduced_dims(where.ctx)
-    count = math.prod(where.ctx.shapes[0][d] for d in dims)
+    shape = where.ctx.shapes[0]
+    count = math.prod(shape[d] for d in dims if d < len(shape))  # a 0-d input's dim 0 is itself
     dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
     return aten.sum.dim_IntList(args[0], dims, keep, dtype=dtype) / count
 
