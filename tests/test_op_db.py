@@ -30,14 +30,10 @@ FALLBACKS = {
     "_adaptive_avg_pool3d.default": TODO,  # nn.functional.adaptive_avg_pool3d
     "_adaptive_avg_pool3d_backward.default": TODO,  # nn.functional.adaptive_avg_pool3d
     "_batch_norm_with_update.default": TODO,  # _batch_norm_with_update
-    "_cdist_backward.default": TODO,  # cdist
-    "_cdist_forward.default": TODO,  # cdist
     "_chunk_cat.default": TODO,  # _chunk_cat
     "_conj_physical.default": TODO,  # fft.ihfft2, fft.ihfftn
-    "_ctc_loss.Tensor": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss.default": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss_backward.Tensor": TODO,  # nn.functional.ctc_loss
-    "_ctc_loss_backward.default": TODO,  # nn.functional.ctc_loss
+    "_ctc_loss.Tensor": "lengths as tensors: no meta kernel, log_alpha's size is the longest target's (the lengths' values say it); the int-list overload splits the batch",  # nn.functional.ctc_loss
+    "_ctc_loss_backward.Tensor": "lengths as tensors: no meta kernel (the values decide); the int-list overload splits the batch",  # nn.functional.ctc_loss
     "_embedding_bag.default": TODO,  # nn.functional.embedding_bag
     "_embedding_bag_backward.default": TODO,  # nn.functional.embedding_bag
     "_embedding_bag_per_sample_weights_backward.default": TODO,  # nn.functional.embedding_bag
@@ -54,14 +50,12 @@ FALLBACKS = {
     "_linalg_solve_ex.default": TODO,  # linalg.eig, linalg.eigvals, linalg.solve
     "_linalg_svd.default": TODO,  # svd, svd_lowrank, pca_lowrank
     "_native_batch_norm_legit.default": TODO,  # _native_batch_norm_legit
-    "_pdist_backward.default": TODO,  # nn.functional.pdist
-    "_pdist_forward.default": TODO,  # nn.functional.pdist
+    "_pdist_backward.default": "each row's gradient reads every other row (the pairs), and the feature dim's needs the whole distance: no split is local",  # nn.functional.pdist
+    "_pdist_forward.default": "each output element pairs two rows, and the pairs of a row split are no contiguous range of the output; a feature split is not exact (a p-norm of pieces)",  # nn.functional.pdist
     "_prelu_kernel.default": TODO,  # nn.functional.prelu
     "_prelu_kernel_backward.default": TODO,  # nn.functional.prelu
-    "_segment_reduce_backward.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
     "_to_sparse.default": TODO,  # to_sparse
     "_to_sparse.sparse_dim": TODO,  # to_sparse
-    "_trilinear.default": TODO,  # nn.functional.bilinear
     "_unique.default": TODO,  # index_fill
     "_unsafe_masked_index.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
     "_unsafe_masked_index_put_accumulate.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
@@ -73,16 +67,7 @@ FALLBACKS = {
     "adaptive_max_pool2d_backward.default": TODO,  # nn.functional.adaptive_max_pool1d, nn.functional.adaptive_max_pool2d
     "adaptive_max_pool3d.default": TODO,  # nn.functional.adaptive_max_pool3d
     "adaptive_max_pool3d_backward.default": TODO,  # nn.functional.adaptive_max_pool3d
-    "addbmm.default": TODO,  # addbmm
-    "addbmm_.default": TODO,  # addbmm_
-    "addmm_.default": TODO,  # addmm_, addmm.decomposed_, nn.functional.linear_cross_entropy.chunked_none
-    "addmv.default": TODO,  # addmv
-    "addmv_.default": TODO,  # addmv_
-    "addr.default": TODO,  # addr
-    "addr_.default": TODO,  # addr_
     "alias_copy.default": TODO,  # alias_copy
-    "allclose.default": TODO,  # allclose
-    "aminmax.default": TODO,  # aminmax
     "as_strided.default": TODO,  # stft, as_strided, as_strided.partial_views
     "as_strided_.default": TODO,  # as_strided_, as_strided.partial_views_
     "as_strided_copy.default": TODO,  # as_strided_copy
@@ -91,15 +76,9 @@ FALLBACKS = {
     "avg_pool2d_backward.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
     "avg_pool3d.default": TODO,  # nn.functional.avg_pool3d
     "avg_pool3d_backward.default": TODO,  # nn.functional.avg_pool3d
-    "baddbmm_.default": TODO,  # baddbmm_
     "batch_norm_backward.default": TODO,  # _batch_norm_with_update
-    "bernoulli.default": TODO,  # bernoulli
-    "binary_cross_entropy.default": TODO,  # nn.functional.binary_cross_entropy
-    "binary_cross_entropy_backward.default": TODO,  # nn.functional.binary_cross_entropy
-    "binary_cross_entropy_with_logits.default": TODO,  # nn.functional.binary_cross_entropy_with_logits
     "block_diag.default": TODO,  # block_diag
     "bucketize.Tensor": TODO,  # bucketize
-    "cauchy_.default": TODO,  # cauchy, cauchy_
     "channel_shuffle.default": TODO,  # nn.functional.channel_shuffle
     "cholesky.default": TODO,  # cholesky
     "cholesky_inverse.default": TODO,  # cholesky_inverse
@@ -113,14 +92,11 @@ FALLBACKS = {
     "diagonal_backward.default": TODO,  # corrcoef, diag, diagonal
     "diagonal_copy.default": TODO,  # diag, diagonal_copy
     "diagonal_scatter.default": TODO,  # diagonal_scatter, linalg.eig, linalg.eigh
-    "dist.default": TODO,  # dist
-    "dot.default": TODO,  # dot, matmul, nn.functional.linear_cross_entropy.chunked_none
     "expand_copy.default": TODO,  # expand_copy
     "fractional_max_pool2d.default": TODO,  # nn.functional.fractional_max_pool2d
     "fractional_max_pool2d_backward.default": TODO,  # nn.functional.fractional_max_pool2d
     "fractional_max_pool3d.default": TODO,  # nn.functional.fractional_max_pool3d
     "fractional_max_pool3d_backward.default": TODO,  # nn.functional.fractional_max_pool3d
-    "geometric_.default": TODO,  # geometric, geometric_
     "geqrf.default": TODO,  # geqrf
     "glu.default": TODO,  # nn.functional.glu
     "glu_backward.default": TODO,  # nn.functional.glu
@@ -131,8 +107,6 @@ FALLBACKS = {
     "hash_tensor.default": TODO,  # hash_tensor
     "histogram.bin_ct": TODO,  # histogram
     "histogram.bins_tensor": TODO,  # histogram
-    "huber_loss.default": TODO,  # nn.functional.huber_loss
-    "huber_loss_backward.default": TODO,  # nn.functional.huber_loss
     "im2col.default": TODO,  # nn.functional.unfold
     "index_add.default": TODO,  # index_select, index_add, index_reduce.mean
     "index_add_.default": TODO,  # index_add_
@@ -164,14 +138,9 @@ FALLBACKS = {
     "linspace.Scalar_Tensor": TODO,  # linspace.tensor_overload
     "linspace.Tensor_Scalar": TODO,  # linspace.tensor_overload
     "linspace.Tensor_Tensor": TODO,  # linspace.tensor_overload
-    "log_normal_.default": TODO,  # log_normal, log_normal_
-    "log_sigmoid_backward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
-    "log_sigmoid_forward.default": TODO,  # nn.functional.multilabel_soft_margin_loss, nn.functional.logsigmoid
-    "logcumsumexp.default": TODO,  # logcumsumexp
     "logspace.Scalar_Tensor": TODO,  # logspace.tensor_overload
     "logspace.Tensor_Scalar": TODO,  # logspace.tensor_overload
     "logspace.Tensor_Tensor": TODO,  # logspace.tensor_overload
-    "logsumexp.default": TODO,  # logsumexp, masked.logsumexp
     "lu_unpack.default": TODO,  # lu_unpack, lu, lu_solve
     "masked_scatter.default": TODO,  # combinations, masked_scatter, masked_select
     "masked_scatter_.default": TODO,  # masked_scatter_
@@ -182,37 +151,20 @@ FALLBACKS = {
     "max_pool3d_with_indices_backward.default": TODO,  # nn.functional.max_pool3d
     "max_unpool2d.default": TODO,  # nn.functional.max_unpool1d, nn.functional.max_unpool1d.grad, nn.functional.max_unpool2d
     "max_unpool3d.default": TODO,  # nn.functional.max_unpool3d, nn.functional.max_unpool3d.grad
-    "mean.dim": TODO,  # mean
-    "median.default": TODO,  # median
-    "multi_margin_loss.default": TODO,  # nn.functional.multi_margin_loss
-    "multi_margin_loss_backward.default": TODO,  # nn.functional.multi_margin_loss
-    "multilabel_margin_loss_backward.default": TODO,  # nn.functional.multilabel_margin_loss
-    "multilabel_margin_loss_forward.default": TODO,  # nn.functional.multilabel_margin_loss
-    "multinomial.default": TODO,  # multinomial
-    "mv.default": TODO,  # addmv, mv, addr
-    "nanmedian.default": TODO,  # nanmedian
-    "nansum.default": TODO,  # nanmean, nansum
+    "median.default": "an order statistic of the whole input: no combination of the shards' medians gives it",  # median
+    "nanmedian.default": "an order statistic of the whole input: no combination of the shards' medians gives it",  # nanmedian
     "narrow_copy.default": TODO,  # narrow_copy
     "native_group_norm.default": TODO,  # native_group_norm, nn.functional.group_norm
     "native_group_norm_backward.default": TODO,  # nn.functional.group_norm
-    "nll_loss2d_backward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
-    "nll_loss2d_forward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nonzero_static.default": TODO,  # nonzero_static
-    "norm.ScalarOpt_dim": TODO,  # nn.functional.triplet_margin_loss, nn.functional.triplet_margin_with_distance_loss, nn.functional.pairwise_distance
-    "normal.Tensor_Tensor": TODO,  # normal
-    "normal.Tensor_float": TODO,  # normal.number_mean
     "ormqr.default": TODO,  # ormqr
     "permute_copy.default": TODO,  # permute_copy
     "pixel_shuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
-    "prod.default": TODO,  # prod
-    "prod.dim_int": TODO,  # prod, masked.prod
     "put.default": TODO,  # put, take
     "put_.default": TODO,  # put_
     "reflection_pad1d.default": TODO,  # stft, nn.functional.pad.reflect
     "reflection_pad1d_backward.default": TODO,  # nn.functional.pad.reflect
-    "renorm.default": TODO,  # renorm
-    "renorm_.default": TODO,  # renorm_
     "repeat.default": TODO,  # nn.functional.instance_norm, repeat, tile
     "replication_pad1d.default": TODO,  # nn.functional.pad.replicate
     "replication_pad1d_backward.default": TODO,  # nn.functional.pad.replicate
@@ -222,22 +174,16 @@ FALLBACKS = {
     "resize_as_.default": TODO,  # resize_as_, resize_as__
     "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
     "rot90.default": TODO,  # rot90
-    "rrelu_with_noise.default": TODO,  # nn.functional.rrelu
-    "rrelu_with_noise_.default": TODO,  # nn.functional.rrelu_
-    "rrelu_with_noise_backward.default": TODO,  # nn.functional.rrelu
+    "rrelu_with_noise.default": "training draws a uniform only for negative inputs: the draws a shard's elements take depend on every earlier element's sign (one device's values need the whole input)",  # nn.functional.rrelu
+    "rrelu_with_noise_.default": "training draws a uniform only for negative inputs: the draws a shard's elements take depend on every earlier element's sign (one device's values need the whole input)",  # nn.functional.rrelu_
     "scatter.src": TODO,  # max.reduction_with_dim, median, nanmedian
     "scatter_.reduce": TODO,  # scatter_
     "scatter_add.default": TODO,  # cummax, cummin
     "scatter_reduce.two": TODO,  # scatter_reduce.sum, scatter_reduce.prod, scatter_reduce.mean
     "scatter_reduce_.two": TODO,  # scatter_reduce.sum_, scatter_reduce.prod_, scatter_reduce.mean_
     "searchsorted.Tensor": TODO,  # searchsorted
-    "segment_reduce.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
     "select_scatter.default": TODO,  # select_scatter
     "slice_scatter.default": TODO,  # slice_scatter
-    "smooth_l1_loss.default": TODO,  # nn.functional.smooth_l1_loss
-    "smooth_l1_loss_backward.default": TODO,  # nn.functional.smooth_l1_loss
-    "soft_margin_loss.default": TODO,  # nn.functional.soft_margin_loss
-    "soft_margin_loss_backward.default": TODO,  # nn.functional.soft_margin_loss
     "split_with_sizes_copy.default": TODO,  # split_with_sizes_copy
     "squeeze_.default": TODO,  # squeeze_
     "squeeze_.dim": TODO,  # stft, matmul, quantile
@@ -247,7 +193,6 @@ FALLBACKS = {
     "t_.default": TODO,  # t_
     "t_copy.default": TODO,  # t_copy
     "take.default": TODO,  # put, take
-    "trace.default": TODO,  # trace
     "transpose_.default": TODO,  # stft, transpose_
     "transpose_copy.int": TODO,  # transpose_copy
     "triangular_solve.default": TODO,  # triangular_solve
@@ -272,7 +217,6 @@ FALLBACKS = {
     "upsample_nearest1d_backward.default": TODO,  # nn.functional.interpolate.nearest, nn.functional.upsample_nearest
     "upsample_trilinear3d.default": TODO,  # nn.functional.interpolate.trilinear
     "upsample_trilinear3d_backward.default": TODO,  # nn.functional.interpolate.trilinear
-    "vdot.default": TODO,  # vdot, linalg.vecdot
     "view_copy.default": TODO,  # view_copy
     "torch_nn._linear_cross_entropy_batch_chunked.default": TODO,  # nn.functional.linear_cross_entropy.chunked
     "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": TODO,  # nn.functional.linear_cross_entropy.chunked_none
@@ -282,6 +226,7 @@ FALLBACKS = {
 ERRORS = {
     "sparse.sampled_addmm": "sparse layouts are not global tensors",
     "sparse.mm.reduce": "sparse layouts are not global tensors",
+    "allclose": "returns a Python bool: a rank outside the placement (the world layout) has no value to read",
 }
 KNOWN_WRONG = {  # being fixed (issue 34): listed so the suite says which, not silently
     "matmul": TODO, "__rmatmul__": TODO, "nn.functional.rrelu": TODO, "t_": TODO,
