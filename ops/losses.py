@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
+from ..sbp import Broadcast
 from .arguments import named_args
 from .loss import MEAN, NONE, SUM, _class_shift, _mean_as_sum, global_total_weight
 from .pointwise import split_signatures
 from .registry import B, Ctx, P, Rule, S, ShardSite, aten, pointwise_dims, register
-from ..sbp import Broadcast
 
 
 def _reduction(ctx: Ctx) -> int:
