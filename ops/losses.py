@@ -280,3 +280,53 @@ def ctc_backward_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -
 register([aten._ctc_loss.default], Rule(ctc_signatures, kernel=ctc_local))
 register([aten._ctc_loss_backward.default],
          Rule(ctc_backward_signatures, kernel=checked_like_input(ctc_backward_local), meta=like_input))
+
+
+# -- linear_cross_entropy's chunked ops (torch_nn custom ops): the batch split ---------------------------
+def chunked_signatures(ctx: Ctx) -> list:
+    """(input [N, D], linear_weight [V, D], target [N], bias?, class weight?) -> (loss, grad_input,
+    grad_linear_weight, grad_linear_bias), the gradients computed in the forward (empty where not
+    asked). The batch split: the loss and the weight and bias gradients are sums over samples (P), the
+    input's gradient split alike; 'mean' takes the target whole (the kernel divides by the global total
+    weight). The classes cannot split (each row's softmax spans them), nor can D (logits would be P)."""
+    if len(ctx.shapes[0]) != 2:
+        return []
+    mean = ctx.named("reduction") == "mean"
+    ins = (S(0), B, B if mean else S(0)) + (B,) * (len(ctx.shapes) - 3)
+    shapes = ctx.out_shapes
+    outs = (P, S(0) if shapes[1] == ctx.shapes[0] else B, P if shapes[2] == ctx.shapes[1] else B,
+            P if shapes[3] == ctx.shapes[1][:1] else B)
+    return [(ins, outs)]
+
+
+def chunked_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
+    """'mean' over a split batch: the rows' 'sum' (loss and gradients) over the global total weight of the
+    scored targets (what torch's chunked op folds into its per-row weights)."""
+    named = named_args(func, args, kwargs)
+    if named["reduction"] != "mean" or _whole(args, kwargs, where.ctx):
+        return func(*args, **kwargs)
+    full_target = named["target"]
+    start, size = where.in_box(0)[0]
+    named["target"], named["reduction"] = full_target.narrow(0, start, size), "sum"
+    outs = func(*named.values())
+    if where.checking:
+        return outs
+    total = global_total_weight(full_target, named["weight"], named["ignore_index"], outs[0].dtype)
+    return tuple(o / total for o in outs)
+
+
+def chunked_none_signatures(ctx: Ctx) -> list:
+    """(input [N, D], linear_weight, target [N], bias?, class weight?) -> per-sample loss [N]: rows split."""
+    if len(ctx.shapes[0]) != 2:
+        return []
+    return [((S(0), B, S(0)) + (B,) * (len(ctx.shapes) - 3), (S(0),))]
+
+
+try:  # torch versions with linear_cross_entropy's chunked path define these ops in this module
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401
+    register([torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default],
+             Rule(chunked_signatures, kernel=chunked_local))
+    register([torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default],
+             Rule(chunked_none_signatures))
+except (ImportError, AttributeError):
+    pass

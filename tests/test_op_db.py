@@ -218,8 +218,6 @@ FALLBACKS = {
     "upsample_trilinear3d.default": TODO,  # nn.functional.interpolate.trilinear
     "upsample_trilinear3d_backward.default": TODO,  # nn.functional.interpolate.trilinear
     "view_copy.default": TODO,  # view_copy
-    "torch_nn._linear_cross_entropy_batch_chunked.default": TODO,  # nn.functional.linear_cross_entropy.chunked
-    "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default": TODO,  # nn.functional.linear_cross_entropy.chunked_none
 }
 
 # op_db entry -> why it raises

@@ -127,3 +127,25 @@ def test_reduced_losses_are_partial_and_read_with_one_scalar():
             torch.testing.assert_close(full, want)
             assert sbp == (gt.partial_sum,) and op_ev == []
             assert read_ev == [("all_reduce", all_reduce_recv_bytes(1, 8, 4, rank))]
+
+
+@given(meshes([(2,), (4,), (2, 2)]), st.sampled_from(REDUCTIONS), st.booleans(), st.data())
+def test_chunked_linear_cross_entropy_splits_the_batch(mesh, reduction, weighted, data):
+    """linear_cross_entropy's chunked path (torch_nn custom ops, the gradients computed in the forward for
+    'mean'/'sum'): any layout of the input, the linear weight and bias, class weights, an ignored target;
+    one device's loss and gradients. 'none' is checked forward only: its backward is Python (not a
+    dispatched op) that writes the gradients into plain buffers, whatever the op's layouts."""
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+    torch.manual_seed(11)
+    x, w, b = torch.randn(7, 3, dtype=F64), torch.randn(5, 3, dtype=F64), torch.randn(5, dtype=F64)
+    target, cw = torch.tensor([0, 4, 2, 2, 1, 3, 4]), torch.rand(5, dtype=F64) + 0.5
+    options = LinearCrossEntropyOptions(batch_chunk_size=2)
+
+    def fn(x, w, b, target, cw):
+        return F.linear_cross_entropy(x, w, target.detach(), linear_bias=b, weight=cw.detach() if weighted else None,
+                                      ignore_index=2, reduction=reduction, options=options)
+    xs = [x, w, b, target, cw]
+    sbps = [data.draw(sbps_for(mesh, tuple(t.shape))) for t in xs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check(fn, xs, mesh, sbps, grad=reduction != "none")
