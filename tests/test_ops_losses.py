@@ -149,3 +149,31 @@ def test_chunked_linear_cross_entropy_splits_the_batch(mesh, reduction, weighted
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check(fn, xs, mesh, sbps, grad=reduction != "none")
+
+
+def test_cross_entropy_on_images_moves_a_count_or_the_target():
+    """cross_entropy on [N, C, H, W] split on the batch: 'sum' moves nothing; an unweighted 'mean' divides
+    by the scored targets' count, one all-reduce of one element; a weighted 'mean' needs the global total
+    weight, from the whole (integer) target: one all-gather of the other ranks' rows of it."""
+    torch.manual_seed(12)
+    x, t, w = torch.randn(8, 3, 4, 4, dtype=F64), torch.randint(0, 3, (8, 4, 4)), torch.rand(3, dtype=F64)
+    rows = 2 * 4 * 4 * 8  # one rank's target rows, int64
+    cases = [({}, lambda r: [("all_reduce", all_reduce_recv_bytes(1, 8, 4, r))]),
+             ({"reduction": "sum"}, lambda r: []),
+             ({"weight": w}, lambda r: [("all_gather", 3 * rows)])]
+    for kw, expected in cases:
+        want = F.cross_entropy(x, t, **kw)
+
+        def body():
+            p = mesh_placement(Mesh((4,)))
+            gx, gtg = gt.to_global(x, p, gt.split(0)), gt.to_global(t, p, gt.split(0))
+            kws = {k: gt.to_global(v, p, gt.broadcast) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            with gt.comm_log() as log:
+                y = F.cross_entropy(gx, gtg, **kws)
+            return y.sbp, [(e.kind, e.recv_bytes) for e in log.events], y.full_tensor()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = gt.launch(body, 4)
+        for rank, (sbp, events, full) in enumerate(results):
+            torch.testing.assert_close(full, want)
+            assert sbp == (gt.partial_sum,) and events == expected(rank), (kw.keys(), events)
