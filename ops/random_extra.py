@@ -8,7 +8,8 @@ global size, from global-size parameters in which this rank's shards sit at thei
 value elsewhere: torch's kernels consume the generator by position, not by value (one uniform per
 element for bernoulli, standard normals scaled afterwards for normal, per row and sample for
 multinomial), so the elements a rank keeps are one device's. rrelu in training draws only for negative
-inputs (the draws a rank's elements take depend on every earlier element's sign): it runs replicated.
+inputs (the draws a rank's elements take depend on every earlier element's sign): it runs on the whole
+input, and the noise it draws is copied back into the caller's (`rrelu`).
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from ..layout import slice_box
+from ..sbp import Broadcast
+from .arguments import named_args
 from .decide import map_tensors
 from .pointwise import split_signatures
 from .random import any_layout, random_inplace_local
-from .registry import B, Ctx, P, Rule, S, ShardSite, aten, register
+from .registry import B, Ctx, P, Rule, S, ShardSite, aten, no_signatures, register
 
 register([aten.cauchy_.default, aten.geometric_.default, aten.log_normal_.default],
          Rule(any_layout(lambda s: s), kernel=random_inplace_local))
@@ -52,6 +55,39 @@ def multinomial_signatures(ctx: Ctx) -> list:
 
 
 register([aten.multinomial.default], Rule(multinomial_signatures, kernel=embedded_draw(1.0)))
+
+
+def _rrelu_decomposes(ctx: Ctx, layouts: tuple) -> bool:
+    """Eval mode always (it is leaky_relu); training where some input is not whole."""
+    return not ctx.named("training") or any(not isinstance(s, Broadcast) for lay in layouts for s in lay.sbp)
+
+
+def rrelu(func: Any, args: tuple, kwargs: dict) -> Any:
+    """rrelu_with_noise(_): in eval mode torch computes leaky_relu with slope (lower + upper) / 2 (no draw,
+    the noise untouched), elementwise on any layout. In training the draws follow the whole input's signs:
+    the op runs on the whole input with a whole noise buffer, which is then copied into the caller's noise
+    (the backward reads it: the noise is an argument the op writes, which a replicated run would fill
+    only in its gathered copy)."""
+    named = named_args(func, args, kwargs)
+    x, noise, inplace = named["self"], named["noise"], func == aten.rrelu_with_noise_.default
+    if not named["training"]:
+        slope = (named["lower"] + named["upper"]) / 2
+        return (aten.leaky_relu_.default if inplace else aten.leaky_relu.default)(x, slope)
+
+    def whole(t: Any) -> Any:
+        return t.to_global(t.placement, (B,) * len(t.sbp)) if hasattr(t, "placement") else t
+    xb = whole(x)
+    nb = aten.empty_like.default(xb)
+    out = aten.rrelu_with_noise.default(xb, nb, named["lower"], named["upper"], True, named["generator"])
+    aten.copy_.default(noise, nb)
+    if inplace:
+        aten.copy_.default(x, out)
+        return x
+    return out
+
+
+register([aten.rrelu_with_noise.default, aten.rrelu_with_noise_.default],
+         Rule(no_signatures, decompose=rrelu, decompose_when=_rrelu_decomposes))
 
 
 def rrelu_backward_signatures(ctx: Ctx) -> list:

@@ -174,8 +174,6 @@ FALLBACKS = {
     "resize_as_.default": TODO,  # resize_as_, resize_as__
     "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
     "rot90.default": TODO,  # rot90
-    "rrelu_with_noise.default": "training draws a uniform only for negative inputs: the draws a shard's elements take depend on every earlier element's sign (one device's values need the whole input)",  # nn.functional.rrelu
-    "rrelu_with_noise_.default": "training draws a uniform only for negative inputs: the draws a shard's elements take depend on every earlier element's sign (one device's values need the whole input)",  # nn.functional.rrelu_
     "scatter.src": TODO,  # max.reduction_with_dim, median, nanmedian
     "scatter_.reduce": TODO,  # scatter_
     "scatter_add.default": TODO,  # cummax, cummin
@@ -227,7 +225,7 @@ ERRORS = {
     "allclose": "returns a Python bool: a rank outside the placement (the world layout) has no value to read",
 }
 KNOWN_WRONG = {  # being fixed (issue 34): listed so the suite says which, not silently
-    "matmul": TODO, "__rmatmul__": TODO, "nn.functional.rrelu": TODO, "t_": TODO,
+    "matmul": TODO, "__rmatmul__": TODO, "t_": TODO,
 }
 KNOWN_ERRORS = {k: TODO for k in [
     "addbmm_", "stft", "nn.functional.linear_cross_entropy", "as_strided_", "as_strided.partial_views_",

@@ -143,3 +143,32 @@ def test_random_ops_draw_one_devices_values():
             assert not fallbacks
             for g, w in zip(got, want):
                 assert torch.equal(g, w), (mesh, sbp)
+
+
+def test_rrelu_draws_and_gradients_match_one_device():
+    """rrelu in training draws only for negative inputs, so it runs on the whole input, and the noise it
+    draws reaches the caller's buffer (the backward's): one device's values and gradients on a split
+    input, in place too, on a mesh of 3 ranks (out of order) in a world of 4; eval mode is leaky_relu."""
+    torch.manual_seed(0)
+    x = torch.randn(12, dtype=F64)
+    mesh = Mesh((3,), ranks=(2, 0, 1), world=4)
+    for training in (True, False):
+        for rrelu in (torch.nn.functional.rrelu, torch.nn.functional.rrelu_):
+            torch.manual_seed(5)
+            xl = x.clone().requires_grad_()
+            want = rrelu(xl * 1.0, 0.1, 0.9, training=training)
+            want.sum().backward()
+
+            def body():
+                p = mesh_placement(mesh)
+                gt.reset_stats()
+                gx = gt.to_global(x, p, gt.split(0)).requires_grad_()
+                torch.manual_seed(5)
+                y = rrelu(gx * 1.0, 0.1, 0.9, training=training)
+                y.sum().backward()
+                return y.full_tensor(), gx.grad.full_tensor(), gt.stats()["fallback"], gt.rank() in p.flat_ranks
+            for y, g, fallbacks, inside in gt.launch(body, mesh.world):
+                assert not fallbacks
+                if inside:
+                    torch.testing.assert_close(y, want.detach())
+                    torch.testing.assert_close(g, xl.grad)
