@@ -71,8 +71,8 @@ register([aten.argmax.default, aten.argmin.default], reduction(None))
 
 
 # -- scans and counts ----------------------------------------------------------------------------
-# cumsum / cumprod (and their in-place forms) and logcumsumexp along a split dim run as a distributed scan: each rank
-# scans its shard, the ranks of the mesh axes that split the dim all-gather their shards' totals (the
+# cumsum / cumprod (and their in-place forms) and logcumsumexp (its combine is logaddexp) along a split
+# dim run as a distributed scan: each rank scans its shard, the ranks of the mesh axes that split the dim all-gather their shards' totals (the
 # scan's last row: one row of the dim's cross-section per rank), and each rank combines into its scan
 # the totals of the ranks before it in the split's order. Several mesh axes splitting the dim (mesh
 # axis 0 cuts first) are scanned innermost axis first: the totals gathered on an axis give the rank's
