@@ -72,12 +72,13 @@ register([aten.argmax.default, aten.argmin.default], reduction(None))
 
 # -- scans and counts ----------------------------------------------------------------------------
 # cumsum / cumprod (and their in-place forms) and logcumsumexp (its combine is logaddexp) along a split
-# dim run as a distributed scan: each rank scans its shard, the ranks of the mesh axes that split the dim all-gather their shards' totals (the
-# scan's last row: one row of the dim's cross-section per rank), and each rank combines into its scan
-# the totals of the ranks before it in the split's order. Several mesh axes splitting the dim (mesh
-# axis 0 cuts first) are scanned innermost axis first: the totals gathered on an axis give the rank's
-# offset within its outer piece and that piece's total, which the next axis out gathers in turn, so a
-# rank receives (n_a - 1) rows per such axis a, not (prod n_a - 1). Output: the same Split.
+# dim run as a distributed scan: each rank scans its shard, the ranks of the mesh axes that split the dim
+# all-gather their shards' totals (the scan's last row: one row of the dim's cross-section per rank), and
+# each rank combines into its scan the totals of the ranks before it in the split's order. Several mesh
+# axes splitting the dim (mesh axis 0 cuts first) are scanned innermost axis first: the totals gathered on
+# an axis give the rank's offset within its outer piece and that piece's total, which the next axis out
+# gathers in turn, so a rank receives (n_a - 1) rows per such axis a, not (prod n_a - 1). Output: the
+# same Split.
 SCANS = {aten.cumsum.default: "sum", aten.cumsum_.default: "sum",
          aten.cumprod.default: "prod", aten.cumprod_.default: "prod", aten.logcumsumexp.default: "logsumexp"}
 
