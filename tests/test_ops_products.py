@@ -122,6 +122,17 @@ def test_prod_and_logsumexp_gather_only_the_results():
             assert sbp == (gt.broadcast,) and op_ev == [("all_gather", 3 * 3 * 8)] and read_ev == []
 
 
+def test_logcumsumexp_is_a_scan():
+    """logcumsumexp along a long split dim: the distributed scan (`ops/reduction.py`), its combine
+    logaddexp; the split kept, one all-gather of the other ranks' last rows (3 x 3 float64 here)."""
+    torch.manual_seed(6)
+    x = torch.randn(40, 3, dtype=F64)
+    for rank, (sbp, op_ev, read_ev, full) in enumerate(_logged(lambda t: torch.logcumsumexp(t, 0), Mesh((4,)), [x],
+                                                              [(gt.split(0),)])):
+        torch.testing.assert_close(full, torch.logcumsumexp(x, 0))
+        assert sbp == (gt.split(0),) and op_ev == [("all_gather", 3 * 3 * 8)], (sbp, op_ev)
+
+
 def test_random_ops_draw_one_devices_values():
     """bernoulli(p), normal(mean, std), normal(mean, float), multinomial (with and without replacement) on
     split parameters: exactly one device's values with the same seed, and nothing gathered."""
