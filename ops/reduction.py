@@ -42,7 +42,8 @@ def reduction(partial, n_out: int = 1) -> Rule:
 def mean_local(func, args, kwargs, where: ShardSite):
     """Sum the shard, divide by the global count: the shards' results add up to the mean."""
     dims, keep = reduced_dims(where.ctx)
-    count = math.prod(where.ctx.shapes[0][d] for d in dims)
+    shape = where.ctx.shapes[0]
+    count = math.prod(shape[d] for d in dims if d < len(shape))  # a 0-d input's dim 0 is itself
     dtype = kwargs.get("dtype", args[3] if len(args) > 3 else None)
     return aten.sum.dim_IntList(args[0], dims, keep, dtype=dtype) / count
 
@@ -70,15 +71,16 @@ register([aten.argmax.default, aten.argmin.default], reduction(None))
 
 
 # -- scans and counts ----------------------------------------------------------------------------
-# cumsum / cumprod (and their in-place forms) along a split dim run as a distributed scan: each rank
-# scans its shard, the ranks of the mesh axes that split the dim all-gather their shards' totals (the
-# scan's last row: one row of the dim's cross-section per rank), and each rank combines into its scan
-# the totals of the ranks before it in the split's order. Several mesh axes splitting the dim (mesh
-# axis 0 cuts first) are scanned innermost axis first: the totals gathered on an axis give the rank's
-# offset within its outer piece and that piece's total, which the next axis out gathers in turn, so a
-# rank receives (n_a - 1) rows per such axis a, not (prod n_a - 1). Output: the same Split.
+# cumsum / cumprod (and their in-place forms) and logcumsumexp (its combine is logaddexp) along a split
+# dim run as a distributed scan: each rank scans its shard, the ranks of the mesh axes that split the dim
+# all-gather their shards' totals (the scan's last row: one row of the dim's cross-section per rank), and
+# each rank combines into its scan the totals of the ranks before it in the split's order. Several mesh
+# axes splitting the dim (mesh axis 0 cuts first) are scanned innermost axis first: the totals gathered on
+# an axis give the rank's offset within its outer piece and that piece's total, which the next axis out
+# gathers in turn, so a rank receives (n_a - 1) rows per such axis a, not (prod n_a - 1). Output: the
+# same Split.
 SCANS = {aten.cumsum.default: "sum", aten.cumsum_.default: "sum",
-         aten.cumprod.default: "prod", aten.cumprod_.default: "prod"}
+         aten.cumprod.default: "prod", aten.cumprod_.default: "prod", aten.logcumsumexp.default: "logsumexp"}
 
 
 def scan_axes(layout: Any, dim: int) -> tuple[int, ...]:
@@ -146,7 +148,7 @@ def scan_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.
     if result.shape[dim]:
         total = result.select(dim, -1)
     else:  # an empty shard (a dim smaller than the mesh) adds nothing
-        total = (result.new_zeros if kind == "sum" else result.new_ones)(result.shape[:dim] + result.shape[dim + 1:])
+        total = result.new_full(result.shape[:dim] + result.shape[dim + 1:], IDENTITY[kind])
     offset = None
     for a in reversed(axes):  # innermost first: within the outer piece, then the pieces
         group = placement.group(where.rank, a)
@@ -161,14 +163,17 @@ def scan_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.
     offset = offset.unsqueeze(dim)
     if is_inplace(func):
         return result.add_(offset) if kind == "sum" else result.mul_(offset)
-    return result + offset if kind == "sum" else result * offset
+    return _combine(kind, [offset, result])
+
+
+IDENTITY = {"sum": 0, "prod": 1, "logsumexp": -math.inf}  # what an empty shard's total adds
 
 
 def _combine(kind: str, parts: list) -> torch.Tensor:
-    """The sum (product) of `parts` in order, left to right."""
+    """The sum (product, log-sum-exp) of `parts` in order, left to right."""
     out = parts[0]
     for p in parts[1:]:
-        out = out + p if kind == "sum" else out * p
+        out = out + p if kind == "sum" else out * p if kind == "prod" else torch.logaddexp(out, p)
     return out
 
 
