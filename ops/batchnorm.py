@@ -15,7 +15,7 @@ import math
 from typing import Any, Optional
 
 from .arguments import named_args
-from .registry import B, Ctx, Rule, S, aten, reduce_partial, register
+from .registry import B, Ctx, Rule, S, ShardSite, aten, reduce_partial, register
 
 
 def _channel_view(t: Any, nd: int) -> Any:
@@ -101,6 +101,28 @@ def _as_parameter(grad: Any, weight: Any) -> Any:
     return grad.to_global(weight.placement, weight.sbp)
 
 
+def eval_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The op on meta, with eval's saved statistics empty ([0]) as the CPU kernel gives them (torch's meta
+    kernel says [C]); nothing reads them (the eval backward uses the running statistics)."""
+    out = func(*args, **kwargs)
+    if not named_args(func, args, kwargs).get("training", False):
+        out = (out[0],) + tuple(o.new_empty((0,)) for o in out[1:3]) + tuple(out[3:])
+    return out
+
+
+def eval_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> tuple:
+    """The op on the shards, its eval statistics as `eval_meta` says (a kernel that gives [C] ones: emptied)."""
+    out = func(*args, **kwargs)
+    return (out[0],) + tuple(o if tuple(o.shape) == where.out_shape(i + 1) else o.new_empty(where.out_shape(i + 1))
+                             for i, o in enumerate(out[1:3])) + tuple(out[3:])
+
+
+def _cpu(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    """On CPU `eval_local` is the op itself (its eval statistics are already empty)."""
+    return ins[0].placement.device_type == "cpu"
+
+
+EVAL = dict(meta=eval_meta, kernel=eval_local, plain_when=_cpu)
 register([aten.native_batch_norm.default], Rule(eval_signatures, decompose=batch_norm_train,
-                                                 decompose_when=training))
+                                                 decompose_when=training, **EVAL))
 register([aten.native_batch_norm_backward.default], Rule(lambda ctx: [], decompose=batch_norm_backward))
