@@ -25,11 +25,6 @@ TODO = "no rule yet (issue 34)"
 
 # aten op -> why it runs replicated (the op_db entries that reach it, for the reader)
 FALLBACKS = {
-    "_adaptive_avg_pool2d.default": TODO,  # nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d, nn.functional.interpolate.area
-    "_adaptive_avg_pool2d_backward.default": TODO,  # nn.functional.adaptive_avg_pool1d, nn.functional.adaptive_avg_pool2d, nn.functional.interpolate.area
-    "_adaptive_avg_pool3d.default": TODO,  # nn.functional.adaptive_avg_pool3d
-    "_adaptive_avg_pool3d_backward.default": TODO,  # nn.functional.adaptive_avg_pool3d
-    "_batch_norm_with_update.default": TODO,  # _batch_norm_with_update
     "_cdist_backward.default": TODO,  # cdist
     "_cdist_forward.default": TODO,  # cdist
     "_chunk_cat.default": TODO,  # _chunk_cat
@@ -53,11 +48,8 @@ FALLBACKS = {
     "_linalg_slogdet.default": TODO,  # logdet, linalg.slogdet
     "_linalg_solve_ex.default": TODO,  # linalg.eig, linalg.eigvals, linalg.solve
     "_linalg_svd.default": TODO,  # svd, svd_lowrank, pca_lowrank
-    "_native_batch_norm_legit.default": TODO,  # _native_batch_norm_legit
     "_pdist_backward.default": TODO,  # nn.functional.pdist
     "_pdist_forward.default": TODO,  # nn.functional.pdist
-    "_prelu_kernel.default": TODO,  # nn.functional.prelu
-    "_prelu_kernel_backward.default": TODO,  # nn.functional.prelu
     "_segment_reduce_backward.default": TODO,  # _segment_reduce.lengths, _segment_reduce.offsets
     "_to_sparse.default": TODO,  # to_sparse
     "_to_sparse.sparse_dim": TODO,  # to_sparse
@@ -65,14 +57,6 @@ FALLBACKS = {
     "_unique.default": TODO,  # index_fill
     "_unsafe_masked_index.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
     "_unsafe_masked_index_put_accumulate.default": TODO,  # _unsafe_masked_index, _unsafe_masked_index_put_accumulate
-    "_upsample_bilinear2d_aa.default": TODO,  # _upsample_bilinear2d_aa
-    "_upsample_bilinear2d_aa_backward.default": TODO,  # _upsample_bilinear2d_aa
-    "_upsample_nearest_exact1d.default": TODO,  # nn.functional.interpolate.nearest-exact
-    "_upsample_nearest_exact1d_backward.default": TODO,  # nn.functional.interpolate.nearest-exact
-    "adaptive_max_pool2d.default": TODO,  # nn.functional.adaptive_max_pool1d, nn.functional.adaptive_max_pool2d
-    "adaptive_max_pool2d_backward.default": TODO,  # nn.functional.adaptive_max_pool1d, nn.functional.adaptive_max_pool2d
-    "adaptive_max_pool3d.default": TODO,  # nn.functional.adaptive_max_pool3d
-    "adaptive_max_pool3d_backward.default": TODO,  # nn.functional.adaptive_max_pool3d
     "addbmm.default": TODO,  # addbmm
     "addbmm_.default": TODO,  # addbmm_
     "addmm_.default": TODO,  # addmm_, addmm.decomposed_, nn.functional.linear_cross_entropy.chunked_none
@@ -87,12 +71,7 @@ FALLBACKS = {
     "as_strided_.default": TODO,  # as_strided_, as_strided.partial_views_
     "as_strided_copy.default": TODO,  # as_strided_copy
     "as_strided_scatter.default": TODO,  # as_strided_scatter
-    "avg_pool2d.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
-    "avg_pool2d_backward.default": TODO,  # nn.functional.avg_pool1d, nn.functional.local_response_norm, nn.functional.avg_pool2d
-    "avg_pool3d.default": TODO,  # nn.functional.avg_pool3d
-    "avg_pool3d_backward.default": TODO,  # nn.functional.avg_pool3d
     "baddbmm_.default": TODO,  # baddbmm_
-    "batch_norm_backward.default": TODO,  # _batch_norm_with_update
     "bernoulli.default": TODO,  # bernoulli
     "binary_cross_entropy.default": TODO,  # nn.functional.binary_cross_entropy
     "binary_cross_entropy_backward.default": TODO,  # nn.functional.binary_cross_entropy
@@ -100,13 +79,9 @@ FALLBACKS = {
     "block_diag.default": TODO,  # block_diag
     "bucketize.Tensor": TODO,  # bucketize
     "cauchy_.default": TODO,  # cauchy, cauchy_
-    "channel_shuffle.default": TODO,  # nn.functional.channel_shuffle
     "cholesky.default": TODO,  # cholesky
     "cholesky_inverse.default": TODO,  # cholesky_inverse
     "cholesky_solve.default": TODO,  # cholesky_solve
-    "col2im.default": TODO,  # nn.functional.unfold
-    "convolution.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
-    "convolution_backward.default": TODO,  # nn.functional.conv_transpose1d, nn.functional.conv_transpose2d, nn.functional.conv_transpose3d
     "count_nonzero.default": TODO,  # count_nonzero
     "diag_embed.default": TODO,  # diag, diag_embed, svd
     "diagonal.default": TODO,  # corrcoef, diag, diag_embed
@@ -116,24 +91,13 @@ FALLBACKS = {
     "dist.default": TODO,  # dist
     "dot.default": TODO,  # dot, matmul, nn.functional.linear_cross_entropy.chunked_none
     "expand_copy.default": TODO,  # expand_copy
-    "fractional_max_pool2d.default": TODO,  # nn.functional.fractional_max_pool2d
-    "fractional_max_pool2d_backward.default": TODO,  # nn.functional.fractional_max_pool2d
-    "fractional_max_pool3d.default": TODO,  # nn.functional.fractional_max_pool3d
-    "fractional_max_pool3d_backward.default": TODO,  # nn.functional.fractional_max_pool3d
     "geometric_.default": TODO,  # geometric, geometric_
     "geqrf.default": TODO,  # geqrf
-    "glu.default": TODO,  # nn.functional.glu
-    "glu_backward.default": TODO,  # nn.functional.glu
-    "grid_sampler_2d.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
-    "grid_sampler_2d_backward.default": TODO,  # nn.functional.grid_sample, grid_sampler_2d
-    "grid_sampler_3d.default": TODO,  # grid_sampler_3d
-    "grid_sampler_3d_backward.default": TODO,  # grid_sampler_3d
     "hash_tensor.default": TODO,  # hash_tensor
     "histogram.bin_ct": TODO,  # histogram
     "histogram.bins_tensor": TODO,  # histogram
     "huber_loss.default": TODO,  # nn.functional.huber_loss
     "huber_loss_backward.default": TODO,  # nn.functional.huber_loss
-    "im2col.default": TODO,  # nn.functional.unfold
     "index_add.default": TODO,  # index_select, index_add, index_reduce.mean
     "index_add_.default": TODO,  # index_add_
     "index_copy.default": TODO,  # index_copy
@@ -176,12 +140,6 @@ FALLBACKS = {
     "masked_scatter.default": TODO,  # combinations, masked_scatter, masked_select
     "masked_scatter_.default": TODO,  # masked_scatter_
     "masked_scatter_backward.default": TODO,  # masked_scatter
-    "max_pool2d_with_indices.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
-    "max_pool2d_with_indices_backward.default": TODO,  # nn.functional.max_pool1d, nn.functional.max_pool2d, max_pool2d_with_indices_backward
-    "max_pool3d_with_indices.default": TODO,  # nn.functional.max_pool3d
-    "max_pool3d_with_indices_backward.default": TODO,  # nn.functional.max_pool3d
-    "max_unpool2d.default": TODO,  # nn.functional.max_unpool1d, nn.functional.max_unpool1d.grad, nn.functional.max_unpool2d
-    "max_unpool3d.default": TODO,  # nn.functional.max_unpool3d, nn.functional.max_unpool3d.grad
     "mean.dim": TODO,  # mean
     "median.default": TODO,  # median
     "multi_margin_loss.default": TODO,  # nn.functional.multi_margin_loss
@@ -193,8 +151,6 @@ FALLBACKS = {
     "nanmedian.default": TODO,  # nanmedian
     "nansum.default": TODO,  # nanmean, nansum
     "narrow_copy.default": TODO,  # narrow_copy
-    "native_group_norm.default": TODO,  # native_group_norm, nn.functional.group_norm
-    "native_group_norm_backward.default": TODO,  # nn.functional.group_norm
     "nll_loss2d_backward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nll_loss2d_forward.default": TODO,  # nn.functional.cross_entropy, nn.functional.linear_cross_entropy.chunked, nn.functional.linear_cross_entropy.chunked_none
     "nonzero_static.default": TODO,  # nonzero_static
@@ -203,21 +159,13 @@ FALLBACKS = {
     "normal.Tensor_float": TODO,  # normal.number_mean
     "ormqr.default": TODO,  # ormqr
     "permute_copy.default": TODO,  # permute_copy
-    "pixel_shuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
-    "pixel_unshuffle.default": TODO,  # nn.functional.pixel_shuffle, nn.functional.pixel_unshuffle
     "prod.default": TODO,  # prod
     "prod.dim_int": TODO,  # prod, masked.prod
     "put.default": TODO,  # put, take
     "put_.default": TODO,  # put_
-    "reflection_pad1d.default": TODO,  # stft, nn.functional.pad.reflect
-    "reflection_pad1d_backward.default": TODO,  # nn.functional.pad.reflect
     "renorm.default": TODO,  # renorm
     "renorm_.default": TODO,  # renorm_
     "repeat.default": TODO,  # nn.functional.instance_norm, repeat, tile
-    "replication_pad1d.default": TODO,  # nn.functional.pad.replicate
-    "replication_pad1d_backward.default": TODO,  # nn.functional.pad.replicate
-    "replication_pad2d.default": TODO,  # nn.functional.pad.replicate_negative
-    "replication_pad2d_backward.default": TODO,  # nn.functional.pad.replicate_negative
     "resize_.default": TODO,  # resize_, resize__
     "resize_as_.default": TODO,  # resize_as_, resize_as__
     "roll.default": TODO,  # roll, fft.fftshift, fft.ifftshift
@@ -262,16 +210,6 @@ FALLBACKS = {
     "unsafe_split.Tensor": TODO,  # unsafe_chunk, unsafe_split
     "unsqueeze_.default": TODO,  # native_group_norm, unsqueeze_, nn.functional.dropout3d_
     "unsqueeze_copy.default": TODO,  # unsqueeze_copy
-    "upsample_bicubic2d.default": TODO,  # nn.functional.interpolate.bicubic
-    "upsample_bicubic2d_backward.default": TODO,  # nn.functional.interpolate.bicubic
-    "upsample_bilinear2d.default": TODO,  # nn.functional.interpolate.bilinear, nn.functional.upsample_bilinear
-    "upsample_bilinear2d_backward.default": TODO,  # nn.functional.interpolate.bilinear, nn.functional.upsample_bilinear
-    "upsample_linear1d.default": TODO,  # nn.functional.interpolate.linear
-    "upsample_linear1d_backward.default": TODO,  # nn.functional.interpolate.linear
-    "upsample_nearest1d.default": TODO,  # nn.functional.interpolate.nearest, nn.functional.upsample_nearest
-    "upsample_nearest1d_backward.default": TODO,  # nn.functional.interpolate.nearest, nn.functional.upsample_nearest
-    "upsample_trilinear3d.default": TODO,  # nn.functional.interpolate.trilinear
-    "upsample_trilinear3d_backward.default": TODO,  # nn.functional.interpolate.trilinear
     "vdot.default": TODO,  # vdot, linalg.vecdot
     "view_copy.default": TODO,  # view_copy
     "torch_nn._linear_cross_entropy_batch_chunked.default": TODO,  # nn.functional.linear_cross_entropy.chunked
@@ -288,7 +226,7 @@ KNOWN_WRONG = {  # being fixed (issue 34): listed so the suite says which, not s
 }
 KNOWN_ERRORS = {k: TODO for k in [
     "addbmm_", "stft", "nn.functional.linear_cross_entropy", "as_strided_", "as_strided.partial_views_",
-    "native_group_norm", "native_batch_norm", "tensor_split", "squeeze_", "squeeze.multiple_", "resize_",
+    "native_group_norm", "tensor_split", "squeeze_", "squeeze.multiple_", "resize_",
     "resize__", "unsqueeze_", "transpose_", "t_", "nn.functional.dropout3d_", "__rmatmul__", "matmul",
     "ravel", "view", "flatten", "repeat_interleave", "nn.functional.gaussian_nll_loss"]}
 
