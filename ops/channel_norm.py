@@ -51,7 +51,7 @@ def _local_groups(where: ShardSite, x: torch.Tensor, x_slot: int, stats_slot: in
 
 def group_norm_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
     a = named_args(func, args, kwargs)
-    x = a["input"]
+    x = a["input"].contiguous()  # a slice of a Broadcast input may not be (torch's kernel asks it)
     groups = _local_groups(where, x, 0, 1, True)
     return func(x, a["weight"], a["bias"], x.shape[0], x.shape[1], a["HxW"], groups, a["eps"])
 
@@ -63,7 +63,8 @@ def group_norm_backward_local(func: Any, args: tuple, kwargs: dict, where: Shard
     groups = _local_groups(where, x, 1, 2, False)
     if x.numel() == 0:
         return tuple(x.new_zeros(where.out_shape(i)) if mask[i] else None for i in range(3))
-    return func(a["grad_out"], x, a["mean"], a["rstd"], a["weight"], x.shape[0], x.shape[1], a["HxW"], groups,
+    return func(a["grad_out"].contiguous(), x.contiguous(), a["mean"].contiguous(), a["rstd"].contiguous(),
+                a["weight"], x.shape[0], x.shape[1], a["HxW"], groups,
                 mask)
 
 

@@ -206,14 +206,10 @@ def prelu_signatures(ctx: Ctx) -> list:
 
 
 def prelu_backward_signatures(ctx: Ctx) -> list:
-    """(grad, x, weight) -> (grad_x, grad_weight): a split the weight broadcasts over leaves each rank a
-    share of the weight's gradient (its sum over that dim): Partial; a split of the channels splits it.
-    Linear in grad."""
+    """(grad, x, weight) -> (grad_x, grad_weight), both of x's shape (autograd sums the weight's down to its
+    shape afterwards): elementwise, as the forward; linear in grad."""
     x, w = ctx.shapes[1], ctx.shapes[2]
-    sigs = []
-    for d in range(len(x)):
-        wd = pointwise_dims(w, x, d)
-        sigs.append(((S(d), S(d), wd), (S(d), P if wd == B else wd)))
+    sigs = [((S(d), S(d), pointwise_dims(w, x, d)), (S(d), S(d))) for d in range(len(x))]
     sigs.append(((P, B, B), (P, P)))
     return sigs
 

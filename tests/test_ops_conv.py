@@ -230,7 +230,7 @@ def test_fractional_max_pool_with_its_samples_matches_one_device(mesh, spatial, 
 
 def test_prelu_per_channel_weight_follows_a_channel_split():
     """PReLU's weight is per channel: with x S(1) and the weight S(0) the output is S(1) and the weight's
-    gradient S(0), nothing sent; with x S(0) the weight's gradient is Partial."""
+    gradient S(0), nothing sent; with x S(0) the weight's gradient is Partial (each rank's samples' sum)."""
     torch.manual_seed(0)
     x, w = torch.randn(4, 6, 5, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
     for sbp, fwd, bwd, _, _, full, grads, grad_sbps in _run(F.prelu, [x, w], (2,), [(gt.split(1),), (gt.split(0),)]):
