@@ -3,7 +3,7 @@ from . import registry  # noqa: F401  (rules register themselves on import, belo
 from . import attention, attention_cuda, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
 from . import indexing, norm, sorting  # noqa: F401
 from . import batchnorm, complex, datadependent, scalar, variance  # noqa: F401
-from . import channel_norm, conv, spatial  # noqa: F401  (vision and audio layers: issue 34)
+from . import channel_norm, conv, embedding_bag, spatial  # noqa: F401  (vision and audio layers: issue 34)
 from . import out_variants  # noqa: F401  (after every rule: it takes the out= overloads none names)
 from .attention import attention_method
 from .dispatch import check_replicated, clear_cache, reset_stats, stats

@@ -33,9 +33,6 @@ FALLBACKS = {
     "_ctc_loss.default": TODO,  # nn.functional.ctc_loss
     "_ctc_loss_backward.Tensor": TODO,  # nn.functional.ctc_loss
     "_ctc_loss_backward.default": TODO,  # nn.functional.ctc_loss
-    "_embedding_bag.default": TODO,  # nn.functional.embedding_bag
-    "_embedding_bag_backward.default": TODO,  # nn.functional.embedding_bag
-    "_embedding_bag_per_sample_weights_backward.default": TODO,  # nn.functional.embedding_bag
     "_fft_c2c.default": TODO,  # fft.fft, fft.fft2, fft.fftn
     "_fft_c2r.default": TODO,  # fft.hfft, fft.hfft2, fft.hfftn
     "_fft_r2c.default": TODO,  # stft, fft.fft, fft.hfft

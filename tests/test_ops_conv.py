@@ -287,3 +287,32 @@ def test_batch_norm_aten_forms_match_one_device(mesh, dim, train):
         return out[0], run[0] * 1, run[1] * 1
     sbp = (gt.split(dim),) * len(mesh)
     check(fn, [x, w, b], mesh, [sbp] + [(gt.broadcast,) * len(mesh)] * 2, **TOL)
+
+
+@given(meshes(ONE_D + [(2, 2)]), st.sampled_from(["sum", "mean", "max"]), st.booleans(), st.data())
+def test_embedding_bag_matches_one_device(mesh, mode, weighted, data):
+    """A table [10, 6] laid out at random (its columns split, its rows, whole), bags of indices: the output,
+    the table's gradient and the per-sample weights' gradient (sum mode) as one device."""
+    torch.manual_seed(0)
+    table = torch.randn(10, 6, dtype=torch.float64)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0]), torch.tensor([0, 4, 4, 7])
+    psw = torch.rand(9, dtype=torch.float64)
+    weighted = weighted and mode == "sum"
+    sbp = _layouts(data.draw, mesh, [gt.broadcast, gt.split(0), gt.split(1)])
+    if weighted:
+        fn = lambda t, w: F.embedding_bag(idx, t, offsets, mode=mode, per_sample_weights=w)  # noqa: E731
+        check(fn, [table, psw], mesh, [sbp, (gt.broadcast,) * len(mesh)], **TOL)
+    else:
+        check(lambda t: F.embedding_bag(idx, t, offsets, mode=mode), [table], mesh, [sbp], **TOL)
+
+
+def test_embedding_bag_on_split_columns_sends_nothing():
+    """A table split on its columns: the output is split alike and the table's gradient too, nothing sent."""
+    torch.manual_seed(0)
+    table = torch.randn(10, 6)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    for mode in ("sum", "max"):
+        fn = lambda t: F.embedding_bag(idx, t, offsets, mode=mode)  # noqa: E731
+        for sbp, fwd, bwd, _, _, full, grads, grad_sbps in _run(fn, [table], (2,), [(gt.split(1),)]):
+            assert sbp == (gt.split(1),) and fwd == [] and bwd == [] and grad_sbps == [(gt.split(1),)]
+            torch.testing.assert_close(full, fn(table))
