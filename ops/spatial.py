@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .dims import carried, leading
-from .registry import B, Ctx, P, Rule, S, ShardSite, always, aten, overloads, pointwise_dims, register
+from .registry import B, Ctx, P, Rule, S, ShardSite, always, overloads, pointwise_dims, register
 
 
 def _empties(where: ShardSite, device: torch.device, meta: Optional[Callable] = None) -> Any:
@@ -172,7 +172,7 @@ register(_packets("grid_sampler_2d", "grid_sampler_3d"),
          Rule(grid_sampler_signatures, kernel=empty_safe(), plain_when=always))
 def grid_sampler_backward_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
     """No channels here (a channel split shorter than the mesh): no input gradient, no share of the grid's."""
-    grad, x, grid = args[0], args[1], args[2]
+    x, grid = args[1], args[2]
     if x.shape[1] == 0 and x.shape[0] > 0:
         mask = kwargs.get("output_mask", args[6] if len(args) > 6 else (True, True))
         return (torch.empty(where.out_shape(0), dtype=x.dtype, device=x.device) if mask[0] else None,

@@ -9,7 +9,6 @@ gradients equal one device's on any layout, and the layouts real models use comp
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -247,8 +246,9 @@ def test_group_norm_matches_one_device(mesh, groups, data):
     torch.manual_seed(0)
     x = torch.randn(data.draw(st.sampled_from([2, 5])), 8, 5, dtype=torch.float64)
     w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
-    sbps = [_layouts(data.draw, mesh, [gt.broadcast, gt.split(0), gt.split(1)]),
-            _layouts(data.draw, mesh, [gt.broadcast, gt.split(0)]), _layouts(data.draw, mesh, [gt.broadcast, gt.split(0)])]
+    vec = [gt.broadcast, gt.split(0)]
+    sbps = [_layouts(data.draw, mesh, [gt.broadcast, gt.split(0), gt.split(1)]), _layouts(data.draw, mesh, vec),
+            _layouts(data.draw, mesh, vec)]
     check(lambda *t: F.group_norm(t[0], groups, t[1], t[2]), [x, w, b], mesh, sbps, **TOL)
 
 
@@ -257,7 +257,8 @@ def test_group_norm_on_whole_groups_sends_nothing(n, groups):
     """Channels split so that each rank holds whole groups (8 channels, 4 or 8 groups over 2 or 4 ranks):
     output and gradients keep the channel split, nothing sent."""
     torch.manual_seed(0)
-    x, w, b = torch.randn(3, 8, 5, dtype=torch.float64), torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    x = torch.randn(3, 8, 5, dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     fn = lambda *t: F.group_norm(t[0], groups, t[1], t[2])  # noqa: E731
     for sbp, fwd, bwd, _, _, full, grads, grad_sbps in _run(fn, [x, w, b], (n,),
                                                            [(gt.split(1),), (gt.split(0),), (gt.split(0),)]):
