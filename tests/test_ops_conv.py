@@ -177,7 +177,11 @@ PLANES = {
     "bilinear": lambda x: F.interpolate(x, size=(7, 9), mode="bilinear", align_corners=False),
     "bicubic": lambda x: F.interpolate(x, scale_factor=1.5, mode="bicubic", align_corners=True),
     "linear": lambda x: F.interpolate(x.flatten(2), scale_factor=1.7, mode="linear"),
+    "nearest_exact": lambda x: F.interpolate(x, scale_factor=2, mode="nearest-exact"),
+    "nearest3d": lambda x: F.interpolate(x.unsqueeze(2), scale_factor=(1, 2, 2), mode="nearest"),
     "reflect": lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"),
+    "reflect3d": lambda x: F.pad(x.unsqueeze(2).expand(-1, -1, 3, -1, -1), (1,) * 6, mode="reflect"),
+    "replicate3d": lambda x: F.pad(x.unsqueeze(2), (1, 1, 2, 1, 1, 0), mode="replicate"),
     "replicate": lambda x: F.pad(x.flatten(2), (3, 1), mode="replicate"),
     "pixel_shuffle": lambda x: F.pixel_shuffle(x.repeat(1, 4, 1, 1), 2),
     "pixel_unshuffle": lambda x: F.pixel_unshuffle(x[..., :4, :4], 2),
@@ -267,25 +271,34 @@ def test_group_norm_on_whole_groups_sends_nothing(n, groups):
         torch.testing.assert_close(full, fn(x, w, b))
 
 
-@given(meshes(ONE_D), st.sampled_from([0, 1]), st.booleans())
-def test_batch_norm_aten_forms_match_one_device(mesh, dim, train):
-    """`_native_batch_norm_legit` and `_batch_norm_with_update` (through `F.batch_norm` and directly), split on
-    the batch or the channels: outputs, running statistics and gradients as one device."""
-    aten = torch.ops.aten
+FORMS = {  # batch norm's aten forms: (x, w, b, running mean, running var) -> (out, running mean, running var)
+    "with_update": lambda x, w, b, rm, rv: torch.ops.aten._batch_norm_with_update(x, w, b, rm, rv, 0.1, 1e-5)[0],
+    "legit_train": lambda x, w, b, rm, rv: torch.ops.aten._native_batch_norm_legit(x, w, b, rm, rv, True, 0.1,
+                                                                                   1e-5)[0],
+    "legit_eval": lambda x, w, b, rm, rv: torch.ops.aten._native_batch_norm_legit(x, w, b, rm, rv, False, 0.1,
+                                                                                  1e-5)[0],
+    "no_training": lambda x, w, b, rm, rv: torch.ops.aten._native_batch_norm_legit_no_training(x, w, b, rm, rv,
+                                                                                               0.1, 1e-5)[0],
+    "no_stats": lambda x, w, b, rm, rv: torch.ops.aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1,
+                                                                                         1e-5)[0],
+    "no_update": lambda x, w, b, rm, rv: torch.ops.aten._batch_norm_no_update(x, w, b, rm, rv, 0.1, 1e-5)[0],
+}
+
+
+@given(meshes(ONE_D), st.sampled_from([0, 1]), st.sampled_from(sorted(FORMS)))
+def test_batch_norm_aten_forms_match_one_device(mesh, dim, form):
+    """Batch norm's aten forms, split on the batch or the channels: outputs, running statistics (updated in
+    place by the training forms) and gradients as one device."""
     torch.manual_seed(0)
     x = torch.randn(6, 4, 5, dtype=torch.float64)
     w, b = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
     rm, rv = torch.randn(4, dtype=torch.float64), torch.rand(4, dtype=torch.float64) + 0.5
 
     def fn(x, w, b):
-        # the running statistics on x's placement (Broadcast), updated in place by the training form
+        # the running statistics on x's placement (Broadcast)
         run = [t.clone() if not isinstance(x, gt.GlobalTensor) else
                gt.to_global(t.clone(), x.placement, (gt.broadcast,) * len(mesh)) for t in (rm, rv)]
-        if train:
-            out = aten._batch_norm_with_update(x, w, b, *run, 0.1, 1e-5)
-        else:
-            out = aten._native_batch_norm_legit(x, w, b, *run, False, 0.1, 1e-5)
-        return out[0], run[0] * 1, run[1] * 1
+        return FORMS[form](x, w, b, *run), run[0] * 1, run[1] * 1
     sbp = (gt.split(dim),) * len(mesh)
     check(fn, [x, w, b], mesh, [sbp] + [(gt.broadcast,) * len(mesh)] * 2, **TOL)
 
