@@ -12,13 +12,10 @@ gradient of the input.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Any, Optional
 
-import torch
-
 from .arguments import named_args
-from .registry import B, Ctx, Rule, S, aten, reduce_partial, register
+from .registry import B, Ctx, Rule, S, ShardSite, aten, reduce_partial, register
 
 
 def _channel_view(t: Any, nd: int) -> Any:
@@ -104,49 +101,28 @@ def _as_parameter(grad: Any, weight: Any) -> Any:
     return grad.to_global(weight.placement, weight.sbp)
 
 
-def _cpu_eval(ctx: Ctx, layouts: tuple) -> bool:
-    """Evaluation on CPU: its kernel returns save_mean and save_invstd empty ([0]) where the meta kernel (and
-    CUDA's) say [C], so a decision made on the meta shapes would wrap empty shards as [C] tensors."""
-    return not ctx.named("training") and layouts[0].placement.device_type == "cpu"
+def eval_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
+    """The op on meta, with eval's saved statistics empty ([0]) as the CPU kernel gives them (torch's meta
+    kernel says [C]); nothing reads them (the eval backward uses the running statistics)."""
+    out = func(*args, **kwargs)
+    if not named_args(func, args, kwargs).get("training", False):
+        out = (out[0],) + tuple(o.new_empty((0,)) for o in out[1:3]) + tuple(out[3:])
+    return out
 
 
-def batch_norm_cpu_eval(func: Any, args: tuple, kwargs: dict) -> tuple:
-    """(x - running_mean) * rsqrt(running_var + eps) * weight + bias, elementwise per channel (any split
-    passes, a channel split takes the per-channel tensors split alike), and the empty save_mean and
-    save_invstd CPU's kernel returns, of its dtypes."""
-    a = named_args(func, args, kwargs)
-    x, w, b, rm, rv = a["input"], a["weight"], a["bias"], a["running_mean"], a["running_var"]
-    if rm is None or rv is None:
-        raise ValueError(f"{func}: evaluation (training=False) normalises with running_mean and running_var; "
-                         "give both (torch's CPU kernel does not check, and crashes)")
-    nd = x.dim()
-    out = aten.mul.Tensor(aten.sub.Tensor(x, _channel_view(rm, nd)),
-                          _channel_view(aten.rsqrt.default(aten.add.Scalar(rv, a["eps"])), nd))
-    if w is not None:
-        out = aten.mul.Tensor(out, _channel_view(w, nd))
-    if b is not None:
-        out = aten.add.Tensor(out, _channel_view(b, nd))
-    dtypes = _saved_dtypes(x.dtype, None if w is None else w.dtype, rm.dtype)
-    return out, aten.new_empty.default(x, [0], dtype=dtypes[0]), aten.new_empty.default(x, [0], dtype=dtypes[1])
+def eval_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> tuple:
+    """The op on the shards, its eval statistics as `eval_meta` says (a kernel that gives [C] ones: emptied)."""
+    out = func(*args, **kwargs)
+    return (out[0],) + tuple(o if tuple(o.shape) == where.out_shape(i + 1) else o.new_empty(where.out_shape(i + 1))
+                             for i, o in enumerate(out[1:3])) + tuple(out[3:])
 
 
-@lru_cache(maxsize=None)
-def _saved_dtypes(x: Any, w: Any, running: Any) -> tuple:
-    """The dtypes of save_mean and save_invstd (the parameters' in mixed precision), from the meta kernel."""
-    def meta(dtype: Any) -> Any:
-        return None if dtype is None else torch.empty(2, dtype=dtype, device="meta")
-    outs = aten.native_batch_norm.default(torch.empty(1, 2, dtype=x, device="meta"), meta(w), None, meta(running),
-                                          meta(running), False, 0.1, 1e-5)
-    return outs[1].dtype, outs[2].dtype
+def _cpu(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
+    """On CPU `eval_local` is the op itself (its eval statistics are already empty)."""
+    return ins[0].placement.device_type == "cpu"
 
 
-def batch_norm(func: Any, args: tuple, kwargs: dict) -> tuple:
-    if named_args(func, args, kwargs)["training"]:
-        return batch_norm_train(func, args, kwargs)
-    return batch_norm_cpu_eval(func, args, kwargs)
-
-
-register([aten.native_batch_norm.default], Rule(eval_signatures, decompose=batch_norm,
-                                                 decompose_when=lambda ctx, layouts: training(ctx, layouts) or
-                                                 _cpu_eval(ctx, layouts)))
+EVAL = dict(meta=eval_meta, kernel=eval_local, plain_when=_cpu)
+register([aten.native_batch_norm.default], Rule(eval_signatures, decompose=batch_norm_train,
+                                                 decompose_when=training, **EVAL))
 register([aten.native_batch_norm_backward.default], Rule(lambda ctx: [], decompose=batch_norm_backward))
