@@ -54,7 +54,7 @@ register([aten.dot.default, aten.vdot.default], Rule(dot_signatures))
 register([aten.mv.default], Rule(mv_signatures))
 register([aten.addmv.default, aten.addmv_.default], Rule(with_bias(mv_signatures)))
 register([aten.addr.default, aten.addr_.default], Rule(with_bias(outer_signatures)))
-register([aten.addbmm.default, aten.addbmm_.default], Rule(with_bias(batch_summed_signatures)))
+register([aten.addbmm.default], Rule(with_bias(batch_summed_signatures)))  # addbmm_: ops/inplace_view.py
 register([aten.addmm_.default], Rule(with_bias(mm_signatures)))
 register([aten.baddbmm_.default], Rule(with_bias(bmm_signatures)))
 

@@ -1,5 +1,5 @@
 """Reductions that `ops/reduction.py` does not name: prod, logsumexp, nansum, aminmax, the `norm` overloads,
-dist, renorm, allclose, segment_reduce.
+dist, renorm, segment_reduce.
 
 Kept dims split pass through every one of them. A split reduced dim:
 - nansum: each rank's sum of its non-NaN elements is a term (P); a P input does not pass (a NaN in one
@@ -12,7 +12,6 @@ Kept dims split pass through every one of them. A split reduced dim:
 - norm, dist: decomposed into `linalg_vector_norm` (what torch computes them as), whose rule
   (`ops/norm.py`) reduces the powered sums; renorm into that norm over every dim but `dim`, its scale
   factor, and a product, when a dim other than `dim` is split (the norms must then be reduced).
-- allclose: `isclose` where the shards are, then `all` and one boolean read (as `torch.equal`).
 """
 from __future__ import annotations
 
@@ -189,16 +188,7 @@ register([aten.renorm.default, aten.renorm_.default],
          Rule(renorm_signatures, decompose=renorm_spread, decompose_when=_renorm_spread))
 
 
-# -- allclose ------------------------------------------------------------------------------------------------
-def allclose(func: Any, args: tuple, kwargs: dict) -> bool:
-    """isclose on the shards, all, one boolean read."""
-    named = named_args(func, args, kwargs)
-    close = aten.isclose.default(args[0], args[1], named["rtol"], named["atol"], named["equal_nan"])
-    return bool(aten._local_scalar_dense.default(aten.all.default(close)))
-
-
-register([aten.allclose.default], Rule(no_signatures, decompose=allclose))
-# isclose is elementwise; torch's Python API decomposes it before dispatch, allclose's decomposition does not
+# isclose is elementwise; torch's Python API decomposes it before dispatch (allclose: ops/structural.py)
 register([aten.isclose.default], Rule(split_signatures))
 
 
