@@ -45,6 +45,14 @@ FALLBACKS = {
 }
 # op_db entry -> why it raises
 ERRORS = {
+    'item': "a Python value of the tensor, which a rank outside the placement (the 'world' layout) does not hold; "
+            "ops/scalar.py tells it so, naming the fix",
+    'equal': "a Python bool of the tensors, which a rank outside the placement (the 'world' layout) does not hold; "
+             "ops/scalar.py tells it so",
+    'narrow': "its start given as a 0-d tensor is read as a Python int, which a rank outside the placement (the "
+              "'world' layout) does not hold; ops/scalar.py tells it so",
+    'cov': "reads a Python value of its weights (a check), which a rank outside the placement (the 'world' layout) "
+           "does not hold; ops/scalar.py tells it so",
     'nn.functional.gaussian_nll_loss': "its check torch.any(var < 0) reads a Python value (.item()), which a rank outside the placement (the 'world' layout) does not hold; ops/scalar.py tells it so, naming the fix",
     'sparse.mm.reduce': 'sparse layouts are not global tensors',
     'sparse.sampled_addmm': 'sparse layouts are not global tensors',
