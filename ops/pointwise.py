@@ -139,8 +139,21 @@ for names, rule in LINEAR.items():
 register(_ops(*NONLINEAR_OPS, *NONLINEAR_UNTAGGED), NONLINEAR)
 # every other op torch tags pointwise (elementwise with broadcasting), and its in-place form (torch tags
 # `copysign` but not `copysign_`): nonlinear unless LINEAR names it; out= overloads are ops/out_variants.py's
-_TAGGED = {op._schema.name.split("::")[1] for op in aten_overloads() if torch.Tag.pointwise in op.tags}
-register([op for op in _ops(*sorted(_TAGGED)) if op not in RULES and not writes_out(op)], NONLINEAR)
+def _tagged_pointwise() -> list:
+    """The overloads torch tags pointwise, and the same overloads of their in-place packets (only these: `max.other`
+    is tagged, `max.dim` is a reduction)."""
+    found = []
+    for op in aten_overloads():
+        if torch.Tag.pointwise not in op.tags or writes_out(op):
+            continue
+        found.append(op)
+        in_place = getattr(aten, op._schema.name.split("::")[1] + "_", None)
+        if in_place is not None and op._overloadname in in_place.overloads():
+            found.append(getattr(in_place, op._overloadname))
+    return found
+
+
+register([op for op in _tagged_pointwise() if op not in RULES], NONLINEAR)
 
 
 def zero_in_place(func: Any, args: tuple, kwargs: dict) -> Any:
