@@ -9,7 +9,8 @@ a view with a flag the Conjugate/Negative dispatch keys honour. Inside `__torch_
 excludes those keys, so a shard that carried the flag would be read unconjugated by the next kernel
 (complex mul's backward is `grad * other.conj()`: equal loss, wrong gradients). Their kernels here
 compute the conjugate (the negation) into the shard instead, which is the value torch gives; what is
-lost is only the aliasing of a lazy view (an in-place write through `x.conj()` does not reach `x`).
+lost is only the aliasing of a lazy view: an in-place write through `x.conj()` could not reach `x`, so it
+raises (`Rule.unaliased`), naming the view.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def neg_view_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> to
 def _pointwise_with(kernel: Any) -> Rule:
     """A linear pointwise rule (every split passes, P passes) whose kernel is `kernel`."""
     base = linear(((0,),))
-    return Rule(base.signatures, kernel=kernel, meta=elementwise_meta)
+    return Rule(base.signatures, kernel=kernel, meta=elementwise_meta, unaliased=True)
 
 
 register([aten._conj.default], _pointwise_with(conj_local))

@@ -92,6 +92,9 @@ class Rule:
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
+    # a view op whose kernel computes into new memory (a conjugate resolved into the shard): its outputs alias
+    # nothing, so a write into them is refused as into any cut view (`ops/program.refuse_cut`)
+    unaliased: bool = False
     # an input the op had converted keeps the converted shard and layout, where it is an intermediate
     # (autograd non-leaf): what autograd saved for the backward is then what the kernel used, so the backward
     # does not convert it again (Ulysses' q, k, v). For ops whose outputs do not alias their inputs

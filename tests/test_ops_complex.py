@@ -239,3 +239,22 @@ def test_from_local_of_a_lazy_conjugate_is_its_value():
     for full, flagged in gt.launch(program, world_size=2):
         torch.testing.assert_close(full, z.conj().resolve_conj(), rtol=0, atol=0)
         assert not flagged
+
+
+def test_a_write_through_a_conjugate_view_is_refused():
+    """One device's `z.conj()` is a lazy view: a write through it reaches z. Here the conjugate is computed into
+    the shard (a lazy bit cannot cross the dispatcher), so the write could not reach z: it raises, naming the
+    view, instead of being lost (issue 34); reading the conjugate and writing into z stay as on one device."""
+    z = torch.randn(4, 3, dtype=C, generator=torch.Generator().manual_seed(0))
+
+    def body():
+        g = gt.to_global(z.clone(), gt.placement("cpu", [0, 1]), gt.split(0))
+        with pytest.raises(RuntimeError, match="writes into a view"):
+            g.conj().mul_(2)
+        with pytest.raises(RuntimeError, match="writes into a view"):
+            g.conj().imag.fill_(0)
+        torch.testing.assert_close(g.conj().full_tensor(), z.conj().resolve_conj())
+        g.mul_(2)
+        return g.full_tensor()
+    for got in gt.launch(body, 2):
+        torch.testing.assert_close(got, z * 2)
