@@ -24,24 +24,41 @@ OTHER = ("1d3", "world", "2x2")
 
 # aten op -> why it runs replicated
 FALLBACKS = {
-    '_ctc_loss.Tensor': "lengths as tensors: no meta kernel, log_alpha's size is the longest target's (the lengths' values say it); the int-list overload splits the batch",
-    '_ctc_loss_backward.Tensor': 'lengths as tensors: no meta kernel (the values decide); the int-list overload splits the batch',
-    '_pdist_backward.default': "each row's gradient reads every other row (the pairs), and the feature dim's needs the whole distance: no split is local",
-    '_pdist_forward.default': 'each output element pairs two rows, and the pairs of a row split are no contiguous range of the output; a feature split is not exact (a p-norm of pieces)',
+    '_ctc_loss.Tensor': "lengths as tensors: no meta kernel, log_alpha's size is the longest target's (the lengths' "
+                        'values say it); the int-list overload splits the batch',
+    '_ctc_loss_backward.Tensor': 'lengths as tensors: no meta kernel (the values decide); the int-list overload splits'
+                                 ' the batch',
+    '_pdist_backward.default': "each row's gradient reads every other row (the pairs), and the feature dim's needs the"
+                               ' whole distance: no split is local',
+    '_pdist_forward.default': 'each output element pairs two rows, and the pairs of a row split are no contiguous '
+                              'range of the output; a feature split is not exact (a p-norm of pieces)',
     '_to_sparse.default': 'a sparse result: sparse layouts are not global tensors (to_sparse returns it replicated)',
     '_to_sparse.sparse_dim': 'a sparse result: sparse layouts are not global tensors (to_sparse returns it replicated)',
-    'as_strided.default': "addresses the storage by strides and an offset, which say nothing of where a shard's elements sit",
-    'as_strided_.default': 'reads the storage: any element may land anywhere; the target takes the whole result, its sizes and strides restated (ops/program.py)',
-    'as_strided_copy.default': "addresses the storage by strides and an offset, which say nothing of where a shard's elements sit",
-    'as_strided_scatter.default': "addresses the storage by the whole tensor's strides and offset, which say nothing of where a shard's elements sit",
-    'linalg_householder_product.default': 'its backward writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it (x[:, 0:1].sub_(1) on S(1) leaves x unchanged): replicated (such writes now raise, naming the view: a split would make its backward an error)',
-    'linalg_lstsq.default': 'no meta kernel in torch, and with the gelsd/gelss drivers its residuals exist only when every matrix has full rank: the values decide the output shape',
+    'as_strided.default': "addresses the storage by strides and an offset, which say nothing of where a shard's "
+                          'elements sit',
+    'as_strided_.default': 'reads the storage: any element may land anywhere; the target takes the whole result, its '
+                           'sizes and strides restated (ops/program.py)',
+    'as_strided_copy.default': "addresses the storage by strides and an offset, which say nothing of where a shard's "
+                               'elements sit',
+    'as_strided_scatter.default': "addresses the storage by the whole tensor's strides and offset, which say nothing "
+                                  "of where a shard's elements sit",
+    'linalg_householder_product.default': 'its backward writes in place through slices of split tensors, and a view '
+                                          'whose input the dispatcher converts does not alias it (x[:, 0:1].sub_(1) on'
+                                          ' S(1) leaves x unchanged): replicated (such writes now raise, naming the '
+                                          'view: a split would make its backward an error)',
+    'linalg_lstsq.default': 'no meta kernel in torch, and with the gelsd/gelss drivers its residuals exist only when '
+                            'every matrix has full rank: the values decide the output shape',
     'median.default': "an order statistic of the whole input: no combination of the shards' medians gives it",
     'nanmedian.default': "an order statistic of the whole input: no combination of the shards' medians gives it",
-    'nll_loss_backward.default': 'an unbatched sample (input [C], a 0-d target): the classes are the only dim, and which one is read is data',
-    'nll_loss_forward.default': 'an unbatched sample (input [C], a 0-d target): the classes are the only dim, and which one is read is data',
-    'nonzero_static.default': "each output row is one nonzero's position in row-major order: which rows a rank's nonzeros fill depends on every element before its block",
-    'ormqr.default': "its backward (householder_product's) writes in place through slices of split tensors, and a view whose input the dispatcher converts does not alias it: replicated (such writes now raise, naming the view: a split would make its backward an error)",
+    'nll_loss_backward.default': 'an unbatched sample (input [C], a 0-d target): the classes are the only dim, and '
+                                 'which one is read is data',
+    'nll_loss_forward.default': 'an unbatched sample (input [C], a 0-d target): the classes are the only dim, and '
+                                'which one is read is data',
+    'nonzero_static.default': "each output row is one nonzero's position in row-major order: which rows a rank's "
+                              'nonzeros fill depends on every element before its block',
+    'ormqr.default': "its backward (householder_product's) writes in place through slices of split tensors, and a view"
+                     ' whose input the dispatcher converts does not alias it: replicated (such writes now raise, '
+                     'naming the view: a split would make its backward an error)',
 }
 # op_db entry -> why it raises
 ERRORS = {
@@ -53,10 +70,13 @@ ERRORS = {
               "'world' layout) does not hold; ops/scalar.py tells it so",
     'cov': "reads a Python value of its weights (a check), which a rank outside the placement (the 'world' layout) "
            "does not hold; ops/scalar.py tells it so",
-    'nn.functional.gaussian_nll_loss': "its check torch.any(var < 0) reads a Python value (.item()), which a rank outside the placement (the 'world' layout) does not hold; ops/scalar.py tells it so, naming the fix",
+    'nn.functional.gaussian_nll_loss': 'its check torch.any(var < 0) reads a Python value (.item()), which a rank '
+                                       "outside the placement (the 'world' layout) does not hold; ops/scalar.py tells "
+                                       'it so, naming the fix',
     'sparse.mm.reduce': 'sparse layouts are not global tensors',
     'sparse.sampled_addmm': 'sparse layouts are not global tensors',
-    'tensor_split': "indices given as a tensor: torch's composite kernel reads their memory in C++ without dispatching an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
+    'tensor_split': "indices given as a tensor: torch's composite kernel reads their memory in C++ without dispatching"
+                    " an op, and a GlobalTensor's wrapper holds none; give them as a list or a plain tensor",
 }
 ENTRIES = {e.key: e for e in sweep.entries()}
 
