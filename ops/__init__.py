@@ -6,7 +6,7 @@ from . import batchnorm, complex, datadependent, scalar, variance  # noqa: F401
 from . import inplace_view, view_copies  # noqa: F401
 from . import fft, linalg  # noqa: F401
 from . import structural  # noqa: F401
-from . import losses, products, random_extra, reduction_extra  # noqa: F401
+from . import products  # noqa: F401
 from . import channel_norm, conv, embedding_bag, spatial  # noqa: F401  (vision and audio layers: issue 34)
 from . import out_variants  # noqa: F401  (after every rule: it takes the out= overloads none names)
 from .attention import attention_method

@@ -1,4 +1,4 @@
-"""Losses (ops/losses.py) on any layout: values and gradients equal one device's for every reduction;
+"""Losses (ops/loss.py) on any layout: values and gradients equal one device's for every reduction;
 a split loss reduced ('sum', 'mean') is P, computed with nothing moved, and reading it is one all-reduce
 of one element ('mean' divides each rank's sum by the global count, so the shards add up to the mean)."""
 from __future__ import annotations

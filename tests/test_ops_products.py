@@ -1,4 +1,4 @@
-"""Vector and matrix products (ops/products.py) and the reductions of ops/reduction_extra.py on any layout:
+"""Vector and matrix products (ops/products.py) and the reductions of ops/reduction.py (prod, logsumexp, nansum, aminmax, norms) on any layout:
 values and gradients equal one device's; a contracted split leaves P (moving nothing until read: then
 one all-reduce of the output), and prod/logsumexp over a split dim all-gather only the shards' results."""
 from __future__ import annotations
