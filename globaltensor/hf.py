@@ -182,7 +182,7 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
         prefix = ""
 
     def on(stage: Placement) -> Layout:
-        return Layout(stage, normalize_sbp(sbp if sbp is not None else Broadcast(), stage.ndim, "gt.hf.pp_plan(sbp)"))
+        return Layout(stage, normalize_sbp(Broadcast() if sbp is None else sbp, stage.ndim, "gt.hf.pp_plan(sbp)"))
 
     modules = dict(model.named_modules())
     plan: dict[str, Any] = {}
@@ -219,9 +219,10 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
         home = _stage_of(names[0], plan)
         for n in names[1:]:
             stage = _stage_of(n, plan)
-            if stage != home:  # a tied weight (the LM head's, the embedding's) used on another stage: stored on the
-                owner = n.rpartition(".")[0]  # first name's, gathered to the other for its module's forward
-                plan[owner] = ModuleLayout(params=Layout(stage, on(stage).sbp))
+            if stage != home:
+                # a tied weight (the LM head's, the embedding's) used on another stage: stored on its first name's,
+                # sent to the other for the forward of the module that reads it there
+                plan[n.rpartition(".")[0]] = ModuleLayout(params=Layout(stage, on(stage).sbp))
     return plan
 
 
