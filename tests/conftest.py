@@ -22,3 +22,16 @@ os.environ["OMP_NUM_THREADS"] = "1"
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+import globaltensor as gt  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_stats():
+    """gt.stats() counts per process, and a worker runs many tests: each test starts from zero, so a test that
+    shows a fallback on purpose (an op without a rule) does not leak it into a later one's check."""
+    gt.reset_stats()
+    yield
