@@ -22,7 +22,7 @@ import itertools
 import zlib
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -119,16 +119,25 @@ def diagonal_signatures(ctx: Ctx) -> list:
     return sigs
 
 
+def _block_diagonal(where: ShardSite) -> Optional[tuple]:
+    """(n, d1, d2, lo, first, count) of the diagonal in this rank's block of input 0 (`_local_diagonal`);
+    None where the block holds both matrix dims whole (the op runs as it is)."""
+    n = _n(where.ctx)
+    offset, d1, d2 = _diag_args(where.ctx, n)
+    if _held_whole(where, 0, (d1, d2)):
+        return None
+    box = where.in_box(0)
+    return (n, d1, d2) + tuple(_local_diagonal(offset, box[d1], box[d2]))
+
+
 def diagonal_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
     """The diagonal entries of this rank's block: the block's own diagonal where the output is split along it
     (the signatures see to it that those are exactly its part), else placed at their global places in zeros
     of the diagonal's length (a Partial term)."""
-    n = _n(where.ctx)
-    offset, d1, d2 = _diag_args(where.ctx, n)
-    if _held_whole(where, 0, (d1, d2)):
+    block = _block_diagonal(where)
+    if block is None:
         return func(*args, **kwargs)
-    box = where.in_box(0)
-    lo, first, count = _local_diagonal(offset, box[d1], box[d2])
+    n, d1, d2, lo, first, count = block
     ins, outs = where.in_layouts[0].sbp, where.out_layouts[0].sbp
     if where.checking:
         along = {i.dim for i, o in zip(ins, outs) if isinstance(i, Split) and isinstance(o, Split) and o.dim == n - 2}
@@ -198,12 +207,10 @@ def diagonal_scatter_signatures(ctx: Ctx) -> list:
 
 
 def diagonal_scatter_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
-    n = _n(where.ctx)
-    offset, d1, d2 = _diag_args(where.ctx, n)
-    if _held_whole(where, 0, (d1, d2)):
+    block = _block_diagonal(where)
+    if block is None:
         return func(*args, **kwargs)
-    box = where.in_box(0)
-    lo, first, count = _local_diagonal(offset, box[d1], box[d2])
+    n, d1, d2, lo, first, count = block
     out = args[0].clone()
     if count:
         torch.diagonal(out, lo, d1, d2).copy_(args[1][..., first:first + count])
