@@ -21,6 +21,7 @@ from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
 from ..sbp import Broadcast, Split
+from .moves import exchange_moved, moved_cost
 from .registry import PMAX, PMIN, B, Ctx, ShardSite, P, Rule, S, always, aten, register
 
 
@@ -260,8 +261,75 @@ def keep_others(drop: bool = False, insert: bool = False) -> Callable[[Ctx], dic
     return m
 
 
-register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default],
-         dim_map_rule(keep_others()))
+register([aten.split.Tensor, aten.split_with_sizes.default], dim_map_rule(keep_others()))
+
+
+def _slice_start(ctx: Ctx) -> int | None:
+    """Where a slice (step 1) or narrow starts along its dim, as torch clamps it; None for a strided slice."""
+    n = ctx.shapes[0][_d(ctx.arg(1, "dim", 0), len(ctx.shapes[0]))]
+    if ctx.func == aten.narrow.default:
+        start = int(ctx.arg(2, "start"))
+        return start + n if start < 0 else start
+    if ctx.arg(4, "step", 1) != 1:
+        return None
+    start = ctx.arg(2, "start", None)
+    start = 0 if start is None else int(start)
+    return min(max(start + n if start < 0 else start, 0), n)
+
+
+def _sliced_moves(ctx: Ctx, layout: Layout, backward: bool = False) -> tuple:
+    """The slice's rows shifted to their places, where some mesh axis splits the sliced dim: by minus its
+    start into the slice, by its start back into the input's shape (the backward)."""
+    n = len(ctx.out_shapes[0] if backward else ctx.shapes[0])
+    dim = _d(ctx.arg(2 if backward else 1, "dim", 0), n)
+    if not any(s == Split(dim) for s in layout.sbp):
+        return ()
+    start = _slice_backward_start(ctx) if backward else _slice_start(ctx)
+    return ((dim, "shift", start if backward else -start),)
+
+
+def slice_signatures(ctx: Ctx) -> list:
+    """Every dim but the sliced one keeps its split; the sliced one too where the slice is contiguous (step
+    1): each rank receives the rows that land in its block of the slice from the ranks holding them
+    (`ops/moves.py`), a few rows at each block's edge where a conversion to another dim's split would move
+    the whole tensor. That result is a copy, not a view of the shard (`Rule.unaliased`)."""
+    sigs = dim_map_rule(keep_others()).signatures(ctx)
+    if _slice_start(ctx) is not None:
+        d = _d(ctx.arg(1, "dim", 0), len(ctx.shapes[0]))
+        sigs.append(((S(d),), (S(d),)))
+    return sigs
+
+
+def _moved_local(backward: bool) -> Callable:
+    def local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+        moves = _sliced_moves(where.ctx, where.in_layouts[0], backward)
+        if not moves:
+            return sized_backward(func, args, kwargs, where) if backward else func(*args, **kwargs)
+        out = args[0].new_zeros(where.out_shape(0))
+        if where.checking:
+            return out
+        return exchange_moved(args[0], out, where.in_layouts[0], tuple(where.ctx.shapes[0]), where.out_layouts[0],
+                              tuple(where.ctx.out_shapes[0]), moves, where.rank)
+    return local
+
+
+def _moved_cost(backward: bool) -> Callable:
+    def cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+        moves = _sliced_moves(ctx, targets[0], backward)
+        if not moves:
+            return (), 0
+        return moved_cost(targets[0], tuple(ctx.shapes[0]), out_layouts[0], tuple(ctx.out_shapes[0]), moves,
+                          ctx.args[0].dtype.itemsize)
+    return cost
+
+
+def _not_moved(backward: bool) -> Callable:
+    return lambda ctx, ins, outs: not _sliced_moves(ctx, ins[0], backward)
+
+
+register([aten.slice.Tensor, aten.narrow.default],
+         Rule(slice_signatures, kernel=_moved_local(False), kernel_cost=_moved_cost(False),
+              plain_when=_not_moved(False), unaliased=lambda ctx, ins, outs: bool(_sliced_moves(ctx, ins[0]))))
 def cat_signatures(ctx: Ctx) -> list:
     """Every dim but the joined one keeps its split; all Partial adds up. torch.cat skips a 1-D empty
     tensor among tensors of more dims (the `torch.tensor([])` a KV cache starts from: transformers'
@@ -295,30 +363,86 @@ def sized_backward(func, args, kwargs, where: ShardSite):
     return func(args[0], list(where.out_shape(0)), *args[2:], **kwargs)
 
 
-register([aten.slice_backward.default], dim_map_rule(backward_map(False), sized_backward))
+def _slice_backward_start(ctx: Ctx) -> int | None:
+    """slice_backward(grad, input_sizes, dim, start, end, step): the slice's start (step 1), clamped."""
+    n = ctx.out_shapes[0][_d(ctx.arg(2, "dim"), len(ctx.out_shapes[0]))]
+    if ctx.arg(5, "step", 1) != 1:
+        return None
+    start = int(ctx.arg(3, "start"))
+    return min(max(start + n if start < 0 else start, 0), n)
+
+
+def slice_backward_signatures(ctx: Ctx) -> list:
+    """As the slice: the sliced dim keeps its split (step 1), the gradient's rows shifted back into place."""
+    sigs = dim_map_rule(backward_map(False)).signatures(ctx)
+    if _slice_backward_start(ctx) is not None:
+        d = _d(ctx.arg(2, "dim"), len(ctx.out_shapes[0]))
+        sigs.append(((S(d),), (S(d),)))
+    return sigs
+
+
+register([aten.slice_backward.default],
+         Rule(slice_backward_signatures, kernel=_moved_local(True), kernel_cost=_moved_cost(True),
+              plain_when=_not_moved(True)))
 register([aten.select_backward.default], dim_map_rule(backward_map(True), sized_backward))
 
 
 # -- padding and flipping ------------------------------------------------------------------------
-def padded_dims(ctx: Ctx) -> set:
-    """Dims constant_pad_nd changes (pad lists (before, after) pairs from the last dim backwards)."""
-    pad, n = ctx.arg(1, "pad"), len(ctx.shapes[0])
-    return {n - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
-
-
 def _pad_value(args: tuple, kwargs: dict):
     return args[2] if len(args) > 2 else kwargs.get("value", 0)
 
 
 def pad_signatures(ctx: Ctx) -> list:
-    """A dim that is not padded keeps its split. A padded (or, with negative pads, cut) split dim
-    would need pieces of other sizes than a balanced split's, so it is taken whole. Padding is
-    linear when the fill is 0 (P passes); max and min of a fill every rank writes is that fill."""
-    padded = padded_dims(ctx)
-    sigs = [((S(d),), (S(d),)) for d in range(len(ctx.shapes[0])) if d not in padded]
+    """Every split passes. A split padded (or, with negative pads, cut) dim stays that split: its rows shift
+    by the pad before them, each rank receiving the rows that land in its block from the ranks holding them
+    (`ops/moves.py`, as a slice's), the rest the fill. Padding is linear when the fill is 0 (P passes); max
+    and min of a fill every rank writes is that fill."""
+    sigs = [((S(d),), (S(d),)) for d in range(len(ctx.shapes[0]))]
     if _pad_value(ctx.args, ctx.kwargs) == 0:
         sigs.append(((P,), (P,)))
     return sigs + [((PMAX,), (PMAX,)), ((PMIN,), (PMIN,))]
+
+
+def _pads(ctx: Ctx) -> dict:
+    """dim -> (before, after) for each dim constant_pad_nd pads or cuts."""
+    pad, n = list(ctx.arg(1, "pad")), len(ctx.shapes[0])
+    return {n - 1 - i: (pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+
+
+def _pad_moves(ctx: Ctx, layout: Layout) -> tuple:
+    """(dim, "shift", before) for each padded dim some mesh axis splits."""
+    split = {s.dim for s in layout.sbp if isinstance(s, Split)}
+    return tuple((d, "shift", before) for d, (before, _) in sorted(_pads(ctx).items()) if d in split)
+
+
+def pad_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
+    """The shard padded along its whole padded dims, then its rows shifted into place along the split ones."""
+    ctx, layout = where.ctx, where.in_layouts[0]
+    moves = _pad_moves(ctx, layout)
+    if not moves:
+        return func(*args, **kwargs)
+    moved = {d for d, _, _ in moves}
+    pads, n, value = _pads(ctx), len(ctx.shapes[0]), _pad_value(args, kwargs)
+    here = [0] * (2 * max((n - d for d in pads), default=0))
+    for d, (before, after) in pads.items():
+        if d not in moved:
+            here[2 * (n - 1 - d)], here[2 * (n - 1 - d) + 1] = before, after
+    x = func(args[0], here, value) if any(here) else args[0]
+    out = x.new_full(where.out_shape(0), value)
+    if where.checking:
+        return out
+    in_shape = tuple(ctx.shapes[0][d] if d in moved or d not in pads else ctx.out_shapes[0][d] for d in range(n))
+    return exchange_moved(x, out, layout, in_shape, where.out_layouts[0], tuple(ctx.out_shapes[0]), moves, where.rank)
+
+
+def pad_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    moves = _pad_moves(ctx, targets[0])
+    if not moves:
+        return (), 0
+    moved, pads, n = {d for d, _, _ in moves}, _pads(ctx), len(ctx.shapes[0])
+    in_shape = tuple(ctx.shapes[0][d] if d in moved or d not in pads else ctx.out_shapes[0][d] for d in range(n))
+    return moved_cost(targets[0], in_shape, out_layouts[0], tuple(ctx.out_shapes[0]), moves,
+                      ctx.args[0].dtype.itemsize)
 
 
 def flip_signatures(ctx: Ctx) -> list:
@@ -406,7 +530,9 @@ def flip_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> t
 
 
 register([aten.constant_pad_nd.default],
-         Rule(pad_signatures, scalar_key=lambda args, kwargs: _pad_value(args, kwargs) == 0))
+         Rule(pad_signatures, kernel=pad_local, kernel_cost=pad_cost,
+              plain_when=lambda ctx, ins, outs: not _pad_moves(ctx, ins[0]),
+              scalar_key=lambda args, kwargs: _pad_value(args, kwargs) == 0))
 def _flips_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
     """`flip_local` is the plain flip where no flipped dim is split (no mirror exchange: `Rule.plain_when`)."""
     flipped = _flipped(ctx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
@@ -330,3 +331,129 @@ def test_embedding_bag_on_split_columns_sends_nothing():
         for sbp, fwd, bwd, _, _, full, grads, grad_sbps in _run(fn, [table], (2,), [(gt.split(1),)]):
             assert sbp == (gt.split(1),) and fwd == [] and bwd == [] and grad_sbps == [(gt.split(1),)]
             torch.testing.assert_close(full, fn(table))
+
+
+# -- a spatial (sequence) split: the halo exchange (ops/halo.py) --------------------------------------------------
+def _blocks(length: int, n: int) -> list:
+    """Each rank's rows of a balanced split of `length` over n, as sets (an independent count of the boxes)."""
+    base, extra = divmod(length, n)
+    starts = [r * base + min(r, extra) for r in range(n + 1)]
+    return [set(range(starts[r], starts[r + 1])) for r in range(n)]
+
+
+def _lacked_rows(length: int, out_length: int, n: int, stride: int, pad: int, reach: int) -> list:
+    """Per rank: the input rows its block of outputs reads (inside the input) that it does not hold."""
+    own, outs = _blocks(length, n), _blocks(out_length, n)
+    return [len({t * stride - pad + j for t in outs[r] for j in range(reach + 1)} & set(range(length)) - own[r])
+            for r in range(n)]
+
+
+@given(meshes(ONE_D + [(2, 2)]), st.sampled_from([1, 2]), st.data())
+def test_convolution_over_a_split_spatial_dim_matches_one_device(mesh, spatial, data):
+    """conv1d/conv2d with the input split on a spatial dim (and, on a 2x2 mesh, the batch or that dim again on
+    the other axis), any kernel, stride, dilation, padding, groups 1 or depthwise: values and every gradient
+    as on one device, the output keeping the split where the halo is the cheapest way."""
+    d = 2 + data.draw(st.integers(0, spatial - 1))
+    k, stride, dil = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    pad = data.draw(st.integers(0, dil * (k - 1)))
+    length = data.draw(st.integers(max(1, dil * (k - 1) + 1 - 2 * pad), 17))
+    groups, c = data.draw(st.sampled_from([1, 4])), 4
+    torch.manual_seed(0)
+    x = torch.randn(2, c, *[length if i + 2 == d else 3 for i in range(spatial)], dtype=torch.float64)
+    w = torch.randn(4, c // groups, *[k if i + 2 == d else 1 for i in range(spatial)], dtype=torch.float64)
+    b = torch.randn(4, dtype=torch.float64)
+    conv = F.conv1d if spatial == 1 else F.conv2d
+    x_sbp = (gt.split(d),) + tuple(data.draw(st.sampled_from([gt.split(d), gt.split(0), gt.broadcast]))
+                                   for _ in mesh[1:])
+    check(lambda *t: conv(*t, stride=stride, padding=pad, dilation=dil, groups=groups), [x, w, b], mesh,
+          [x_sbp, (gt.broadcast,) * len(mesh), (gt.broadcast,) * len(mesh)], **TOL)
+
+
+@given(st.sampled_from([2, 3, 4]), st.sampled_from([3, 5]))
+def test_same_conv_over_a_sequence_split_moves_only_each_blocks_halo(n, k):
+    """A "same" conv1d (padding (k-1)/2) with the sequence split: the output stays split; each rank receives
+    the (k-1)/2 rows on each side of its block that its windows read, from its neighbours (the halo); the
+    backward receives them again with the gradient of its rows its neighbours' windows read. The weight's
+    and bias's gradients are each rank's outputs' share: Partial, one ring all-reduce each."""
+    torch.manual_seed(0)
+    batch, c, length, p = 2, 3, 24, (k - 1) // 2
+    x, w, b = torch.randn(batch, c, length), torch.randn(12, c, k), torch.randn(12)
+    results = _run(lambda *t: F.conv1d(*t, padding=p), [x, w, b], (n,), [(gt.split(2),), (gt.broadcast,),
+                                                                         (gt.broadcast,)])
+    row = batch * c * 4
+    halos = _lacked_rows(length, length, n, 1, p, k - 1)
+    for r, (sbp, fwd, bwd, reduce, _, full, grads, grad_sbps) in enumerate(results):
+        assert halos[r] == p * ((r > 0) + (r < n - 1))  # the textbook halo: p rows from each neighbour
+        assert sbp == (gt.split(2),)
+        assert fwd == [("send_recv", halos[r] * row)]
+        assert bwd == [("send_recv", halos[r] * row), ("send_recv", halos[r] * row)]
+        assert grad_sbps == [(gt.split(2),), (gt.partial_sum,), (gt.partial_sum,)]
+        assert reduce[1:] == [("all_reduce", _ring_all_reduce(w.numel(), 4, n)),
+                              ("all_reduce", _ring_all_reduce(b.numel(), 4, n))]
+        torch.testing.assert_close(full, F.conv1d(x, w, b, padding=p))
+
+
+@given(st.sampled_from([2, 3, 4]), st.sampled_from([2, 4]), st.booleans())
+def test_a_causal_conv1d_keeps_the_sequence_split(n, k, padded_first):
+    """Mamba's causal depthwise conv (`conv1d(padding=k-1)[..., :L]`) and the audio models' (`F.pad(x, (k-1, 0))`
+    then conv1d): the sequence stays split from input to output, values and gradients as on one device, and
+    each rank receives exactly the rows it lacks: its windows' rows held by others, and the rows of its block
+    of the result that the intermediate (one of length L + k - 1, split in its own blocks) left elsewhere."""
+    torch.manual_seed(0)
+    batch, c, length = 2, 4, 32
+    x, w, b = torch.randn(batch, c, length), torch.randn(c, 1, k), torch.randn(c)
+
+    def causal(x, w, b):
+        if padded_first:
+            return F.conv1d(F.pad(x, (k - 1, 0)), w, b, groups=c)
+        return F.conv1d(x, w, b, padding=k - 1, groups=c)[..., :length]
+    results = _run(causal, [x, w, b], (n,), [(gt.split(2),), (gt.broadcast,), (gt.broadcast,)])
+    row = batch * c * 4
+    long_blocks, blocks = _blocks(length + k - 1, n), _blocks(length, n)
+    if padded_first:  # rows shift by k-1 into the padded tensor's blocks, whose windows then read [t, t+k-1]
+        shift = [len({i + k - 1 for i in range(length)} & long_blocks[r] - {i + k - 1 for i in blocks[r]})
+                 for r in range(n)]
+        window = [len({t + j for t in blocks[r] for j in range(k)} & set(range(k - 1, length + k - 1)) - long_blocks[r])
+                  for r in range(n)]
+        want = [[("send_recv", shift[r] * row), ("send_recv", window[r] * row)] for r in range(n)]
+    else:  # windows over the input for the long output's blocks, then the slice's rows to their blocks
+        window = _lacked_rows(length, length + k - 1, n, 1, k - 1, k - 1)
+        shift = [len(blocks[r] - long_blocks[r]) for r in range(n)]
+        want = [[("send_recv", window[r] * row), ("send_recv", shift[r] * row)] for r in range(n)]
+    for r, (sbp, fwd, bwd, reduce, _, full, grads, grad_sbps) in enumerate(results):
+        assert sbp == (gt.split(2),) and grad_sbps[0] == (gt.split(2),)
+        assert [e for e in fwd if e[1]] == [e for e in want[r] if e[1]]  # (a rank that only sends logs 0)
+        assert sum(e[1] for e in fwd) < (n - 1) * length // n * row  # far less than gathering the sequence
+        torch.testing.assert_close(full, causal(x, w, b))
+
+
+def test_wav2vec2_feature_encoder_over_a_sequence_split_matches_one_device():
+    """Hugging Face wav2vec2's convolutional feature encoder (strided convs, group norm over time, GELU) on a
+    waveform split on its time dim: output and every parameter's gradient as on one device, the output
+    still split on time, no fallback. Its convs move only halos (a strided window reads up to
+    kernel - stride rows past its block); its group norm normalises each channel over the whole time, so
+    it works on a channel split (an all-to-all there and back)."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+    from transformers.models.wav2vec2.modeling_wav2vec2 import Wav2Vec2FeatureEncoder
+    cfg = transformers.Wav2Vec2Config(conv_dim=(8, 8, 8), conv_kernel=(10, 3, 3), conv_stride=(5, 2, 2),
+                                      feat_extract_norm="group", conv_bias=True)
+    torch.manual_seed(0)
+    model = Wav2Vec2FeatureEncoder(cfg).double()
+    wave = torch.randn(2, 1600, dtype=torch.float64)
+    want = model(wave)
+    weights = torch.randn(want.shape, dtype=torch.float64)
+    (want * weights).sum().backward()
+    want_grads = {n: p.grad for n, p in model.named_parameters()}
+
+    def body():
+        p = gt.placement("cpu", range(4))
+        m = gt.to_global(copy.deepcopy(model), p, {"*": gt.broadcast})
+        y = m(gt.to_global(wave, p, gt.split(1)))
+        (y * gt.to_global(weights, p, y.sbp)).sum().backward()
+        return y.sbp, y.full_tensor(), {n: q.grad.full_tensor() for n, q in m.named_parameters()}, gt.stats()
+    for sbp, full, grads, stats in gt.launch(body, 4):
+        assert sbp == (gt.split(2),) and not stats["fallback"]
+        torch.testing.assert_close(full, want, **TOL)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want_grads[n], **TOL)

@@ -197,3 +197,87 @@ def test_a_write_through_a_view_reaches_the_tensor_or_is_refused(name):
             assert isinstance(g, str) and "writes into a view" in g and "gathered copy" in g, g
         else:
             torch.testing.assert_close(g, want)
+
+
+def _slice_lacks(shape: tuple, layout: gt.Layout, out_layout: gt.Layout, out_shape: tuple, dim: int, shift: int,
+                 rank: int) -> int:
+    """Elements of its block of the result a rank does not hold: rows of the result whose source row
+    (result row - shift, inside the input) another rank holds, on the rows it holds of the other dims."""
+    box, out = layout.shard(shape, rank), out_layout.shard(out_shape, rank)
+    if box is None:
+        return 0
+    (s, k), (o, m) = box[dim], out[dim]
+    rows = len({t - shift for t in range(o, o + m)} & set(range(shape[dim])) - set(range(s, s + k)))
+    return rows * math.prod(n for d, (_, n) in enumerate(out) if d != dim)
+
+
+@st.composite
+def cuts(draw):
+    """(mesh, shape, SBP splitting `dim` on axis 0, dim, op name, a, b): slices (step 1 or 2), narrow and pads
+    (negative pads crop) of a split dim, uneven and empty blocks."""
+    mesh = draw(meshes())
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+    dim = draw(st.integers(0, len(shape) - 1))
+    sbp = (gt.split(dim),) + draw(sbps_for(Mesh(mesh[1:]), shape))[:len(mesh) - 1] if len(mesh) > 1 else (gt.split(dim),)
+    op = draw(st.sampled_from(["slice", "slice2", "narrow", "pad"]))
+    n = shape[dim]
+    if op == "pad":
+        a, b = draw(st.integers(-n + 1, 4)), draw(st.integers(-n + 1, 4))
+        if a + b <= -n:
+            b = 0
+    else:
+        a = draw(st.integers(-n, n - 1))
+        b = draw(st.integers(a % n + 1, n)) - a % n
+    return mesh, shape, sbp, dim, op, a, b
+
+
+def _cut(x, dim: int, op: str, a: int, b: int):
+    n = x.shape[dim]
+    if op == "slice":
+        return x[(slice(None),) * dim + (slice(a, a + b if a >= 0 else (a + b) or None),)]
+    if op == "slice2":
+        return x[(slice(None),) * dim + (slice(a % n, None, 2),)]
+    if op == "narrow":
+        return x.narrow(dim, a, b)
+    return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [a, b], value=0.5)
+
+
+@given(cuts())
+@example((Mesh((4,)), (9, 2), (gt.split(0),), 0, "slice", 1, 7))
+@example((Mesh((2, 2)), (7, 4), (gt.split(0), gt.split(0)), 0, "pad", 3, -2))
+def test_slices_and_pads_of_a_split_dim_keep_it_and_move_only_the_rows_a_rank_lacks(case):
+    """A contiguous slice (step 1), a narrow or a pad of a split dim: the result keeps that split, values and
+    gradients as on one device, each rank receiving at most the rows of its block of the result that
+    another rank holds (a shift, point to point), where converting to another dim's split would move the
+    whole tensor. A strided slice may convert: only its values are checked."""
+    mesh, shape, sbp, dim, op, a, b = case
+    t = torch.arange(float(math.prod(shape)), dtype=D).reshape(shape)
+    want = _cut(t, dim, op, a, b)
+    tr = t.clone().requires_grad_()
+    (_cut(tr, dim, op, a, b) ** 2).sum().backward()
+
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(t, p, sbp).requires_grad_()
+        with gt.comm_log() as log:
+            y = _cut(x, dim, op, a, b)
+        (y ** 2).sum().backward()
+        return y.full_tensor(), x.grad.full_tensor(), log.recv_bytes, y.sbp, gt.rank() in p.flat_ranks
+    results = gt.launch(body, world_of(mesh))
+    for y, grad, _, _, inside in results:
+        if inside:
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            torch.testing.assert_close(grad, tr.grad, rtol=0, atol=0)
+    if op == "slice2":
+        return
+    start = 0 if op == "pad" else (a % shape[dim] if op != "slice" or a >= -shape[dim] else 0)
+    shift = a if op == "pad" else -start
+    layout = gt.Layout(mesh_placement(mesh), sbp)
+    out_layout = gt.Layout(mesh_placement(mesh), results[0][3])
+    if results[0][3] == sbp:
+        for r, (_, _, received, _, _) in enumerate(results):
+            assert received == 8 * _slice_lacks(shape, layout, out_layout, tuple(want.shape), dim, shift, r)
+    else:  # another layout only where it moved less than the shift
+        shifts = max(8 * _slice_lacks(shape, layout, gt.Layout(layout.placement, sbp), tuple(want.shape), dim,
+                                      shift, r) for r in range(len(results)))
+        assert max(r for _, _, r, _, _ in results) <= shifts
