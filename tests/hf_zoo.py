@@ -45,6 +45,9 @@ class Arch:
     extra: tuple = ()                # (attribute, value) set on the config after TINY
     dtype: torch.dtype = torch.float64  # float32 where a kernel has no fp64 (MoE's grouped_mm)
     fp32_inside: bool = False        # computes part of its forward in fp32 whatever its dtype (Llama 4's rotary)
+    # modules that compute each token from its own row alone (a dropless MoE block): declared row-local in the
+    # data-parallel plans, so they run on each rank's tokens as DDP runs them, not as the global sort they write
+    row_local: tuple = ()
 
     def build(self) -> nn.Module:
         global transformers
@@ -106,18 +109,18 @@ ZOO = {
     "bloom": Arch("BloomConfig", "BloomForCausalLM", "lm"),
     "falcon": Arch("FalconConfig", "FalconForCausalLM", "lm", (("vocab_size", 64),)),
     "llama4": Arch("Llama4TextConfig", "Llama4ForCausalLM", "lm", (("intermediate_size_mlp", 48),),
-                   fp32_inside=True),
+                   fp32_inside=True, row_local=("model.layers.*.feed_forward",)),
     "mamba": Arch("MambaConfig", "MambaForCausalLM", "lm"),
     # mixtures of experts
-    "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", "lm", dtype=torch.float32),
+    "mixtral": Arch("MixtralConfig", "MixtralForCausalLM", "lm", dtype=torch.float32, row_local=("model.layers.*.mlp",)),
     # the same in fp64 with transformers' "eager" experts (a loop over the experts hit; grouped_mm has no fp64)
     "mixtral_eager": Arch("MixtralConfig", "MixtralForCausalLM", "lm", (("_experts_implementation", "eager"),),
-                          fp32_inside=True),
-    "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "lm", dtype=torch.float32),
+                          fp32_inside=True, row_local=("model.layers.*.mlp",)),
+    "qwen2_moe": Arch("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "lm", dtype=torch.float32, row_local=("model.layers.*.mlp",)),
     "deepseek_v2": Arch("DeepseekV2Config", "DeepseekV2ForCausalLM", "lm", (("num_key_value_heads", 4),),
-                        dtype=torch.float32),
+                        dtype=torch.float32, row_local=("model.layers.*.mlp",)),
     "deepseek_v3": Arch("DeepseekV3Config", "DeepseekV3ForCausalLM", "lm", (("num_key_value_heads", 4),),
-                        dtype=torch.float32),
+                        dtype=torch.float32, row_local=("model.layers.*.mlp",)),
     # encoders
     "bert": Arch("BertConfig", "BertForMaskedLM", "mlm"),
     "roberta": Arch("RobertaConfig", "RobertaForMaskedLM", "mlm"),
@@ -173,16 +176,17 @@ def batch_sbp(strategy: str) -> Any:
     return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast)}.get(strategy, gt.split(0))
 
 
-def plan_for(strategy: str, model: nn.Module) -> dict:
+def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
+    rows = {p: gt.ModuleLayout(row_local=True) for p in row_local}
     if strategy == "dp":
-        return {}
+        return rows
     if strategy == "tp":
         return gt.hf.tp_plan(model)
     if strategy == "dp_tp":
         return gt.hf.tp_plan(model, axis=1, ndim=2)
     if strategy == "zero3":
         whole = gt.ModuleLayout(params=gt.broadcast)
-        return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}}
+        return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}, **rows}
     raise ValueError(strategy)
 
 
@@ -218,7 +222,7 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             gt.reset_stats()
         elif strategy is not None:
             p = gt.placement("cpu", mesh_for(strategy, world))
-            gt.to_global(model, p, plan_for(strategy, model))
+            gt.to_global(model, p, plan_for(strategy, model, arch.row_local))
             batch = {k: gt.to_global(v, p, batch_sbp(strategy)) for k, v in batch.items()}
             gt.reset_stats()
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)

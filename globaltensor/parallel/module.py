@@ -33,7 +33,7 @@ from ..layout import Layout, normalize_sbp
 from ..ops import dispatch
 from ..ops.scope import enter_named_here
 from ..placement import Placement
-from .plain import PlainRegion
+from .plain import PlainRegion, RowLocal
 from ..raggedtensor.ops import boundary_cut, convert as convert_ragged
 from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike, Split
 from ..tensor import GlobalTensor, OnBackward, distribute
@@ -62,6 +62,11 @@ class ModuleLayout:
     copies after the forward and gather again for the backward (ZeRO-3), or keep them (ZeRO-2).
     `param_dtype`: the dtype they are gathered and used in (mixed precision; the module's floating
     inputs are cast to it); `reduce_dtype`: the dtype their gradients are reduced in.
+
+    `row_local`: the module computes each row (dim 0) of its outputs from the same rows of its inputs
+    alone (a token-wise MoE block with a dropless router), so on a batch split it runs on each rank's rows
+    in plain torch, as DDP runs it, instead of as the global program it writes (a sort of every token):
+    see `globaltensor/parallel/plain.py`'s `RowLocal`. A claim the values rely on, as DTensor's `local_map`.
     """
     input: Optional[SbpLike] = None
     input_grad: Optional[SbpLike] = None
@@ -71,10 +76,15 @@ class ModuleLayout:
     reshard_after_forward: bool = True
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
+    row_local: bool = False
 
     def __post_init__(self) -> None:
-        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")):
-            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params")
+        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")) \
+                and not self.row_local:
+            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params, "
+                             "row_local")
+        if not isinstance(self.row_local, bool):
+            raise TypeError(f"ModuleLayout(row_local=): expected True or False, got {self.row_local!r}")
         for name in ("param_dtype", "reduce_dtype"):
             d = getattr(self, name)
             if d is not None and (not isinstance(d, torch.dtype) or not d.is_floating_point):
@@ -404,14 +414,21 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
         mod.__dict__.pop("_gt_gather_group", None)
-        if isinstance(mod.__dict__.get("forward"), (StageForward, PlainRegion)):
+        if isinstance(mod.__dict__.get("forward"), (StageForward, PlainRegion, RowLocal)):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
     stages = stage_hooks(module, groups)
     for mod, where in stages.items():
         mod.__dict__["forward"] = StageForward(mod, where)
+    rows = {mod: pattern for mod, (_, pattern, hint) in hints.items() if hint.row_local}
     for mod in _plain_candidates(groups, stages, hooks):
-        mod.__dict__["forward"] = PlainRegion(mod)
+        if mod not in rows:
+            mod.__dict__["forward"] = PlainRegion(mod)
+    for mod, pattern in rows.items():
+        if mod in stages:
+            raise ValueError(f"to_global(plan[{pattern!r}]): row_local on a pipeline stage's module; mark a module "
+                             "inside the stage")
+        mod.__dict__["forward"] = RowLocal(mod, pattern)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []

@@ -430,3 +430,101 @@ def _shape_check(call: _Call, watch: _Watch, placement: Any) -> str:
         if [tuple(s) for s in shapes] != [tuple(s) for s in want]:
             return f"{func} makes shard shapes {shapes}, not its layout's {want}"
     return ""
+
+
+# -- row-local modules: declared, not watched -------------------------------------------------------------------
+class RowLocal:
+    """A module declared row-local (`ModuleLayout(row_local=True)`): each row (dim 0) of its outputs is computed
+    from the same rows of its inputs alone, so it runs on each rank's rows in plain torch.
+
+    Why: a module can be row-local while its program is not. Hugging Face's MoE blocks sort the whole batch's
+    tokens by expert and index them back: on a batch split the global program moves tokens between ranks
+    (exactly, and dearly), where DDP runs each rank's own sort. The sort's result is the same either way only
+    because each token's output is its own; the dispatcher cannot see that, the user can say it, as DTensor's
+    `local_map` lets one say a function runs on the local shards. The values are one device's where the claim
+    holds (a dropless router, no batch statistics); a router with a capacity per batch (Switch) is not row-local.
+
+    Axes: those on which the first tensor input (with a dim) is split on dim 0 are the row axes; every input
+    with as many rows is laid out split on dim 0 there (others whole), Broadcast on the other axes, and the
+    module's parameters and buffers must be whole while it runs (`params=gt.broadcast` under ZeRO). Outputs
+    come back split on dim 0 on the row axes, Broadcast on the others; their global rows are the local rows
+    scaled as the input's (a [batch, seq, d] input's [batch * seq, e] router logits), which must be a
+    balanced split (a batch that divides over the ranks). Gradients: inputs' alike; parameters' Partial on
+    the row axes (each rank's rows' share), reduced as any (the bucket, ZeRO's reduce-scatter).
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.module).forward
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        first = next((x for x in leaves if isinstance(x, GlobalTensor) and x.dim() >= 1), None)
+        axes = () if first is None else tuple(a for a, s in enumerate(first.sbp) if s == Split(0))
+        if not axes or context.current().rank not in first.placement.flat_ranks:
+            return forward(self.module, *args, **kwargs)  # no rows split (or empty shards here): the dispatcher's
+        placement, rows, rank = first.placement, first.shape[0], context.current().rank
+
+        def on(split: bool, grad: bool = False) -> Layout:
+            row = Split(0) if split else Partial() if grad else Broadcast()
+            return Layout(placement, tuple(row if a in axes else Broadcast() for a in range(placement.ndim)))
+        where = f"to_global(plan[{self.name!r}]) row_local"
+        ins = [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
+        for i in ins:
+            x = leaves[i]
+            if x.placement != placement:
+                raise ValueError(f"{where}: input {i} is on {x.placement}, the first on {placement}")
+            want = on(x.dim() >= 1 and x.shape[0] == rows)
+            if x._layout != want:
+                leaves[i] = x.to_global(placement, want.sbp)
+        held = leaves[next(i for i in ins if leaves[i].dim() >= 1)]._local.shape[0]  # the first one's rows here
+        if held == 0:
+            raise RuntimeError(f"{where}: rank {rank} holds none of the input's {rows} rows; a row-local module "
+                               "runs on each rank's rows: give every rank some (a batch of at least the ranks)")
+        slots = [(t, n) for m in self.module.modules() for t in (m._parameters, m._buffers) for n in t
+                 if t[n] is not None]
+        for table, name in slots:
+            t = table[name]
+            if isinstance(t, GlobalTensor) and (t.placement != placement or t._layout != on(False)):
+                raise ValueError(f"{where}: {name!r} is laid out {t.sbp} on {t.placement} while the module runs; a "
+                                 f"row-local module runs on whole parameters on the input's placement: give it "
+                                 f"params=gt.broadcast (ZeRO gathers them) or lay them out Broadcast")
+        tensors = [table[name] for table, name in slots]
+        grad = torch.is_grad_enabled()
+        tracked = [(i, leaves[i], on(leaves[i]._layout == on(True), grad=True)) for i in ins
+                   if grad and leaves[i].requires_grad]
+        tracked += [(None, t, on(False, grad=True)) for t in tensors
+                    if grad and isinstance(t, GlobalTensor) and t.requires_grad]
+        plain = dict(zip((id(t) for _, t, _ in tracked),
+                         _ToPlain.apply(tuple(g for _, _, g in tracked), *(t for _, t, _ in tracked))
+                         if tracked else ()))
+        local_leaves = [plain.get(id(x), x._local) if isinstance(x, GlobalTensor) else x for x in leaves]
+        locals_ = [plain.get(id(t), t._local) if isinstance(t, GlobalTensor) else t for t in tensors]
+        call_args, call_kwargs = pytree.tree_unflatten(local_leaves, spec)
+        swaps = [Swap(table, name, t, p) for (table, name), t, p in zip(slots, tensors, locals_)
+                 if isinstance(t, GlobalTensor)]
+        out = call_local(self.module, swaps, call_args, call_kwargs)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
+        outs = tuple((on(True), self._global_shape(out_leaves[i], rows, held, on(True), rank, where)) for i in at)
+        if grad and any(out_leaves[i].requires_grad for i in at):
+            wrapped = _FromPlain.apply(outs, *(out_leaves[i] for i in at))
+        else:
+            wrapped = [GlobalTensor(out_leaves[i], lay, shape) for i, (lay, shape) in zip(at, outs)]
+        for i, w in zip(at, wrapped):
+            out_leaves[i] = w
+        return pytree.tree_unflatten(out_leaves, out_spec)
+
+    @staticmethod
+    def _global_shape(t: torch.Tensor, rows: int, held: int, layout: Layout, rank: int, where: str) -> tuple:
+        """The output's global shape: its local rows scaled as the input's were, checked to be this rank's
+        balanced part of them (so every rank's claim agrees)."""
+        if t.dim() == 0 or (t.shape[0] * rows) % held:
+            raise RuntimeError(f"{where}: an output of shape {tuple(t.shape)} has no rows in proportion to the "
+                               f"input's ({held} of {rows} here): the module is not row-local")
+        shape = ((t.shape[0] * rows) // held,) + tuple(t.shape[1:])
+        if layout.local_shape(shape, rank)[0] != t.shape[0]:
+            raise RuntimeError(f"{where}: an output's {t.shape[0]} rows on rank {rank} are not its balanced part of "
+                               f"{shape[0]}: a row-local module needs rows that divide alike over the ranks (a batch "
+                               "that divides by the data ranks)")
+        return shape
