@@ -37,10 +37,10 @@ OVER: dict = {
     ("resnet", "dp"): (1.28, "batch norm's statistics are the whole batch's (one device's): each layer all-reduces its "
                              "sums forward and backward, as SyncBatchNorm does; DDP's per-rank statistics are another "
                              "program"),
-    ("resnet", "zero3"): (21.91, "a defect, measured so that it cannot grow: under ZeRO-3 the dispatcher lays batch norm's "
-                                 "per-channel statistics out split, and inside its decomposition takes `x - mean` Partial "
-                                 "(the activation converted S(0) -> P), then reduce-scatters whole activations; under DP "
-                                 "the same op all-reduces the mean instead"),
+    ("resnet", "zero3"): (11.45, "a defect, measured so that it cannot grow: a ZeRO block's backward runs in the named "
+                                 "scope (its parameters' Partial gradients are left for the reduce-scatter), where batch "
+                                 "norm's backward then takes an activation's gradient Partial and the convolution's "
+                                 "backward reduce-scatters it whole; the forward charges it (21.9x before)"),
     ("albert", "zero3"): (1.54, "ALBERT runs its one shared layer at every depth: gathered at each call (and again "
                                 "for each call's backward), as FSDP2 gathers a module at each call"),
 }

@@ -122,7 +122,6 @@ class ParamGroup:
             ahead = _state(nxt)["prefetched"] = _Call(nxt)
             ahead.start()
         _OPEN.stack.append(call)
-        dispatch.enter_named()
         if self.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
         return args, kwargs
@@ -133,7 +132,6 @@ class ParamGroup:
         listener = _LISTENING.listener
         if listener is not None:
             listener.closed(self, module)
-        dispatch.leave_named()
         call = _OPEN.stack.pop()
         _OPEN.installed.pop()
         for mod, name, i in self.slots:
