@@ -146,6 +146,8 @@ ZOO = {
 # decoders whose transformers class ships no TP plan, no pipeline plan
 NO_TP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm"}
 NO_PP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm", "llama4"}
+# models without a pp plan, cut by naming their repeated layers (gt.hf.pp_plan(layers=))
+PP_LAYERS = {"vit": "vit.layers"}
 
 
 def _whole(t: Any) -> Any:
@@ -203,17 +205,74 @@ def textbook(model: nn.Module, strategy: str, world: int) -> float:
     return total
 
 
-def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1) -> dict:
+def arch_name(arch: Arch) -> Optional[str]:
+    return next((n for n, a in ZOO.items() if a is arch), None)
+
+
+def seq_len(arch: Arch) -> int:
+    """The tokens per example the layers see: SEQ for text; a ViT's patches and its class token."""
+    if arch.inputs == "image":
+        return (TINY["image_size"] // TINY["patch_size"]) ** 2 + 1
+    return SEQ
+
+
+def textbook_dp_tp(model: nn.Module, world: int, tokens: int) -> Optional[float]:
+    """Bytes this rank of the (2, world/2) data x tensor mesh receives in a step by the textbook (Megatron's TP,
+    DDP on the data axis): the data axis' all-reduce of each gradient shard this rank holds, 2(d-1)/d of it, and
+    on the tensor axis (t ranks) 2(t-1)/t of [tokens, features] per all-reduce: a row-parallel module's (and a
+    vocab-parallel embedding's) output in the forward, a column-parallel module's input gradient in the
+    backward, and (t-1)/t of a gathered column-parallel output ("colwise_rep") in the forward. `tokens`: this
+    data rank's rows times the sequence. None where the plan has a style this count does not know."""
+    d, t = 2, world // 2
+    total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
+                for q in model.parameters() if q.requires_grad)
+    modules = dict(model.named_modules())
+    for key, style in gt.hf.model_tp_plan(model).items():
+        for name, mod in modules.items():
+            if gt.hf.generic_name(name) != key:
+                continue
+            w = mod.weight
+            out_f, in_f = w.shape[0], w.shape[1]
+            act = tokens * w.element_size()
+            if style == "colwise":
+                total += 2 * (t - 1) / t * act * in_f
+            elif style in ("colwise_rep", "colwise_gather_output"):
+                total += 2 * (t - 1) / t * act * in_f + (t - 1) / t * act * out_f
+            elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
+                total += 2 * (t - 1) / t * act * out_f
+            elif style == "embedding_rowwise":
+                total += 2 * (t - 1) / t * act * in_f
+            else:
+                return None
+    return total
+
+
+def textbook_pp(model: nn.Module, arch: Arch, microbatches: int) -> float:
+    """Bytes the last of two stages receives in a step by the textbook: per micro-batch, the activation the first
+    stage's last layer hands on, [rows, seq, hidden], and for a rotary model the position embeddings' cos and
+    sin, [1, seq, head_dim] each, that the first stage computed (the first stage receives the activation's
+    gradient, as many bytes)."""
+    cfg, size = model.config, next(model.parameters()).element_size()
+    total = BATCH * seq_len(arch) * cfg.hidden_size * size
+    if any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        total += microbatches * 2 * seq_len(arch) * head_dim * size
+    return total
+
+
+def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1, microbatches: int = 1) -> dict:
     """`steps` training steps (the gradients and loss of the last, the parameters after it); on one device when
     `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages, `gt.Pipeline` of 1F1B over 2
-    micro-batches; each parameter's gradient and value from the rank holding it."""
+    micro-batches; each parameter's gradient and value from the rank holding it. `microbatches` (one device):
+    the batch cut as the pipeline cuts it (`tensor_split`), each piece's loss weighted by its share and its
+    gradients accumulated in order, as the pipeline's stages sum them: the same sums in the same order."""
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
         pipe = None
         if strategy == "pp":
             stages = [gt.placement("cpu", [r]) for r in range(world)]
-            gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages))
+            gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages, layers=PP_LAYERS.get(arch_name(arch))))
             pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b")
             gt.reset_stats()
         elif strategy is not None:
@@ -229,6 +288,13 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
                     opt.zero_grad()
                 if pipe is not None:
                     loss, res = pipe.step(**batch), None
+                elif microbatches > 1:
+                    n = len(next(iter(batch.values())))
+                    loss, res = 0.0, None
+                    for rows in torch.arange(n).tensor_split(microbatches):
+                        part = model(**{k: v[rows] for k, v in batch.items()}).loss * (len(rows) / n)
+                        part.backward()
+                        loss = loss + part.detach()
                 else:
                     res = model(**batch)
                     loss = res.loss
@@ -247,6 +313,11 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
             out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
+            if strategy == "dp_tp":
+                tp = textbook_dp_tp(model, world, BATCH // 2 * seq_len(arch))
+                out["textbook_dp_tp"] = None if tp is None else steps * tp
+            if strategy == "pp":
+                out["textbook_pp"] = steps * textbook_pp(model, arch, 2)
         return out
     if strategy is None:
         with warnings.catch_warnings():
