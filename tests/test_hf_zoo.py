@@ -243,3 +243,41 @@ def test_three_steps_pipelines_and_vit(name: str, strategy: str, world: int) -> 
                 _close(got["grads"][n], w, f"grad {n}")
         for n, w in want["params"].items():
             _close(got["params"][n], w, f"param {n}")
+
+
+def test_pp_plan_cut_at_named_layers() -> None:
+    """`gt.hf.pp_plan(layers=)`: the named nn.ModuleList cut, the modules with parameters registered before it on
+    the first stage, the rest on the last; on Llama the same stage for every parameter as its own pp plan gives; a
+    name that is no nn.ModuleList is refused, listing the model's."""
+    stages = [gt.placement("cpu", [0]), gt.placement("cpu", [1])]
+
+    def where(name: str, layers) -> dict:
+        model = hf_zoo.ZOO[name].build()
+        gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages, layers=layers))
+        return {n: q.placement.flat_ranks[0] for n, q in model.named_parameters()}
+
+    vit = where("vit", "vit.layers")
+    assert {n for n, r in vit.items() if r == 0} == {n for n in vit if n.startswith(("vit.embeddings.", "vit.layers.0."))}
+    assert where("llama", "model.layers") == where("llama", None)
+    vit_model = hf_zoo.ZOO["vit"].build()
+    with pytest.raises(ValueError, match=r"layers='vit.encoder'.*no module of that name.*\['vit.layers'\]"):
+        gt.hf.pp_plan(vit_model, stages, layers="vit.encoder")
+    with pytest.raises(ValueError, match=r"layers='vit.layernorm'.*not a non-empty nn.ModuleList"):
+        gt.hf.pp_plan(vit_model, stages, layers="vit.layernorm")
+    with pytest.raises(ValueError, match=r"base_model_pp_plan.*layers="):
+        gt.hf.pp_plan(vit_model, stages)
+
+
+def test_tp_plan_for_an_architecture_that_ships_none() -> None:
+    """ViT ships no TP plan; gt.hf.BASE_TP_PLANS' entry for its model_type, under its base model's prefix, is the
+    plan gt.hf.tp_plan reads (what a user would write: q, k, v and fc1 column-parallel, o_proj and fc2 row-parallel);
+    a plan given (plan=) still wins."""
+    model = hf_zoo.ZOO["vit"].build()
+    assert not model._tp_plan and not getattr(model.config, "base_model_tp_plan", None)
+    assert gt.hf.model_tp_plan(model) == {f"vit.{k}": v for k, v in gt.hf.BASE_TP_PLANS["vit"].items()}
+    plan = gt.hf.tp_plan(model, axis=1, ndim=2)
+    assert plan["vit.layers.*.attention.q_proj.weight"] == (gt.broadcast, gt.split(0))
+    assert plan["vit.layers.*.mlp.fc2.weight"] == (gt.broadcast, gt.split(1))
+    assert "vit.layers.*.mlp.fc2.bias" not in plan
+    assert gt.hf.tp_plan(model, plan={"classifier": "colwise_rep"}).keys() == {"classifier.weight", "classifier.bias",
+                                                                               "classifier"}
