@@ -202,8 +202,16 @@ def test_uneven_mesh_makes_as_few_collectives(name: str) -> None:
 
 
 # Mixtral (grouped experts, fp32) in a 1F1B pipeline from its own pp plan; ViT under DP x TP from gt.hf.BASE_TP_PLANS
-# and in a pipeline cut at its layers (gt.hf.pp_plan(layers=), it ships no pp plan)
-PIPELINE_AND_VIT = [("mixtral", "pp", 2), ("vit", "dp_tp", 4), ("vit", "pp", 2)]
+# and in a pipeline cut at its layers (gt.hf.pp_plan(layers=), it ships no pp plan); Llama's pipeline and DP x TP
+# again, for their bytes and the pipeline's bit-for-bit check
+PIPELINE_AND_VIT = [("mixtral", "pp", 2), ("vit", "dp_tp", 4), ("vit", "pp", 2), ("llama", "pp", 2),
+                    ("llama", "dp_tp", 4)]
+# bytes a step over the textbook's beyond the loss's, measured (so that more is a regression), and why
+TEXTBOOK_OVER = {("llama", "dp_tp"): (320, "each RMSNorm weight's gradient ([1, 1, 32] before its view to [32]) is "
+                                           "reduce-scattered over the data axis and sliced over the tensor axis "
+                                           "(cheapest for that view), then gathered over both for AdamW: 64 B more "
+                                           "per norm than its all-reduce; a per-op choice only a whole-step view "
+                                           "(gt.step_plan) weighs")}
 
 
 @pytest.mark.parametrize("name,strategy,world", PIPELINE_AND_VIT)
@@ -233,8 +241,9 @@ def test_three_steps_pipelines_and_vit(name: str, strategy: str, world: int) -> 
                     f"{what} {n}: {(got[what][n] - w).abs().max().item()} from one device's same micro-batches"
         assert got["recv_bytes"] == got["textbook_pp"], (got["recv_bytes"], got["textbook_pp"])
     else:
-        assert abs(got["recv_bytes"] - got["textbook_dp_tp"]) <= 3 * LOSS_BYTES, \
-            (got["recv_bytes"], got["textbook_dp_tp"], got["collectives"])
+        over, why = TEXTBOOK_OVER.get((name, strategy), (0, ""))
+        assert abs(got["recv_bytes"] - got["textbook_dp_tp"]) <= 3 * (LOSS_BYTES + over), \
+            (got["recv_bytes"], got["textbook_dp_tp"], got["collectives"], why)
     if arch.dtype == torch.float64:
         for n, w in want["grads"].items():
             assert (got["grads"][n] is None) == (w is None)
