@@ -35,6 +35,9 @@ BASE_TP_PLANS: dict[str, dict[str, str]] = {
         "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
         "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise",
     },
+    "convnext": {  # ConvNextModel: each block's pointwise MLP (channels last: [batch, height, width, channels])
+        "encoder.stages.*.layers.*.pwconv1": "colwise", "encoder.stages.*.layers.*.pwconv2": "rowwise",
+    },
 }
 
 # styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)

@@ -147,7 +147,7 @@ ZOO = {
 NO_TP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm"}
 NO_PP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm", "llama4"}
 # models without a pp plan, cut by naming their repeated layers (gt.hf.pp_plan(layers=))
-PP_LAYERS = {"vit": "vit.layers"}
+PP_LAYERS = {"vit": "vit.layers", "convnext": "convnext.encoder.stages"}
 
 
 def _whole(t: Any) -> Any:
@@ -209,54 +209,67 @@ def arch_name(arch: Arch) -> Optional[str]:
     return next((n for n, a in ZOO.items() if a is arch), None)
 
 
-def seq_len(arch: Arch) -> int:
-    """The tokens per example the layers see: SEQ for text; a ViT's patches and its class token."""
-    if arch.inputs == "image":
-        return (TINY["image_size"] // TINY["patch_size"]) ** 2 + 1
-    return SEQ
+def activations(arch: Arch) -> dict[str, tuple[int, int]]:
+    """{module name: (elements of its first input, of its output)} over the whole batch, from one forward on one
+    device: the sizes of the activations a textbook count moves (a ViT's tokens are its patches and class token, a
+    ConvNeXt's its pixels, which the config alone does not say)."""
+    model, batch = arch.build(), arch.batch()
+    sizes: dict = {}
+
+    def hook(name: str) -> Callable:
+        def note(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor):
+                sizes.setdefault(name, (first.numel(), out.numel()))
+        return note
+    for name, mod in model.named_modules():
+        if name:
+            mod.register_forward_hook(hook(name), with_kwargs=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(**batch)
+    return sizes
 
 
-def textbook_dp_tp(model: nn.Module, world: int, tokens: int) -> Optional[float]:
+def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
     """Bytes this rank of the (2, world/2) data x tensor mesh receives in a step by the textbook (Megatron's TP,
     DDP on the data axis): the data axis' all-reduce of each gradient shard this rank holds, 2(d-1)/d of it, and
-    on the tensor axis (t ranks) 2(t-1)/t of [tokens, features] per all-reduce: a row-parallel module's (and a
-    vocab-parallel embedding's) output in the forward, a column-parallel module's input gradient in the
-    backward, and (t-1)/t of a gathered column-parallel output ("colwise_rep") in the forward. `tokens`: this
-    data rank's rows times the sequence. None where the plan has a style this count does not know."""
+    on the tensor axis (t ranks) 2(t-1)/t of each all-reduced activation, this data rank's half of the batch's
+    (`acts`, from `activations`): a row-parallel module's (and a vocab-parallel embedding's) output in the forward,
+    a column-parallel module's input gradient in the backward, and (t-1)/t of a gathered column-parallel output
+    ("colwise_rep") in the forward. None where the plan has a style this count does not know."""
     d, t = 2, world // 2
+    size = next(model.parameters()).element_size()
     total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
                 for q in model.parameters() if q.requires_grad)
     modules = dict(model.named_modules())
     for key, style in gt.hf.model_tp_plan(model).items():
-        for name, mod in modules.items():
+        for name in modules:
             if gt.hf.generic_name(name) != key:
                 continue
-            w = mod.weight
-            out_f, in_f = w.shape[0], w.shape[1]
-            act = tokens * w.element_size()
+            x, y = (n / d * size for n in acts[name])
             if style == "colwise":
-                total += 2 * (t - 1) / t * act * in_f
+                total += 2 * (t - 1) / t * x
             elif style in ("colwise_rep", "colwise_gather_output"):
-                total += 2 * (t - 1) / t * act * in_f + (t - 1) / t * act * out_f
-            elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
-                total += 2 * (t - 1) / t * act * out_f
-            elif style == "embedding_rowwise":
-                total += 2 * (t - 1) / t * act * in_f
+                total += 2 * (t - 1) / t * x + (t - 1) / t * y
+            elif style in ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+                total += 2 * (t - 1) / t * y
             else:
                 return None
     return total
 
 
-def textbook_pp(model: nn.Module, arch: Arch, microbatches: int) -> float:
-    """Bytes the last of two stages receives in a step by the textbook: per micro-batch, the activation the first
-    stage's last layer hands on, [rows, seq, hidden], and for a rotary model the position embeddings' cos and
-    sin, [1, seq, head_dim] each, that the first stage computed (the first stage receives the activation's
-    gradient, as many bytes)."""
-    cfg, size = model.config, next(model.parameters()).element_size()
-    total = BATCH * seq_len(arch) * cfg.hidden_size * size
-    if any(n.endswith("rotary_emb") for n, _ in model.named_modules()):
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        total += microbatches * 2 * seq_len(arch) * head_dim * size
+def textbook_pp(model: nn.Module, layers: str, acts: dict, microbatches: int) -> float:
+    """Bytes the last of two stages receives in a step by the textbook: the output of the first stage's last layer
+    (of the nn.ModuleList `layers`, cut in halves), every micro-batch's, and for a rotary model the position
+    embeddings' cos and sin that the first stage computed, [1, seq, head_dim] each per micro-batch (`acts`, from
+    `activations`: the whole batch's sizes, the rotary module's output per example). The first stage receives the
+    activation's gradient, as many bytes less the cos and sin."""
+    size = next(model.parameters()).element_size()
+    n = len(dict(model.named_modules())[layers])
+    total = acts[f"{layers}.{n // 2 - 1}"][1] * size
+    total += sum(microbatches * 2 * y * size for name, (_, y) in acts.items() if name.endswith("rotary_emb"))
     return total
 
 
@@ -266,6 +279,14 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
     micro-batches; each parameter's gradient and value from the rank holding it. `microbatches` (one device):
     the batch cut as the pipeline cuts it (`tensor_split`), each piece's loss weighted by its share and its
     gradients accumulated in order, as the pipeline's stages sum them: the same sums in the same order."""
+    acts = activations(arch) if strategy in ("dp_tp", "pp") else {}
+    layers = PP_LAYERS.get(arch_name(arch)) if strategy == "pp" else None
+    if strategy == "pp" and layers is None:
+        built = arch.build()
+        prefix = built.base_model_prefix
+        layers = next(f"{prefix}.{k}" for k in built.config.base_model_pp_plan
+                      if isinstance(dict(built.named_modules()).get(f"{prefix}.{k}"), nn.ModuleList))
+
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
@@ -314,10 +335,10 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             out["collectives"] = len(log.events)
             out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
             if strategy == "dp_tp":
-                tp = textbook_dp_tp(model, world, BATCH // 2 * seq_len(arch))
+                tp = textbook_dp_tp(model, world, acts)
                 out["textbook_dp_tp"] = None if tp is None else steps * tp
             if strategy == "pp":
-                out["textbook_pp"] = steps * textbook_pp(model, arch, 2)
+                out["textbook_pp"] = steps * textbook_pp(model, layers, acts, 2)
         return out
     if strategy is None:
         with warnings.catch_warnings():
