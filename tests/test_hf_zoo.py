@@ -29,8 +29,6 @@ LOSS_BYTES = 64  # the loss's scalar (and a count beside it) all-reduced: a few 
 FALLS_BACK = {
     "llama4": {"aten.repeat.default"},
     "mamba": {"aten.convolution.default", "aten.convolution_backward.default"},
-    "dinov2": {"aten.convolution.default", "aten.convolution_backward.default"},
-    "convnext": {"aten.convolution.default", "aten.convolution_backward.default"},
     "resnet": {"aten.convolution.default", "aten.convolution_backward.default", "aten.max_pool2d_with_indices.default",
                "aten.max_pool2d_with_indices_backward.default"},
     "whisper": {"aten.convolution.default", "aten.convolution_backward.default"},
