@@ -248,6 +248,8 @@ def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
         for name in modules:
             if gt.hf.generic_name(name) != key:
                 continue
+            if name not in acts:
+                return None  # a planned module that took or gave no single tensor: not this count's
             x, y = (n / d * size for n in acts[name])
             if style == "colwise":
                 total += 2 * (t - 1) / t * x
