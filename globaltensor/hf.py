@@ -188,8 +188,8 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement], sbp: Optional[S
     layers, the order the modules were registered in (`named_modules()`, which transformers' models keep in
     forward order) says it: a module with parameters registered before the layers (the embeddings) goes to
     the first stage, one after them (the final norm, the head) to the last; buffer-only ones as above. A
-    module registered out of its forward order costs messages (its stage is visited out of turn), never a
-    value: the stages still compute the one global program.
+    module registered out of its forward order lands on a stage out of turn, which `gt.Pipeline` refuses,
+    naming the order the stages are visited in: add its entry to the plan yourself.
     A tied weight used on two stages (an LM head tied to the embedding) is stored on the stage of its
     first name and used on the other's by a `ModuleLayout(params=gt.Layout(stage, ...))` on the module
     that reads it there: its value sent at that module's forward, its gradient sent back and summed.
