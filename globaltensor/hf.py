@@ -23,7 +23,22 @@ from .parallel.module import ModuleLayout
 from .placement import Placement
 from .sbp import Broadcast, SbpLike, Split
 
-__all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name"]
+__all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name", "BASE_TP_PLANS"]
+
+# Megatron plans, in `config.base_model_tp_plan`'s form (keys relative to the base model), for architectures whose
+# transformers classes ship none, by `config.model_type`: each attention's query, key and value projections
+# column-parallel (heads split), its output projection row-parallel, the MLP's first linear column-parallel and
+# its second row-parallel, as the decoders' own plans write it. The embeddings, norms and heads stay whole.
+BASE_TP_PLANS: dict[str, dict[str, str]] = {
+    "vit": {  # ViTModel (transformers 5: `layers.N.attention.{q,k,v,o}_proj`, `layers.N.mlp.fc{1,2}`)
+        "layers.*.attention.q_proj": "colwise", "layers.*.attention.k_proj": "colwise",
+        "layers.*.attention.v_proj": "colwise", "layers.*.attention.o_proj": "rowwise",
+        "layers.*.mlp.fc1": "colwise", "layers.*.mlp.fc2": "rowwise",
+    },
+    "convnext": {  # ConvNextModel: each block's pointwise MLP (channels last: [batch, height, width, channels])
+        "encoder.stages.*.layers.*.pwconv1": "colwise", "encoder.stages.*.layers.*.pwconv2": "rowwise",
+    },
+}
 
 # styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)
 _UNSUPPORTED = {
@@ -41,13 +56,15 @@ def generic_name(name: str) -> str:
 
 def model_tp_plan(model: torch.nn.Module) -> dict[str, str]:
     """The transformers TP plan of `model`, keys relative to `model`: its `_tp_plan` (a built model's,
-    base-model keys already prefixed), else its config's `base_model_tp_plan` under the base model's
-    prefix when `model` wraps the base model (LlamaForCausalLM's "model.")."""
+    base-model keys already prefixed), else its config's `base_model_tp_plan`, else `BASE_TP_PLANS`'
+    entry for its `config.model_type` (an architecture that ships none), under the base model's prefix
+    when `model` wraps the base model (LlamaForCausalLM's "model.", ViTForImageClassification's "vit.")."""
     plan = getattr(model, "_tp_plan", None)
     if plan:
         return dict(plan)
     config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    base = dict(getattr(config, "base_model_tp_plan", None)
+                or BASE_TP_PLANS.get(getattr(config, "model_type", None), {}))
     prefix = getattr(model, "base_model_prefix", "")
     if base and prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
         base = {f"{prefix}.{k}": v for k, v in base.items()}
@@ -56,8 +73,8 @@ def model_tp_plan(model: torch.nn.Module) -> dict[str, str]:
 
 def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
             plan: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
-    """The model's transformers TP plan (or `plan`, keys relative to `model`) as our module plan on mesh
-    axis `axis` of an `ndim`-axis mesh (default `axis + 1`): parameter SBPs are Broadcast, and
+    """The model's transformers TP plan (`model_tp_plan`; or `plan`, keys relative to `model`) as our module
+    plan on mesh axis `axis` of an `ndim`-axis mesh (default `axis + 1`): parameter SBPs are Broadcast, and
     ModuleLayout entries None, on the other axes, so a data axis is left to the batch's layout.
 
     Styles (nn.Linear weight [out, in]; nn.Embedding weight [vocab, dim]):
@@ -94,7 +111,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     source = dict(plan) if plan is not None else model_tp_plan(model)
     if not source:
         raise ValueError(f"gt.hf.tp_plan: {type(model).__name__} ships no TP plan (no `_tp_plan`, no "
-                         "`config.base_model_tp_plan`); pass plan={pattern: style}")
+                         "`config.base_model_tp_plan`, no entry in gt.hf.BASE_TP_PLANS for its model_type); pass "
+                         "plan={pattern: style}, keys relative to the model")
 
     def on_axis(s: Any) -> tuple:
         return tuple(s if a == axis else Broadcast() for a in range(ndim))
@@ -151,8 +169,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     return out
 
 
-def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
-            sbp: Optional[SbpLike] = None) -> dict[str, Any]:
+def pp_plan(model: torch.nn.Module, stages: Sequence[Placement], sbp: Optional[SbpLike] = None,
+            layers: Optional[str] = None) -> dict[str, Any]:
     """The model's transformers pipeline plan (`config.base_model_pp_plan`) cut into `stages`: a plan
     for `gt.to_global(model, stages[0], plan)` placing every parameter and buffer on one stage, for
     `gt.Pipeline`.
@@ -165,6 +183,13 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
     module that holds buffers but no parameters (the rotary embedding's frequencies, which the forward
     reads before the first layer) goes to the first stage, everything else (the LM head) to the last.
     `sbp`: the layout on each stage (default Broadcast; e.g. a data axis split of a 2-D stage).
+    `layers`: the name of the nn.ModuleList to cut (ViT's "vit.layers", BERT's "bert.encoder.layer"), for a
+    model whose config has no pp plan (or instead of it). Without a plan that says what runs before the
+    layers, the order the modules were registered in (`named_modules()`, which transformers' models keep in
+    forward order) says it: a module with parameters registered before the layers (the embeddings) goes to
+    the first stage, one after them (the final norm, the head) to the last; buffer-only ones as above. A
+    module registered out of its forward order lands on a stage out of turn, which `gt.Pipeline` refuses,
+    naming the order the stages are visited in: add its entry to the plan yourself.
     A tied weight used on two stages (an LM head tied to the embedding) is stored on the stage of its
     first name and used on the other's by a `ModuleLayout(params=gt.Layout(stage, ...))` on the module
     that reads it there: its value sent at that module's forward, its gradient sent back and summed.
@@ -172,43 +197,68 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
     stages = list(stages)
     if len(stages) < 2:
         raise ValueError(f"gt.hf.pp_plan(stages): give at least two stage placements, got {len(stages)}")
-    config = getattr(model, "config", None)
-    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    if not base_plan:
-        raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s config has no `base_model_pp_plan`; lay its "
-                         "modules on stages yourself ({'pattern.*': gt.Layout(stage, sbp)})")
-    prefix = getattr(model, "base_model_prefix", "")
-    if not (prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)):
-        prefix = ""
 
     def on(stage: Placement) -> Layout:
         return Layout(stage, normalize_sbp(Broadcast() if sbp is None else sbp, stage.ndim, "gt.hf.pp_plan(sbp)"))
 
+    def holds(mod: torch.nn.Module, what: str) -> bool:
+        return any(True for _ in getattr(mod, what)())
+
     modules = dict(model.named_modules())
     plan: dict[str, Any] = {}
-    seen_repeated = False
-    for name in base_plan:
-        full = f"{prefix}.{name}" if prefix else name
-        mod = modules.get(full)
-        if mod is None:
-            continue
-        if not any(True for _ in mod.parameters()) and not any(True for _ in mod.buffers()):
-            continue  # holds nothing to place (a dropout)
-        if isinstance(mod, torch.nn.ModuleList):
-            n = len(mod)
-            for i in range(n):
-                plan[f"{full}.{i}.*"] = on(stages[i * len(stages) // n])
-            seen_repeated = True
-        else:
-            plan[f"{full}.*"] = on(stages[-1] if seen_repeated else stages[0])
-    if not seen_repeated:
-        raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s base_model_pp_plan {list(base_plan)} names no "
-                         "repeated module (nn.ModuleList) to cut into stages")
+
+    def cut(full: str, mod: torch.nn.Module) -> None:
+        n = len(mod)
+        for i in range(n):
+            plan[f"{full}.{i}.*"] = on(stages[i * len(stages) // n])
+
+    if layers is not None:
+        mod = modules.get(layers)
+        if not isinstance(mod, torch.nn.ModuleList) or not len(mod):
+            lists = [n for n, m in modules.items() if isinstance(m, torch.nn.ModuleList) and len(m)]
+            raise ValueError(f"gt.hf.pp_plan(layers={layers!r}): "
+                             f"{'no module of that name' if mod is None else 'not a non-empty nn.ModuleList'} in "
+                             f"{type(model).__name__}; its repeated modules: {lists}")
+        cut(layers, mod)
+        names = list(modules)
+        at = names.index(layers)
+        for name in names[:at]:
+            m = modules[name]
+            if (not name or layers.startswith(name + ".") or any(name.startswith(p.rstrip("*")) for p in plan)
+                    or not holds(m, "parameters")):
+                continue  # the root and the layers' parents (they hold the layers), or already placed, or no weights
+            plan[f"{name}.*"] = on(stages[0])
+    else:
+        config = getattr(model, "config", None)
+        base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
+        if not base_plan:
+            raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s config has no `base_model_pp_plan`; name its "
+                             "repeated layers (layers='...', an nn.ModuleList), or lay its modules on stages yourself "
+                             "({'pattern.*': gt.Layout(stage, sbp)})")
+        prefix = getattr(model, "base_model_prefix", "")
+        if not (prefix and isinstance(getattr(model, prefix, None), torch.nn.Module)):
+            prefix = ""
+        seen_repeated = False
+        for name in base_plan:
+            full = f"{prefix}.{name}" if prefix else name
+            mod = modules.get(full)
+            if mod is None:
+                continue
+            if not holds(mod, "parameters") and not holds(mod, "buffers"):
+                continue  # holds nothing to place (a dropout)
+            if isinstance(mod, torch.nn.ModuleList):
+                cut(full, mod)
+                seen_repeated = True
+            else:
+                plan[f"{full}.*"] = on(stages[-1] if seen_repeated else stages[0])
+        if not seen_repeated:
+            raise ValueError(f"gt.hf.pp_plan: {type(model).__name__}'s base_model_pp_plan {list(base_plan)} names no "
+                             "repeated module (nn.ModuleList) to cut into stages; name it (layers='...')")
     placed = [p.rstrip("*").rstrip(".") for p in plan]
     for name, mod in modules.items():
-        if not name or any(name == p or name.startswith(p + ".") for p in placed):
+        if not name or any(name == p or name.startswith(p + ".") or p.startswith(name + ".") for p in placed):
             continue
-        if any(True for _ in mod.buffers()) and not any(True for _ in mod.parameters()):
+        if holds(mod, "buffers") and not holds(mod, "parameters"):
             plan[f"{name}.*"] = on(stages[0])
             placed.append(name)
     plan["*"] = on(stages[-1])

@@ -46,10 +46,14 @@ def whole(func: Any, args: tuple, kwargs: dict) -> Any:
         metas = next((g for g in got if g is not None), None)
         if metas is None:  # the rank inside was at another collective: a pipeline stage's share of the schedule
             raise RuntimeError(
-                f"{func}: its output's shape is data-dependent, and the ranks outside its placement {placement} "
-                "cannot learn it here (inside a pipeline stage, the other stages run another part of the "
-                "schedule); compute it outside the pipeline's stages, or with a shape that does not depend on "
-                "values (transformers' MoE: the default grouped experts, not experts_implementation='eager')")
+                f"{func}: its output's shape is data-dependent, known only to the ranks of its placement "
+                f"{placement}, and a rank outside it runs this op here: a pipeline's rank outside a stage runs the "
+                "stage's module once on empty shards (its first step) to learn the layouts of its output and "
+                "gradients, while the stage's ranks run another part of the schedule, so no collective can tell "
+                "it the shape (nor a Python loop or branch over the values, as transformers' eager experts loop "
+                "over the experts hit); compute it outside the pipeline's stages, or with a shape that does not "
+                "depend on values (transformers' MoE: the default grouped experts, not "
+                "experts_implementation='eager')")
         if not inside:
             device = comm.device_for(placement.device_type)
             outs = [None if m is None else torch.empty((0,), dtype=m[1], device=device) for m in metas]

@@ -9,11 +9,9 @@ after the step (whole), the fallbacks and the bytes received.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -149,6 +147,8 @@ ZOO = {
 # decoders whose transformers class ships no TP plan, no pipeline plan
 NO_TP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm"}
 NO_PP_PLAN = {"gpt2", "opt", "bloom", "falcon", "mamba", "stablelm", "llama4"}
+# models without a pp plan, cut by naming their repeated layers (gt.hf.pp_plan(layers=))
+PP_LAYERS = {"vit": "vit.layers", "convnext": "convnext.encoder.stages"}
 
 
 def _whole(t: Any) -> Any:
@@ -207,17 +207,97 @@ def textbook(model: nn.Module, strategy: str, world: int) -> float:
     return total
 
 
-def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1) -> dict:
+def arch_name(arch: Arch) -> Optional[str]:
+    return next((n for n, a in ZOO.items() if a is arch), None)
+
+
+def activations(arch: Arch) -> dict[str, tuple[int, int]]:
+    """{module name: (elements of its first input, of its output)} over the whole batch, from one forward on one
+    device: the sizes of the activations a textbook count moves (a ViT's tokens are its patches and class token, a
+    ConvNeXt's its pixels, which the config alone does not say)."""
+    model, batch = arch.build(), arch.batch()
+    sizes: dict = {}
+
+    def hook(name: str) -> Callable:
+        def note(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(first, torch.Tensor) and isinstance(out, torch.Tensor):
+                sizes.setdefault(name, (first.numel(), out.numel()))
+        return note
+    for name, mod in model.named_modules():
+        if name:
+            mod.register_forward_hook(hook(name), with_kwargs=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(**batch)
+    return sizes
+
+
+def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
+    """Bytes this rank of the (2, world/2) data x tensor mesh receives in a step by the textbook (Megatron's TP,
+    DDP on the data axis): the data axis' all-reduce of each gradient shard this rank holds, 2(d-1)/d of it, and
+    on the tensor axis (t ranks) 2(t-1)/t of each all-reduced activation, this data rank's half of the batch's
+    (`acts`, from `activations`): a row-parallel module's (and a vocab-parallel embedding's) output in the forward,
+    a column-parallel module's input gradient in the backward, and (t-1)/t of a gathered column-parallel output
+    ("colwise_rep") in the forward. None where the plan has a style this count does not know."""
+    d, t = 2, world // 2
+    size = next(model.parameters()).element_size()
+    total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
+                for q in model.parameters() if q.requires_grad)
+    modules = dict(model.named_modules())
+    for key, style in gt.hf.model_tp_plan(model).items():
+        for name in modules:
+            if gt.hf.generic_name(name) != key:
+                continue
+            if name not in acts:
+                return None  # a planned module that took or gave no single tensor: not this count's
+            x, y = (n / d * size for n in acts[name])
+            if style == "colwise":
+                total += 2 * (t - 1) / t * x
+            elif style in ("colwise_rep", "colwise_gather_output"):
+                total += 2 * (t - 1) / t * x + (t - 1) / t * y
+            elif style in ("rowwise", "rowwise_rep", "rowwise_split_input", "embedding_rowwise"):
+                total += 2 * (t - 1) / t * y
+            else:
+                return None
+    return total
+
+
+def textbook_pp(model: nn.Module, layers: str, acts: dict, microbatches: int) -> float:
+    """Bytes the last of two stages receives in a step by the textbook: the output of the first stage's last layer
+    (of the nn.ModuleList `layers`, cut in halves), every micro-batch's, and for a rotary model the position
+    embeddings' cos and sin that the first stage computed, [1, seq, head_dim] each per micro-batch (`acts`, from
+    `activations`: the whole batch's sizes, the rotary module's output per example). The first stage receives the
+    activation's gradient, as many bytes less the cos and sin."""
+    size = next(model.parameters()).element_size()
+    n = len(dict(model.named_modules())[layers])
+    total = acts[f"{layers}.{n // 2 - 1}"][1] * size
+    total += sum(microbatches * 2 * y * size for name, (_, y) in acts.items() if name.endswith("rotary_emb"))
+    return total
+
+
+def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1, microbatches: int = 1) -> dict:
     """`steps` training steps (the gradients and loss of the last, the parameters after it); on one device when
     `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages, `gt.Pipeline` of 1F1B over 2
-    micro-batches; each parameter's gradient and value from the rank holding it."""
+    micro-batches; each parameter's gradient and value from the rank holding it. `microbatches` (one device):
+    the batch cut as the pipeline cuts it (`tensor_split`), each piece's loss weighted by its share and its
+    gradients accumulated in order, as the pipeline's stages sum them: the same sums in the same order."""
+    acts = activations(arch) if strategy in ("dp_tp", "pp") else {}
+    layers = PP_LAYERS.get(arch_name(arch)) if strategy == "pp" else None
+    if strategy == "pp" and layers is None:
+        built = arch.build()
+        prefix = built.base_model_prefix
+        layers = next(f"{prefix}.{k}" for k in built.config.base_model_pp_plan
+                      if isinstance(dict(built.named_modules()).get(f"{prefix}.{k}"), nn.ModuleList))
+
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
         pipe = None
         if strategy == "pp":
             stages = [gt.placement("cpu", [r]) for r in range(world)]
-            gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages))
+            gt.to_global(model, stages[0], gt.hf.pp_plan(model, stages, layers=PP_LAYERS.get(arch_name(arch))))
             pipe = gt.Pipeline(model, microbatches=2, schedule="1f1b")
             gt.reset_stats()
         elif strategy is not None:
@@ -233,6 +313,13 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
                     opt.zero_grad()
                 if pipe is not None:
                     loss, res = pipe.step(**batch), None
+                elif microbatches > 1:
+                    n = len(next(iter(batch.values())))
+                    loss, res = 0.0, None
+                    for rows in torch.arange(n).tensor_split(microbatches):
+                        part = model(**{k: v[rows] for k, v in batch.items()}).loss * (len(rows) / n)
+                        part.backward()
+                        loss = loss + part.detach()
                 else:
                     res = model(**batch)
                     loss = res.loss
@@ -251,6 +338,11 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
             out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
+            if strategy == "dp_tp":
+                tp = textbook_dp_tp(model, world, acts)
+                out["textbook_dp_tp"] = None if tp is None else steps * tp
+            if strategy == "pp":
+                out["textbook_pp"] = steps * textbook_pp(model, layers, acts, 2)
         return out
     if strategy is None:
         with warnings.catch_warnings():
