@@ -84,10 +84,11 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
     losses, rep = [], None
     if resume:  # the last complete checkpoint, whatever mesh saved it: model and AdamW state reshard on load
         last = gtc.latest(resume)
-        if last is None:
-            raise FileNotFoundError(f"--resume {resume}: no complete checkpoint under it")
-        start = gtc.load_training(last, model, opt)
-        lines.append(f"resumed from {last} at step {start}")
+        if last is None:  # a job's first start: one command line starts it and restarts it (torchrun --max-restarts)
+            lines.append(f"--resume {resume}: no complete checkpoint yet; starting at step 0")
+        else:
+            start = gtc.load_training(last, model, opt)
+            lines.append(f"resumed from {last} at step {start}")
     for step in range(start, steps):
         t0 = time.perf_counter()
         with gt.comm_log() as log, (gt.comm_report(model) if step == steps - 1 else _nothing()) as last:
@@ -159,7 +160,8 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the placement's device type")
     ap.add_argument("--save", metavar="DIR", help="checkpoint (torch.distributed.checkpoint) into DIR/step-N")
     ap.add_argument("--save-every", type=int, default=0, metavar="N", help="also every N steps (default: at the end)")
-    ap.add_argument("--resume", metavar="DIR", help="continue from the last complete checkpoint under DIR")
+    ap.add_argument("--resume", metavar="DIR", help="continue from the last complete checkpoint under DIR (from step 0 "
+                    "where there is none yet)")
     ap.add_argument("--check", action="store_true", help="also train on one device and print the difference")
     ap.add_argument("--report", action="store_true", help="print the last step's per-module communication report")
     ap.add_argument("--trace", metavar="FILE", help="write the last step's chrome trace (all ranks) to FILE")

@@ -49,6 +49,11 @@ def _explain(watch: CollectiveWatch | None) -> str:
         return ""
 
 
+def _destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class TorchDistCommunicator(Communicator):
     def __init__(self) -> None:
         super().__init__()
@@ -92,7 +97,8 @@ class TorchDistCommunicator(Communicator):
     @classmethod
     def from_environment(cls) -> "TorchDistCommunicator":
         """Use an initialised default group, or create one from torchrun's environment."""
-        if not dist.is_initialized():
+        created = not dist.is_initialized()
+        if created:
             backend = "nccl" if torch.cuda.is_available() and os.environ.get("GT_BACKEND") != "gloo" else "gloo"
             backend = os.environ.get("GT_BACKEND", backend)
             if backend == "nccl":
@@ -100,6 +106,11 @@ class TorchDistCommunicator(Communicator):
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=default_timeout()))
         comm = cls()
         comm.watch_collectives()
+        if created:
+            # the group made here is ended here (after `finish`: atexit runs last-registered first); one left to the
+            # interpreter's teardown made about one torchrun run in five exit 1 after training (a gloo worker
+            # aborting with "terminate called without an active exception")
+            atexit.register(_destroy)
         atexit.register(comm.finish)
         return comm
 
