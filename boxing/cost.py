@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..layout import Layout
+from ..runtime.topology import Topology
 from .boxes import intersect, numel
 
 Cost = tuple[int, int, int, int]
@@ -20,9 +21,38 @@ ZERO: Cost = (0, 0, 0, 0)
 
 
 def step_cost(step) -> Cost:
+    """A byte that crosses nodes counts `across_cost` bytes of the placement's topology (`runtime/topology.py`)."""
     if step.axis is not None and step.src.placement.shape[step.axis] == 1:
         return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the route drops it)
-    return (step.bytes, step.latency, int(step.axis is None and step.latency > 0), 1)
+    topology = step.src.placement.topology
+    inside, across = link_bytes(step, topology)
+    return (inside + topology.across_cost * across, step.latency, int(step.axis is None and step.latency > 0), 1)
+
+
+def link_bytes(step, topology: Topology) -> tuple[int, int]:
+    """(bytes received inside nodes, bytes received across them) by all ranks in `step`. A collective whose
+    group spans nodes is bound by its links between them: all its bytes count across. A point-to-point
+    exchange counts each message by its two ends (a rank's bytes shared out by the elements of its messages)."""
+    if topology.ranks_per_node is None:
+        return step.bytes, 0
+    if step.axis is not None:
+        inside = across = 0
+        for group in step.src.placement.axis_groups(step.axis):
+            got = sum(step.recv_bytes[r] for r in group)
+            if topology.crosses(group):
+                across += got
+            else:
+                inside += got
+        return inside, across
+    across = 0
+    for r, ex in step.exchanges:
+        far = sum(numel(b) for q, boxes in ex.recvs for b in boxes if topology.node(q) != topology.node(r))
+        far += sum(n for group, src, _, n in ex.bcasts if src != r and topology.crosses(group))
+        total = sum(numel(b) for _, boxes in ex.recvs for b in boxes) + sum(n for _, src, _, n in ex.bcasts
+                                                                             if src != r)
+        if far and total:
+            across += step.recv_bytes[r] * far // total
+    return step.bytes - across, across
 
 
 def add(a: Cost, b: Cost) -> Cost:

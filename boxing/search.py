@@ -43,7 +43,8 @@ def check(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:
 
 
 def route(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> Route:
-    """The cheapest route converting `src` to `dst` for a global `shape` and `dtype` (cached)."""
+    """The cheapest route converting `src` to `dst` for a global `shape` and `dtype` (cached). On a placement
+    whose ranks span nodes a byte between nodes is priced `Topology.across_cost` bytes (`runtime/topology.py`)."""
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError("boxing.route(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
     return _route(src, dst, tuple(map(int, shape)), dtype)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .runtime.context import current_or_none
+from .runtime.topology import ONE_NODE, Topology
 
 DEVICE_TYPES = ("cpu", "cuda")
 
@@ -44,12 +45,15 @@ class Placement:
     device_type: str
     shape: tuple[int, ...]
     flat_ranks: tuple[int, ...]
+    # which of the job's ranks share a node (runtime/topology.py): the job's, taken when the placement is made;
+    # part of its identity, so every cache keyed by placements (routes, decisions) is keyed by it too
+    topology: Topology = ONE_NODE
     _coords: dict = field(init=False, repr=False, compare=False, hash=False)
     _groups: tuple = field(init=False, repr=False, compare=False, hash=False)
     _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.device_type, self.shape, self.flat_ranks)))
+        object.__setattr__(self, "_hash", hash((self.device_type, self.shape, self.flat_ranks, self.topology)))
         coords: dict[int, tuple[int, ...]] = {}
         strides = [1] * len(self.shape)
         for a in range(len(self.shape) - 2, -1, -1):
@@ -71,13 +75,14 @@ class Placement:
         return self._hash
 
     def __reduce__(self):  # str hashes differ between processes: rebuild, never pickle _hash
-        return (Placement, (self.device_type, self.shape, self.flat_ranks))
+        return (load_placement, (self.device_type, self.shape, self.flat_ranks))
 
     def __eq__(self, other: object) -> bool:
         if self is other:
             return True
         return (isinstance(other, Placement) and self._hash == other._hash and self.device_type == other.device_type
-                and self.shape == other.shape and self.flat_ranks == other.flat_ranks)
+                and self.shape == other.shape and self.flat_ranks == other.flat_ranks
+                and self.topology == other.topology)
 
     @property
     def ndim(self) -> int:
@@ -128,6 +133,13 @@ class Placement:
         return f"placement({self.device_type!r}, {self.ranks})"
 
 
+def load_placement(device_type: str, shape: tuple, flat_ranks: tuple) -> Placement:
+    """A placement loaded (torch.load, a checkpoint): the job that loads it says which ranks share a node,
+    not the one that saved it."""
+    comm = current_or_none()
+    return Placement(device_type, shape, flat_ranks, ONE_NODE if comm is None else comm.topology)
+
+
 def placement(device_type: str, ranks: Sequence[int] | Sequence[Sequence[Any]]) -> Placement:
     """`placement("cpu", [[0, 1], [2, 3]])` is a 2x2 mesh over ranks 0-3.
 
@@ -149,7 +161,7 @@ def placement(device_type: str, ranks: Sequence[int] | Sequence[Sequence[Any]]) 
     if any(s == 0 for s in shape):
         raise ValueError(f"placement(ranks): mesh shape {shape} has an empty axis")
     comm = current_or_none()
-    p = Placement(device_type, shape, flat)
+    p = Placement(device_type, shape, flat, ONE_NODE if comm is None else comm.topology)
     if comm is not None:
         p.check_world(comm.world_size)
     return p

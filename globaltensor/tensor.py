@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from .layout import Layout, normalize_sbp, slice_box, take_ranges
-from .placement import Placement
+from .placement import Placement, load_placement
 from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
@@ -333,8 +333,8 @@ def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requi
 
 
 # torch.load(weights_only=True) may rebuild what a saved GlobalTensor names, with nothing for users to allow
-torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout, Placement, Split, Broadcast,
-                                      Partial, ZigzagTensor, Zigzag])
+torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout, Placement, load_placement, Split,
+                                      Broadcast, Partial, ZigzagTensor, Zigzag])
 
 
 class _Target(NamedTuple):

@@ -29,5 +29,5 @@ def move_device(func: Any, args: tuple, kwargs: dict) -> Any:
     if kind not in DEVICE_TYPES:
         raise ValueError(f"to(device): a GlobalTensor's placement has one of the device types {DEVICE_TYPES}, "
                          f"got {kind!r}")
-    moved = Placement(kind, p.shape, p.flat_ranks)
+    moved = Placement(kind, p.shape, p.flat_ranks, p.topology)
     return type(x)(func(x._local, *args[1:], **kwargs), Layout(moved, x._layout.sbp), tuple(x.shape))

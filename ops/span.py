@@ -75,4 +75,4 @@ def _spanning(func: Any, tensors: list, cls: type) -> Placement:
         raise ValueError(f"{func}: scalar inputs live on placements of different device types {sorted(kinds)}; "
                          "move them to one device type with x.to_global(placement, sbp) first")
     ranks = sorted({r for p in places for r in p.flat_ranks})
-    return Placement(places[0].device_type, (len(ranks),), tuple(ranks))
+    return Placement(places[0].device_type, (len(ranks),), tuple(ranks), places[0].topology)

@@ -17,6 +17,7 @@ from typing import Callable, Any, Sequence
 import torch
 
 from ..sbp import split_sizes
+from .topology import ONE_NODE
 from .trace import FLAGS as _TRACING, STATE as _TRACE
 
 Group = tuple  # of int ranks, in mesh order
@@ -27,6 +28,7 @@ class CommEvent:
     kind: str
     group: tuple[int, ...]
     recv_bytes: int
+    across: bool = False  # its group spans nodes (runtime/topology.py)
 
 
 @dataclass
@@ -36,6 +38,13 @@ class CommLog:
     @property
     def recv_bytes(self) -> int:
         return sum(e.recv_bytes for e in self.events)
+
+    def by_link(self) -> dict[str, int]:
+        """Bytes received in collectives whose group spans nodes ("across") and in the rest ("inside")."""
+        out = {"inside": 0, "across": 0}
+        for e in self.events:
+            out["across" if e.across else "inside"] += e.recv_bytes
+        return out
 
     def add(self, event: CommEvent) -> None:
         """Called by the communicator for each collective; a report's log also notes why (report.py)."""
@@ -86,6 +95,7 @@ class Communicator:
 
     def __init__(self) -> None:
         self._logs: list[CommLog] = []
+        self.topology = ONE_NODE  # which ranks share a node (runtime/topology.py)
         self._scratch: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> buffer
         # point-to-point matching (pipelines): messages between two ranks are matched by tag, in program
         # order within a tag, never by arrival; with `p2p_async` a send returns at once (`flush_sends` waits)
@@ -112,7 +122,7 @@ class Communicator:
     # -- accounting -------------------------------------------------------
     def _record(self, kind: str, group: Group, recv_bytes: int) -> None:
         if self._logs:
-            ev = CommEvent(kind, tuple(group), int(recv_bytes))
+            ev = CommEvent(kind, tuple(group), int(recv_bytes), self.topology.crosses(group))
             for log in self._logs:
                 log.add(ev)
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from .comm import Communicator
 from .failure import CollectiveError, default_timeout
+from .topology import Topology
 from .watch import CollectiveWatch, enabled as _watch_enabled, exit_with
 
 # torch >= 2.12 renamed the single-tensor collectives; keep older torch working
@@ -70,6 +71,7 @@ class TorchDistCommunicator(Communicator):
         self._a2a_args: dict[tuple, tuple] = {}
         self._in_flight: list = []  # (work, tensor) of asynchronous sends (p2p_async)
         self._watch: CollectiveWatch | None = None
+        self.topology = Topology.from_environment()
 
     def watch_collectives(self, fail=exit_with) -> None:
         """Name a mismatched collective within seconds instead of waiting out the timeout (`runtime/watch.py`).

@@ -26,14 +26,19 @@ import torch.multiprocessing as mp
 from . import context
 from .dist import TorchDistCommunicator
 from .failure import CollectiveError, RankError, default_timeout, raise_rank_failure
+from .topology import Topology
 from .sim import SimCommunicator, SimWorld
 
 BACKENDS = ("sim", "gloo", "nccl")
 
 
 def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence = (),
-           timeout: float | None = None) -> list[Any]:
-    """Run `fn(*args)` on `world_size` ranks; returns [result of rank 0, rank 1, ...]."""
+           timeout: float | None = None, ranks_per_node: int | None = None) -> list[Any]:
+    """Run `fn(*args)` on `world_size` ranks; returns [result of rank 0, rank 1, ...].
+
+    `ranks_per_node` (the simulator): model ranks k*G .. k*G + G - 1 as node k (`runtime/topology.py`), so the
+    planner prices bytes between nodes dearer and `gt.comm_log()` tells them apart; processes on this machine
+    are one node (torchrun says how many workers each node has)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"launch(world_size): must be a positive int, got {world_size!r}")
     if backend not in BACKENDS:
@@ -56,7 +61,10 @@ def launch(fn: Callable, world_size: int, backend: str = "sim", args: Sequence =
                           f"({os.environ['WORLD_SIZE']} x {world_size} ranks in all, none talking to the others). "
                           "Under torchrun call the program directly: "
                           "`program() if 'RANK' in os.environ else gt.launch(program, n)`", stacklevel=2)
-        return SimWorld(world_size, timeout).run(_as_current(fn, tuple(args)))
+        return SimWorld(world_size, timeout, topology=Topology(ranks_per_node)).run(_as_current(fn, tuple(args)))
+    if ranks_per_node is not None:
+        raise ValueError(f"launch(ranks_per_node={ranks_per_node}): models nodes in the simulator only; processes "
+                         "that gt.launch spawns share this machine (run torchrun per node, or set GT_RANKS_PER_NODE)")
     _check_spawnable(fn, tuple(args), backend)
     if backend == "nccl":
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:

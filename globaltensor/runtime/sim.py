@@ -23,6 +23,7 @@ import torch
 
 from .comm import Communicator
 from .failure import CollectiveError, default_timeout, raise_rank_failure
+from .topology import ONE_NODE, Topology
 
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -81,8 +82,10 @@ def _complete(rv: _Rendezvous) -> None:
 
 
 class SimWorld:
-    def __init__(self, world_size: int, timeout: float | None = None, device: str = "cpu") -> None:
+    def __init__(self, world_size: int, timeout: float | None = None, device: str = "cpu",
+                 topology: Topology = ONE_NODE) -> None:
         self.world_size = world_size
+        self.topology = topology
         self.timeout = default_timeout() if timeout is None else timeout
         self.device = torch.device(device)
         self.cond = threading.Condition()
@@ -251,6 +254,7 @@ class SimCommunicator(Communicator):
     def __init__(self, world: SimWorld, rank: int) -> None:
         super().__init__()
         self.world, self.rank, self.world_size, self.device = world, rank, world.world_size, world.device
+        self.topology = world.topology
 
     def _all_gather(self, t, group, shapes):
         return self.world.collective(self.rank, "all_gather", group, (t.dtype, tuple(shapes)), t)
