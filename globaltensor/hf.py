@@ -28,7 +28,7 @@ __all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name"]
 # styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)
 _UNSUPPORTED = {
     "local_colwise", "local_rowwise", "local", "local_params", "isolated", "all_reduce",
-    "packed_colwise", "packed_rowwise", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert",
+    "packed_rowwise", "mla_kv_a_proj", "moe_identity_expert",
     "ep_router", "ep_dispatch_experts", "grouped_gemm",
 }
 
@@ -104,13 +104,25 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
 
     B, col, row = hint(Broadcast()), on_axis(Split(0)), on_axis(Split(1))
     modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
     out: dict[str, Any] = {}
     layouts: dict[str, Any] = {}
     for key, style in source.items():
         theirs = sorted(n for n in modules if generic_name(n) == key)
         ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
         if not theirs:
+            named = sorted(n for n in params if generic_name(n) == key)
+            if named:  # the key names parameters (an experts module's 3-D weights), not modules
+                dims = {params[n].dim() for n in named}
+                dim = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}.get(style)
+                if dim is None or len(dims) != 1:
+                    raise NotImplementedError(f"gt.hf.tp_plan: style {style!r} of parameter pattern {key!r} is not "
+                                              "mapped for parameters")
+                sbp = on_axis(Split(dim % dims.pop()))
+                if [n for n in params if fnmatch.fnmatchcase(n, key)] == named:
+                    out[key] = sbp
+                else:
+                    out.update({n: sbp for n in named})
             continue  # transformers also skips keys naming no module of this model
         # an fnmatch "*" also crosses dots: where the glob would reach other modules than transformers' rule
         # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves
@@ -121,7 +133,9 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                                       "behaviour this mapping does not reproduce exactly; give that entry "
                                       "yourself in the plan (plan=...) or drop it")
         weight = bias = layout = None
-        if style in ("colwise", "colwise_rep", "colwise_gather_output"):
+        if style == "moe_tp_experts":
+            layout = ModuleLayout(input=B, input_grad=B, output=B)
+        elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
             weight, bias = col, col
             layout = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
@@ -228,3 +242,4 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement],
 
 def _stage_of(name: str, plan: Mapping[str, Any]) -> Any:
     return next(v.placement for k, v in plan.items() if isinstance(v, Layout) and fnmatch.fnmatchcase(name, k))
+

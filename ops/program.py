@@ -97,7 +97,9 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     # a view op whose input had to change layout (a slice of a split dim) computes on a converted copy: its
     # outputs hold no view of the input's shards, so they are marked, and so are views of them (`refuse_cut`)
     view = func.is_view and not inplace
-    cuts = view and (any(k == 0 for k, _ in work) or (rule is not None and rule.unaliased))
+    unaliased = rule is not None and (rule.unaliased(dec.ctx, targets, out_layouts) if callable(rule.unaliased)
+                                      else rule.unaliased)
+    cuts = view and (any(k == 0 for k, _ in work) or unaliased)
 
     def program(args: tuple, kwargs: dict) -> Any:
         tensors = tensors_of(args, kwargs) if needs_tensors else None

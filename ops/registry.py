@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -93,8 +93,9 @@ class Rule:
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
     # a view op whose kernel computes into new memory (a conjugate resolved into the shard): its outputs alias
-    # nothing, so a write into them is refused as into any cut view (`ops/program.refuse_cut`)
-    unaliased: bool = False
+    # nothing, so a write into them is refused as into any cut view (`ops/program.refuse_cut`); or, as
+    # plain_when, a function of (ctx, input layouts, output layouts): under those layouts (a recut, `ops/view.py`)
+    unaliased: Union[bool, Callable[[Ctx, tuple, tuple], bool]] = False
     # an input the op had converted keeps the converted shard and layout, where it is an intermediate
     # (autograd non-leaf): what autograd saved for the backward is then what the kernel used, so the backward
     # does not convert it again (Ulysses' q, k, v). For ops whose outputs do not alias their inputs
