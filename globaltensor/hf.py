@@ -25,11 +25,19 @@ from .sbp import Broadcast, SbpLike, Split
 
 __all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name"]
 
-# styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)
+# styles that have no exact global meaning here (local per-rank semantics, a fused projection's own kernel, an
+# identity expert pre-divided for a sum the global program does not make, expert parallelism's dispatch)
 _UNSUPPORTED = {
     "local_colwise", "local_rowwise", "local", "local_params", "isolated", "all_reduce",
-    "packed_rowwise", "mla_kv_a_proj", "moe_identity_expert",
-    "ep_router", "ep_dispatch_experts", "grouped_gemm",
+    "mla_kv_a_proj", "moe_identity_expert", "ep_router", "ep_dispatch_experts", "grouped_gemm",
+}
+# a plan key that names a parameter (an experts module's [experts, out, in] weights): the dim each style splits,
+# as transformers' styles shard a parameter of that many dims (None: whole)
+_PARAM_DIM = {
+    "colwise": lambda nd: max(nd - 2, 0),
+    "packed_colwise": lambda nd: max(nd - 2, 0),
+    "rowwise": lambda nd: nd - 1,
+    "packed_rowwise": lambda nd: nd - 1 if nd > 1 else None,
 }
 
 
@@ -78,8 +86,27 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       whole; the output stays as computed (split), as transformers' `SequenceParallel(sequence_dim=1)`.
     - "gather": output gathered (`output=B`); "replicate", "replicated_with_grad_allreduce": whole
       weights (a Broadcast weight's gradient is already the whole sum here).
-    Others (local, packed, expert styles) raise NotImplementedError: they name
-    per-rank behaviour or fused layouts that this mapping does not reproduce.
+    Mixtures of experts (Mixtral, Qwen2-MoE, DeepSeek-V3, Llama 4: an experts module holding 3-D weights
+    [experts, out, in], which the plan names as parameters):
+    - "colwise" / "rowwise" of a parameter: split on its dim -2 / -1 (the expert's out / in), as transformers
+      shards a parameter.
+    - "packed_colwise" (gate_up_proj [experts, 2I, hidden]: gate and up packed on dim -2; a Linear's weight on
+      dim 0) and "packed_rowwise" (Llama 4's [experts, hidden, 2I], packed on dim -1): split on the packed dim,
+      one contiguous range per rank. transformers splits it strided instead (`_StridedShard`: each rank its
+      slice of gate and its slice of up), which an SBP has no word for. Exact either way; the difference is
+      bytes, at the forward's `gate, up = proj.chunk(2, -1)`: a rank's columns are gate's or up's, so each
+      half is recut to a split of its own I, each rank receiving the rows it lacks (`ops/view.py`: on 2 ranks
+      half of its [tokens x k, I / 2] of gate or of up, T*k*I/2 elements), and again at the backward's `cat`;
+      the strided layout moves nothing there. Against Megatron's all-reduce of the [T, hidden] activation,
+      2(n-1)/n*T*H per pass, that adds about k*I / ((n-1)*H) of it on n ranks (Mixtral 8x7B on 8: 1.0x).
+    - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
+      (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
+      all-reduced (`output=B`), as transformers' `MoeExpertsParallel`. The routing weights (the module's third
+      argument) are left to the dispatcher, which reduce-scatters their gradient over the tokens where
+      transformers all-reduces it (`_AllReduceBackward`): fewer bytes there, and the residual stream's
+      gradient then arrives split over the tokens at the module before (an all-gather of half of it on 2 ranks).
+    Others (local, fused-attention, identity-expert and expert-parallel styles) raise NotImplementedError: they
+    name per-rank behaviour that this mapping does not reproduce.
 
     Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
     the same modules as transformers' rule (a "*" there stands for a layer number only); where the glob
@@ -112,17 +139,14 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
         ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
         if not theirs:
             named = sorted(n for n in params if generic_name(n) == key)
-            if named:  # the key names parameters (an experts module's 3-D weights), not modules
-                dims = {params[n].dim() for n in named}
-                dim = {"colwise": -2, "packed_colwise": -2, "rowwise": -1}.get(style)
-                if dim is None or len(dims) != 1:
-                    raise NotImplementedError(f"gt.hf.tp_plan: style {style!r} of parameter pattern {key!r} is not "
-                                              "mapped for parameters")
-                sbp = on_axis(Split(dim % dims.pop()))
-                if [n for n in params if fnmatch.fnmatchcase(n, key)] == named:
-                    out[key] = sbp
-                else:
-                    out.update({n: sbp for n in named})
+            if named:  # the key names parameters (an experts module's 3-D weights [experts, out, in]), not modules
+                for n in named:
+                    dim = _PARAM_DIM.get(style)
+                    if dim is None:
+                        raise NotImplementedError(f"gt.hf.tp_plan: style {style!r} of parameter pattern {key!r} is "
+                                                  f"not mapped for a parameter (mapped: {sorted(_PARAM_DIM)})")
+                    split = dim(params[n].dim())
+                    out[n] = on_axis(Split(split)) if split is not None else on_axis(Broadcast())
             continue  # transformers also skips keys naming no module of this model
         # an fnmatch "*" also crosses dots: where the glob would reach other modules than transformers' rule
         # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves

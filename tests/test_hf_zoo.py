@@ -108,10 +108,10 @@ def test_zoo_equals_one_device(name: str, strategy: str) -> None:
 
 
 TP_ARCHS = [n for n, a in hf_zoo.ZOO.items() if a.inputs == "lm" and n not in hf_zoo.NO_TP_PLAN]
-# expert and multi-head latent attention styles: packed weights (gate and up interleaved per rank) that a
-# contiguous split does not lay out; gt.hf.tp_plan names them instead of guessing
-UNMAPPED_STYLES = {"llama4": "moe_tp_experts", "mixtral": "moe_tp_experts", "mixtral_eager": "moe_tp_experts", "qwen2_moe": "moe_tp_experts",
-                   "deepseek_v2": "mla_kv_a_proj", "deepseek_v3": "moe_tp_experts"}
+# multi-head latent attention's fused kv_a projection (its own per-rank kernel): gt.hf.tp_plan names it instead of
+# guessing. The experts' styles (packed_colwise, packed_rowwise, moe_tp_experts) are mapped: Mixtral, Qwen2-MoE,
+# DeepSeek-V3 and Llama 4 run under their own plans
+UNMAPPED_STYLES = {"deepseek_v2": "mla_kv_a_proj"}
 
 
 @pytest.mark.parametrize("strategy,world", [("tp", 2), ("dp_tp", 4)])
