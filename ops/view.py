@@ -1,8 +1,9 @@
 """View and shape ops: each is a map from input dims to output dims; a split travels along it.
 
-A dim that has no image (the sliced/selected/concatenated dim, or a reshape
-group whose split pieces would not line up) can only be taken Broadcast,
-which the dispatcher boxes to and counts; except that a dim split unevenly and
+A dim that has no image (the selected dim, or a reshape group whose split
+pieces would not line up) can only be taken Broadcast, which the dispatcher
+boxes to and counts; a sliced, split or concatenated dim may also keep its
+split, each rank receiving the rows its results lack (the recut, below); and a dim split unevenly and
 merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a multiple
 of the ranks) becomes a ragged split of the rows in units of S, no data moved
 (`uneven_merge`; the ragged tensor class builds it, `GlobalTensor.of_kind`). Views are linear, so P passes.
