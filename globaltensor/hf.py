@@ -21,7 +21,7 @@ import torch
 from .layout import Layout, normalize_sbp
 from .parallel.module import ModuleLayout
 from .placement import Placement
-from .sbp import Broadcast, SbpLike, Split
+from .sbp import Broadcast, Ragged, SbpLike, Split
 
 __all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name"]
 
@@ -101,7 +101,10 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       2(n-1)/n*T*H per pass, that adds about k*I / ((n-1)*H) of it on n ranks (Mixtral 8x7B on 8: 1.0x).
     - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
       (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
-      all-reduced (`output=B`), as transformers' `MoeExpertsParallel`. The routing weights (the module's third
+      all-reduced, as transformers' `MoeExpertsParallel`; on the other mesh axes the output's rows go back to
+      the cut the input's tokens arrived in (`gt.ragged(0)`: a data axis's split, or whole), since the experts'
+      sort of the whole batch's tokens leaves their sum Partial there, which the next layer would otherwise
+      reduce piecemeal. The routing weights (the module's third
       argument) are left to the dispatcher, which reduce-scatters their gradient over the tokens where
       transformers all-reduces it (`_AllReduceBackward`): fewer bytes there, and the residual stream's
       gradient then arrives split over the tokens at the module before (an all-gather of half of it on 2 ranks).
@@ -158,7 +161,10 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                                       "yourself in the plan (plan=...) or drop it")
         weight = bias = layout = None
         if style == "moe_tp_experts":
-            layout = ModuleLayout(input=B, input_grad=B, output=B)
+            # the output's rows handed back in the tokens' cut the input arrived in on the other axes: transformers'
+            # experts sort the whole batch's tokens by expert, which leaves their sum Partial over a data axis
+            layout = ModuleLayout(input=B, input_grad=B,
+                                  output=tuple(Broadcast() if a == axis else Ragged(0) for a in range(ndim)))
         elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
             weight, bias = col, col
             layout = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
