@@ -245,3 +245,22 @@ def test_mixtral_tensor_parallel_bytes_against_megatron():
     assert want["total"] == 364_544
     qkv, packed, router = 131_072, 196_608, -1_024 + 65_536 + 1_280
     assert got["recv_bytes"] == want["total"] + qkv + packed + router == 758_016, got["recv_bytes"]
+
+
+def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
+    """HF Mixtral on 2x2 (data x tensor) from its own plan, one AdamW step: equal to one device with no fallback
+    (test_zoo_tensor_parallel_from_the_models_plan), and its bytes counted against Megatron on each data rank's
+    128 tokens plus DDP's all-reduce of each rank's 23,968 gradient elements (278,144 B: 182,272 of TP,
+    95,872 of DDP). Measured 1,288,036 B (4.63x): on the tensor axis 575,712 (the pure-TP gaps of
+    test_mixtral_tensor_parallel_bytes_against_megatron, and more: inside the experts the sorted rows are cut
+    over the data axis, so the recut and the products meet Partial rows there), on the data axis 712,324: the
+    gradient buckets 144,832 (DDP's 95,872 of it), the router's and norms' 4,288, and the experts 563,200:
+    transformers' experts sort the whole batch's tokens by expert
+    (`torch.sort` of every routing choice) and index them back, a program that moves tokens between data ranks
+    where Megatron's DP x TP runs each data rank's own sort (the zoo's `_MOE` note; a hint that a module is
+    row-local would let it run on the local rows)."""
+    got = hf_zoo.step(hf_zoo.ZOO["mixtral"], "dp_tp", 4)
+    assert not got["fallback"]
+    want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2, dp=2, shard_elems=23_968)
+    assert want["total"] == 278_144 and want["ddp"] == 95_872
+    assert got["recv_bytes"] == 1_288_036, got["recv_bytes"]
