@@ -95,21 +95,24 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       one contiguous range per rank. transformers splits it strided instead (`_StridedShard`: each rank its
       slice of gate and its slice of up), which an SBP has no word for. Exact either way; the difference is
       bytes, at the forward's `gate, up = proj.chunk(2, -1)`: a rank's columns are gate's or up's, so each
-      half is recut to a split of its own I, each rank receiving the rows it lacks (`ops/view.py`: on 2 ranks
-      half of its [tokens x k, I / 2] of gate or of up, T*k*I/2 elements), and again at the backward's `cat`;
-      the strided layout moves nothing there. Against Megatron's all-reduce of the [T, hidden] activation,
-      2(n-1)/n*T*H per pass, that adds about k*I / ((n-1)*H) of it on n ranks (Mixtral 8x7B on 8: 1.0x).
+      half is recut to a split of its own I, each rank receiving the rows it lacks (`ops/view.py`), and again
+      at the backward's `cat`; the strided layout moves nothing there. With S = tokens x k routed rows, a rank
+      receives S*I/2 elements each time on 2 ranks (the other half is its own) and up to 2*S*I/n on n ranks:
+      against Megatron's all-reduce of the [T, hidden] activation, 2(n-1)/n*T*H, that adds about
+      k*I / ((n-1)*H) of it (half that on 2 ranks; Mixtral 8x7B on 8 ranks: 1.0x).
     - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
       (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
       all-reduced, as transformers' `MoeExpertsParallel`; on the other mesh axes the output's rows go back to
-      the cut the input's tokens arrived in (`gt.ragged(0)`: a data axis's split, or whole), since the experts'
-      sort of the whole batch's tokens leaves their sum Partial there, which the next layer would otherwise
-      reduce piecemeal. The routing weights (the module's third
-      argument) are left to the dispatcher, which reduce-scatters their gradient over the tokens where
-      transformers all-reduces it (`_AllReduceBackward`): fewer bytes there, and the residual stream's
-      gradient then arrives split over the tokens at the module before (an all-gather of half of it on 2 ranks).
-    Others (local, fused-attention, identity-expert and expert-parallel styles) raise NotImplementedError: they
-    name per-rank behaviour that this mapping does not reproduce.
+      the cut the input's tokens arrived in (`gt.ragged(0)`: a data axis's split, or whole), since the
+      experts' sort of the whole batch's tokens leaves their sum Partial there, which the next layer would
+      otherwise reduce piecemeal. The routing weights (the module's third argument) are left to the
+      dispatcher, which reduce-scatters their gradient over the tokens where transformers all-reduces it
+      (`_AllReduceBackward`): fewer bytes there, and the residual stream's gradient then arrives split over
+      the tokens at the module before (an all-gather of half of it on 2 ranks).
+    Others (local, fused-attention, identity-expert and expert-parallel styles: "ep_router", "grouped_gemm",
+    "ep_dispatch_experts") raise NotImplementedError: they name per-rank behaviour that this mapping does not
+    reproduce (expert parallelism's experts-split product gives each rank its experts' rows and zeros
+    elsewhere, a Partial the gate's activation would reduce whole, where those rows are a split by expert).
 
     Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
     the same modules as transformers' rule (a "*" there stands for a layer number only); where the glob
