@@ -16,6 +16,7 @@ bytes received per step, where those bytes go (forward, backward, optimizer step
 import argparse
 import contextlib
 import os
+import signal
 import time
 import warnings
 
@@ -68,7 +69,7 @@ def describe(mesh: tuple, p: gt.Placement, model: torch.nn.Module, backend: str)
 
 def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, resume: str | None = None,
          save_every: int = 0, check: bool = False, report: bool = False, backend: str = "sim",
-         trace: str | None = None) -> list:
+         trace: str | None = None, kill: tuple | None = None) -> list:
     warnings.simplefilter("ignore")  # fallback warnings are counted in gt.stats()
     cfg = CFG
     reference = one_device(steps) if check and gt.rank() == 0 else None
@@ -90,6 +91,8 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
             start = gtc.load_training(last, model, opt)
             lines.append(f"resumed from {last} at step {start}")
     for step in range(start, steps):
+        if kill == (gt.rank(), step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, as a node failure loses it: no exit handler runs
         t0 = time.perf_counter()
         with gt.comm_log() as log, (gt.comm_report(model) if step == steps - 1 else _nothing()) as last:
             _, loss = model(idx, tgt)
@@ -163,6 +166,8 @@ if __name__ == "__main__":
     ap.add_argument("--resume", metavar="DIR", help="continue from the last complete checkpoint under DIR (from step 0 "
                     "where there is none yet)")
     ap.add_argument("--check", action="store_true", help="also train on one device and print the difference")
+    ap.add_argument("--kill-rank-at", metavar="RANK:STEP", help="fault injection under torchrun: SIGKILL rank RANK "
+                    "as it starts step STEP, in the first attempt only (try --max-restarts with --resume)")
     ap.add_argument("--report", action="store_true", help="print the last step's per-module communication report")
     ap.add_argument("--trace", metavar="FILE", help="write the last step's chrome trace (all ranks) to FILE")
     args = ap.parse_args()
@@ -177,9 +182,18 @@ if __name__ == "__main__":
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) != mesh[0] * mesh[1]:
         ap.error(f"argument --mesh: {args.mesh} has {mesh[0] * mesh[1]} ranks but torchrun started "
                  f"{os.environ.get('WORLD_SIZE')} (--nproc-per-node); make them agree")
+    kill = None
+    if args.kill_rank_at:
+        try:
+            kill = tuple(int(v) for v in args.kill_rank_at.split(":"))
+            assert len(kill) == 2
+        except (ValueError, AssertionError):
+            ap.error(f"argument --kill-rank-at: expected RANK:STEP, two ints (1:3), got {args.kill_rank_at!r}")
+        if "RANK" not in os.environ:
+            ap.error("argument --kill-rank-at: kills a torchrun worker process; run under torchrun")
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         out = main(mesh, args.steps, args.device, args.save, args.resume, args.save_every, args.check,
-                   args.report, os.environ.get("GT_BACKEND", "torchrun"), args.trace)
+                   args.report, os.environ.get("GT_BACKEND", "torchrun"), args.trace, kill)
         if gt.rank() == 0:
             print("\n".join(out))
     else:

@@ -21,7 +21,7 @@ import torch
 from .layout import Layout, normalize_sbp
 from .parallel.module import ModuleLayout
 from .placement import Placement
-from .sbp import Broadcast, SbpLike, Split
+from .sbp import Broadcast, Ragged, SbpLike, Split
 
 __all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name", "BASE_TP_PLANS"]
 
@@ -40,11 +40,19 @@ BASE_TP_PLANS: dict[str, dict[str, str]] = {
     },
 }
 
-# styles that have no exact global meaning (local per-rank semantics, fused/packed weights, experts)
+# styles that have no exact global meaning here (local per-rank semantics, a fused projection's own kernel, an
+# identity expert pre-divided for a sum the global program does not make, expert parallelism's dispatch)
 _UNSUPPORTED = {
     "local_colwise", "local_rowwise", "local", "local_params", "isolated", "all_reduce",
-    "packed_colwise", "packed_rowwise", "mla_kv_a_proj", "moe_tp_experts", "moe_identity_expert",
-    "ep_router", "ep_dispatch_experts", "grouped_gemm",
+    "mla_kv_a_proj", "moe_identity_expert", "ep_router", "ep_dispatch_experts", "grouped_gemm",
+}
+# a plan key that names a parameter (an experts module's [experts, out, in] weights): the dim each style splits,
+# as transformers' styles shard a parameter of that many dims (None: whole)
+_PARAM_DIM = {
+    "colwise": lambda nd: max(nd - 2, 0),
+    "packed_colwise": lambda nd: max(nd - 2, 0),
+    "rowwise": lambda nd: nd - 1,
+    "packed_rowwise": lambda nd: nd - 1 if nd > 1 else None,
 }
 
 
@@ -95,8 +103,33 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       whole; the output stays as computed (split), as transformers' `SequenceParallel(sequence_dim=1)`.
     - "gather": output gathered (`output=B`); "replicate", "replicated_with_grad_allreduce": whole
       weights (a Broadcast weight's gradient is already the whole sum here).
-    Others (local, packed, expert styles) raise NotImplementedError: they name
-    per-rank behaviour or fused layouts that this mapping does not reproduce.
+    Mixtures of experts (Mixtral, Qwen2-MoE, DeepSeek-V3, Llama 4: an experts module holding 3-D weights
+    [experts, out, in], which the plan names as parameters):
+    - "colwise" / "rowwise" of a parameter: split on its dim -2 / -1 (the expert's out / in), as transformers
+      shards a parameter.
+    - "packed_colwise" (gate_up_proj [experts, 2I, hidden]: gate and up packed on dim -2; a Linear's weight on
+      dim 0) and "packed_rowwise" (Llama 4's [experts, hidden, 2I], packed on dim -1): split on the packed dim,
+      one contiguous range per rank. transformers splits it strided instead (`_StridedShard`: each rank its
+      slice of gate and its slice of up), which an SBP has no word for. Exact either way; the difference is
+      bytes, at the forward's `gate, up = proj.chunk(2, -1)`: a rank's columns are gate's or up's, so each
+      half is recut to a split of its own I, each rank receiving the rows it lacks (`ops/view.py`), and again
+      at the backward's `cat`; the strided layout moves nothing there. With S = tokens x k routed rows, a rank
+      receives S*I/2 elements each time on 2 ranks (the other half is its own) and up to 2*S*I/n on n ranks:
+      against Megatron's all-reduce of the [T, hidden] activation, 2(n-1)/n*T*H, that adds about
+      k*I / ((n-1)*H) of it (half that on 2 ranks; Mixtral 8x7B on 8 ranks: 1.0x).
+    - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
+      (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
+      all-reduced, as transformers' `MoeExpertsParallel`; on the other mesh axes the output's rows go back to
+      the cut the input's tokens arrived in (`gt.ragged(0)`: a data axis's split, or whole), since the
+      experts' sort of the whole batch's tokens leaves their sum Partial there, which the next layer would
+      otherwise reduce piecemeal. The routing weights (the module's third argument) are left to the
+      dispatcher, which reduce-scatters their gradient over the tokens where transformers all-reduces it
+      (`_AllReduceBackward`): fewer bytes there, and the residual stream's gradient then arrives split over
+      the tokens at the module before (an all-gather of half of it on 2 ranks).
+    Others (local, fused-attention, identity-expert and expert-parallel styles: "ep_router", "grouped_gemm",
+    "ep_dispatch_experts") raise NotImplementedError: they name per-rank behaviour that this mapping does not
+    reproduce (expert parallelism's experts-split product gives each rank its experts' rows and zeros
+    elsewhere, a Partial the gate's activation would reduce whole, where those rows are a split by expert).
 
     Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
     the same modules as transformers' rule (a "*" there stands for a layer number only); where the glob
@@ -122,13 +155,22 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
 
     B, col, row = hint(Broadcast()), on_axis(Split(0)), on_axis(Split(1))
     modules = dict(model.named_modules())
-    params = {n for n, _ in model.named_parameters()}
+    params = dict(model.named_parameters())
     out: dict[str, Any] = {}
     layouts: dict[str, Any] = {}
     for key, style in source.items():
         theirs = sorted(n for n in modules if generic_name(n) == key)
         ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
         if not theirs:
+            named = sorted(n for n in params if generic_name(n) == key)
+            if named:  # the key names parameters (an experts module's 3-D weights [experts, out, in]), not modules
+                for n in named:
+                    dim = _PARAM_DIM.get(style)
+                    if dim is None:
+                        raise NotImplementedError(f"gt.hf.tp_plan: style {style!r} of parameter pattern {key!r} is "
+                                                  f"not mapped for a parameter (mapped: {sorted(_PARAM_DIM)})")
+                    split = dim(params[n].dim())
+                    out[n] = on_axis(Split(split)) if split is not None else on_axis(Broadcast())
             continue  # transformers also skips keys naming no module of this model
         # an fnmatch "*" also crosses dots: where the glob would reach other modules than transformers' rule
         # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves
@@ -139,7 +181,12 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                                       "behaviour this mapping does not reproduce exactly; give that entry "
                                       "yourself in the plan (plan=...) or drop it")
         weight = bias = layout = None
-        if style in ("colwise", "colwise_rep", "colwise_gather_output"):
+        if style == "moe_tp_experts":
+            # the output's rows handed back in the tokens' cut the input arrived in on the other axes: transformers'
+            # experts sort the whole batch's tokens by expert, which leaves their sum Partial over a data axis
+            layout = ModuleLayout(input=B, input_grad=B,
+                                  output=tuple(Broadcast() if a == axis else Ragged(0) for a in range(ndim)))
+        elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
             weight, bias = col, col
             layout = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
@@ -278,3 +325,4 @@ def pp_plan(model: torch.nn.Module, stages: Sequence[Placement], sbp: Optional[S
 
 def _stage_of(name: str, plan: Mapping[str, Any]) -> Any:
     return next(v.placement for k, v in plan.items() if isinstance(v, Layout) and fnmatch.fnmatchcase(name, k))
+

@@ -1,7 +1,7 @@
 """Rows that move between ranks along split dims, each landing in the block of the rank that holds its place.
 
-An op that only moves rows along a dim (roll, repeat, a slice) keeps that dim's split if each rank receives the
-rows that land in its block from the ranks holding them: point to point, each rank receiving exactly what it
+An op that only moves rows along a dim (roll, repeat, a pad or crop) keeps that dim's split if each rank receives
+the rows that land in its block from the ranks holding them: point to point, each rank receiving exactly what it
 lacks, where converting to another dim's split first would move the whole tensor. A move kind says where rows
 [start, start + size) of a dim of n land (`_runs`); `moved_pieces` turns that into the pieces two ranks swap,
 `exchange_moved` swaps them and `moved_cost` bills them as `Rule.kernel_cost` does.
@@ -23,7 +23,8 @@ from ..sbp import Split
 def _runs(kind: str, param: int, start: int, size: int, n: int) -> list:
     """Where rows [start, start + size) of a dim of n land: (source start, destination start, length) runs.
     `roll` by `param`: shifted, wrapping at n; `repeat` `param` times: once in each copy; `shift` by
-    `param`: shifted, rows that land outside the result dropped (a slice's, by minus its start)."""
+    `param`: shifted, rows that land outside the result dropped (a pad's, by the pad before them; a crop's is
+    negative)."""
     if kind == "repeat":
         return [(start, c * n + start, size) for c in range(param)] if size else []
     if kind == "shift":

@@ -92,9 +92,10 @@ class Rule:
     decompose: Optional[Callable[..., Any]] = None  # decompose(func, args, kwargs) -> outputs (dispatched)
     decompose_when: Optional[Callable[..., bool]] = None  # (ctx, input layouts) -> bool; None: always
     fresh: bool = False  # outputs hold no values yet (empty-like): a later overwrite may relayout them
-    # a view op whose kernel computes into new memory (a conjugate resolved into the shard; a slice of a split dim,
-    # its rows moved between ranks): its outputs alias nothing, so a write into them is refused as into any cut
-    # view (`ops/program.refuse_cut`). True, or unaliased(ctx, input layouts, output layouts) -> bool
+    # a view op whose kernel computes into new memory (a conjugate resolved into the shard; a cut of a split dim,
+    # its rows moved between ranks: a recut, `ops/view.py`): its outputs alias nothing, so a write into them is
+    # refused as into any cut view (`ops/program.refuse_cut`). True, or unaliased(ctx, input layouts, output
+    # layouts) -> bool
     unaliased: Union[bool, Callable[[Ctx, tuple, tuple], bool]] = False
     # an input the op had converted keeps the converted shard and layout, where it is an intermediate
     # (autograd non-leaf): what autograd saved for the backward is then what the kernel used, so the backward

@@ -1,8 +1,9 @@
 """View and shape ops: each is a map from input dims to output dims; a split travels along it.
 
-A dim that has no image (the sliced/selected/concatenated dim, or a reshape
-group whose split pieces would not line up) can only be taken Broadcast,
-which the dispatcher boxes to and counts; except that a dim split unevenly and
+A dim that has no image (the selected dim, or a reshape group whose split
+pieces would not line up) can only be taken Broadcast, which the dispatcher
+boxes to and counts; a sliced, split or concatenated dim may also keep its
+split, each rank receiving the rows its results lack (the recut, below); and a dim split unevenly and
 merged with the dims inside it ([G, S, d] S(0) -> [G*S, d], G not a multiple
 of the ranks) becomes a ragged split of the rows in units of S, no data moved
 (`uneven_merge`; the ragged tensor class builds it, `GlobalTensor.of_kind`). Views are linear, so P passes.
@@ -20,8 +21,9 @@ import torch
 from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
-from ..sbp import Broadcast, Split
+from ..sbp import Broadcast, Partial, Split
 from .moves import exchange_moved, moved_cost
+from .scope import in_named
 from .registry import PMAX, PMIN, B, Ctx, ShardSite, P, Rule, S, always, aten, register
 
 
@@ -261,75 +263,6 @@ def keep_others(drop: bool = False, insert: bool = False) -> Callable[[Ctx], dic
     return m
 
 
-register([aten.split.Tensor, aten.split_with_sizes.default], dim_map_rule(keep_others()))
-
-
-def _slice_start(ctx: Ctx) -> int | None:
-    """Where a slice (step 1) or narrow starts along its dim, as torch clamps it; None for a strided slice."""
-    n = ctx.shapes[0][_d(ctx.arg(1, "dim", 0), len(ctx.shapes[0]))]
-    if ctx.func == aten.narrow.default:
-        start = int(ctx.arg(2, "start"))
-        return start + n if start < 0 else start
-    if ctx.arg(4, "step", 1) != 1:
-        return None
-    start = ctx.arg(2, "start", None)
-    start = 0 if start is None else int(start)
-    return min(max(start + n if start < 0 else start, 0), n)
-
-
-def _sliced_moves(ctx: Ctx, layout: Layout, backward: bool = False) -> tuple:
-    """The slice's rows shifted to their places, where some mesh axis splits the sliced dim: by minus its
-    start into the slice, by its start back into the input's shape (the backward)."""
-    n = len(ctx.out_shapes[0] if backward else ctx.shapes[0])
-    dim = _d(ctx.arg(2 if backward else 1, "dim", 0), n)
-    if not any(s == Split(dim) for s in layout.sbp):
-        return ()
-    start = _slice_backward_start(ctx) if backward else _slice_start(ctx)
-    return ((dim, "shift", start if backward else -start),)
-
-
-def slice_signatures(ctx: Ctx) -> list:
-    """Every dim but the sliced one keeps its split; the sliced one too where the slice is contiguous (step
-    1): each rank receives the rows that land in its block of the slice from the ranks holding them
-    (`ops/moves.py`), a few rows at each block's edge where a conversion to another dim's split would move
-    the whole tensor. That result is a copy, not a view of the shard (`Rule.unaliased`)."""
-    sigs = dim_map_rule(keep_others()).signatures(ctx)
-    if _slice_start(ctx) is not None:
-        d = _d(ctx.arg(1, "dim", 0), len(ctx.shapes[0]))
-        sigs.append(((S(d),), (S(d),)))
-    return sigs
-
-
-def _moved_local(backward: bool) -> Callable:
-    def local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.Tensor:
-        moves = _sliced_moves(where.ctx, where.in_layouts[0], backward)
-        if not moves:
-            return sized_backward(func, args, kwargs, where) if backward else func(*args, **kwargs)
-        out = args[0].new_zeros(where.out_shape(0))
-        if where.checking:
-            return out
-        return exchange_moved(args[0], out, where.in_layouts[0], tuple(where.ctx.shapes[0]), where.out_layouts[0],
-                              tuple(where.ctx.out_shapes[0]), moves, where.rank)
-    return local
-
-
-def _moved_cost(backward: bool) -> Callable:
-    def cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
-        moves = _sliced_moves(ctx, targets[0], backward)
-        if not moves:
-            return (), 0
-        return moved_cost(targets[0], tuple(ctx.shapes[0]), out_layouts[0], tuple(ctx.out_shapes[0]), moves,
-                          ctx.args[0].dtype.itemsize)
-    return cost
-
-
-def _not_moved(backward: bool) -> Callable:
-    return lambda ctx, ins, outs: not _sliced_moves(ctx, ins[0], backward)
-
-
-register([aten.slice.Tensor, aten.narrow.default],
-         Rule(slice_signatures, kernel=_moved_local(False), kernel_cost=_moved_cost(False),
-              plain_when=_not_moved(False), unaliased=lambda ctx, ins, outs: bool(_sliced_moves(ctx, ins[0]))))
 def cat_signatures(ctx: Ctx) -> list:
     """Every dim but the joined one keeps its split; all Partial adds up. torch.cat skips a 1-D empty
     tensor among tensors of more dims (the `torch.tensor([])` a KV cache starts from: transformers'
@@ -343,7 +276,6 @@ def cat_signatures(ctx: Ctx) -> list:
     return sigs
 
 
-register([aten.cat.default], Rule(cat_signatures))
 register([aten.select.int, aten.unbind.int], dim_map_rule(keep_others(drop=True)))
 register([aten.stack.default], dim_map_rule(keep_others(insert=True)))
 
@@ -363,27 +295,6 @@ def sized_backward(func, args, kwargs, where: ShardSite):
     return func(args[0], list(where.out_shape(0)), *args[2:], **kwargs)
 
 
-def _slice_backward_start(ctx: Ctx) -> int | None:
-    """slice_backward(grad, input_sizes, dim, start, end, step): the slice's start (step 1), clamped."""
-    n = ctx.out_shapes[0][_d(ctx.arg(2, "dim"), len(ctx.out_shapes[0]))]
-    if ctx.arg(5, "step", 1) != 1:
-        return None
-    start = int(ctx.arg(3, "start"))
-    return min(max(start + n if start < 0 else start, 0), n)
-
-
-def slice_backward_signatures(ctx: Ctx) -> list:
-    """As the slice: the sliced dim keeps its split (step 1), the gradient's rows shifted back into place."""
-    sigs = dim_map_rule(backward_map(False)).signatures(ctx)
-    if _slice_backward_start(ctx) is not None:
-        d = _d(ctx.arg(2, "dim"), len(ctx.out_shapes[0]))
-        sigs.append(((S(d),), (S(d),)))
-    return sigs
-
-
-register([aten.slice_backward.default],
-         Rule(slice_backward_signatures, kernel=_moved_local(True), kernel_cost=_moved_cost(True),
-              plain_when=_not_moved(True)))
 register([aten.select_backward.default], dim_map_rule(backward_map(True), sized_backward))
 
 
@@ -541,3 +452,208 @@ def _flips_no_split(ctx: Ctx, ins: tuple, outs: tuple) -> bool:
 
 register([aten.flip.default],
          Rule(flip_signatures, kernel=flip_local, kernel_cost=flip_cost, plain_when=_flips_no_split))
+
+
+# -- recut: a cut or a join along a split dim, each rank receiving exactly the rows it lacks -------------------
+# A slice, split or narrow of a dim that is split, the cat that joins pieces along it (split's backward) and
+# slice_backward (a slice's) lay their results out by the same split: each result's rows balanced over the ranks
+# that split the dim, as a split of that result alone would place them. The rows a rank's result holds sit in
+# the inputs' shards of its peers (the ranks that differ from it only on the mesh axes splitting that dim), so
+# it receives just those, point-to-point, in one message per peer; a row no input covers (slice_backward's
+# padding) is zero. Without it a cut of a split dim is taken Partial (each rank its rows, zeros elsewhere) and
+# reduced wherever a nonlinear op reads it: the packed gate and up projections of a gated MLP split on their
+# packed dim (transformers' `gate_up.chunk(2, -1)`) then cost two reduce-scatters of the whole activation, where
+# this moves what a rank lacks, the half of its rows that sits elsewhere on 2 ranks.
+def _start(n: int, start: Any) -> int:
+    """A slice's or narrow's start as torch reads it: None is 0, a negative one counts from the end, clamped."""
+    start = 0 if start is None else start + n if start < 0 else start
+    return min(max(start, 0), n)
+
+
+def recut_lines(c: Ctx) -> tuple[int, tuple, tuple] | None:
+    """(dim, each input's offset, each output's offset) along the cut or joined dim, in one line's coordinates
+    where the inputs' rows and the results' rows sit; None where the op is not a contiguous cut (a step)."""
+    f = c.func
+    if f in (aten.slice.Tensor, aten.narrow.default, aten.slice_backward.default):
+        backward = f is aten.slice_backward.default
+        n_in = len(c.out_shapes[0] if backward else c.shapes[0])
+        dim = _d(c.arg(2 if backward else 1, "dim", 0), n_in)
+        n = (c.out_shapes[0] if backward else c.shapes[0])[dim]
+        if f is aten.narrow.default:
+            start = _start(n, c.arg(2, "start"))
+        else:
+            if c.arg(5 if backward else 4, "step", 1) != 1:
+                return None
+            start = _start(n, c.arg(3 if backward else 2, "start", None))
+        return (dim, (start,), (0,)) if backward else (dim, (0,), (start,))
+    if f in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = _d(c.arg(2, "dim", 0), len(c.shapes[0]))
+        offsets, at = [], 0
+        for shape in c.out_shapes:
+            offsets.append(at)
+            at += shape[dim]
+        return dim, (0,), tuple(offsets)
+    if f is aten.cat.default:
+        n = len(c.out_shapes[0])
+        if any(s == (0,) and n > 1 for s in c.shapes):
+            return None
+        dim = _d(c.arg(1, "dim", 0), n)
+        offsets, at = [], 0
+        for shape in c.shapes:
+            offsets.append(at)
+            at += shape[dim]
+        return dim, tuple(offsets), (0,)
+    return None
+
+
+def recut_signatures(c: Ctx) -> list:
+    """The cut or joined dim split alike on every input and result (`recut_local` moves the rows)."""
+    lines = recut_lines(c)
+    if lines is None:
+        return []
+    dim = lines[0]
+    return [((S(dim),) * len(c.shapes), (S(dim),) * len(c.out_shapes))]
+
+
+def _cuts_split(c: Ctx, ins: tuple) -> bool:
+    lines = recut_lines(c)
+    return lines is not None and any(isinstance(s, Split) and s.dim == lines[0] for s in ins[0].sbp)
+
+
+@lru_cache(maxsize=4096)
+def recut_plan(ins: tuple, outs: tuple, dim: int) -> dict:
+    """{rank: [(peer, output j, input i, piece)]}: the rows of each result `rank` takes from each peer's input,
+    as a box in the line's coordinates (`ins`, `outs`: (layout, shape, offset) per tensor)."""
+    def on_line(layout: Layout, shape: tuple, offset: int, rank: int) -> Box:
+        box = layout.shard(shape, rank)
+        return tuple((s + offset, n) if d == dim else (s, n) for d, (s, n) in enumerate(box))
+
+    pl = ins[0][0].placement
+    axes = {a for a, s in enumerate(ins[0][0].sbp) if isinstance(s, Split) and s.dim == dim}
+    plan = {}
+    for r in pl.flat_ranks:
+        here, takes = pl.coord(r), []
+        for j, (lay_o, shape_o, off_o) in enumerate(outs):
+            mine = on_line(lay_o, shape_o, off_o, r)
+            for q in pl.flat_ranks:
+                if all(a in axes or x == y for a, (x, y) in enumerate(zip(pl.coord(q), here))):
+                    for i, (lay_i, shape_i, off_i) in enumerate(ins):
+                        piece = intersect(mine, on_line(lay_i, shape_i, off_i, q))
+                        if numel(piece):
+                            takes.append((q, j, i, piece))
+        plan[r] = takes
+    return plan
+
+
+_RECUT_KEY = zlib.crc32(b"recut")  # its messages' key (`Communicator.exchange`), the same in every process
+
+
+def _recut_inputs(where: ShardSite) -> tuple:
+    lines = recut_lines(where.ctx)
+    dim, in_off, out_off = lines
+    c = where.ctx
+    ins = tuple((lay, tuple(shape), off) for lay, shape, off in zip(where.in_layouts, c.shapes, in_off))
+    outs = tuple((lay, tuple(shape), off) for lay, shape, off in zip(where.out_layouts, c.out_shapes, out_off))
+    return dim, ins, outs
+
+
+def recut_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
+    """The results' shards gathered from the peers' input shards (`recut_plan`), one message per peer."""
+    dim, ins, outs = _recut_inputs(where)
+    locals_in = list(args[0]) if func is aten.cat.default else [args[0]]
+    like = locals_in[0]
+    results = [torch.zeros(where.out_shape(j), dtype=like.dtype, device=like.device) for j in range(len(outs))]
+    if not where.checking:
+        plan, rank = recut_plan(ins, outs, dim), where.rank
+
+        def mine_of(j: int, r: int) -> Box:
+            lay, shape, off = outs[j]
+            return tuple((s + off, n) if d == dim else (s, n) for d, (s, n) in enumerate(lay.shard(shape, r)))
+
+        def held_of(i: int, r: int) -> Box:
+            lay, shape, off = ins[i]
+            return tuple((s + off, n) if d == dim else (s, n) for d, (s, n) in enumerate(lay.shard(shape, r)))
+
+        sends: dict = {}
+        for q in plan:
+            if q != rank:
+                given = [slice_box(locals_in[i], relative(piece, held_of(i, rank)))
+                         for p, j, i, piece in plan[q] if p == rank]
+                if given:
+                    sends[q] = torch.cat([g.reshape(-1) for g in given])
+        recvs, places = {}, {}
+        for q, j, i, piece in plan[rank]:
+            if q == rank:
+                slice_box(results[j], relative(piece, mine_of(j, rank))).copy_(
+                    slice_box(locals_in[i], relative(piece, held_of(i, rank))))
+            else:
+                places.setdefault(q, []).append((j, piece))
+        for q, pieces in places.items():
+            recvs[q] = ((sum(numel(p) for _, p in pieces),), like.dtype)
+        if sends or recvs:
+            for q, got in context.current().exchange(sends, recvs, device=like.device, key=_RECUT_KEY).items():
+                at = 0
+                for j, piece in places[q]:
+                    k = numel(piece)
+                    slice_box(results[j], relative(piece, mine_of(j, rank))).copy_(got[at:at + k].view(sizes(piece)))
+                    at += k
+    if func in (aten.split.Tensor, aten.split_with_sizes.default):
+        return results
+    return results[0]
+
+
+def recut_cost(ctx: Ctx, sources: tuple, targets: tuple, out_layouts: tuple) -> tuple:
+    """What `recut_local` receives per global rank, and its latency terms (the most peers a rank receives from
+    or sends to), as `flip_cost` counts them; nothing where the dim is not split."""
+    lines = recut_lines(ctx)
+    if lines is not None and in_named() and any(
+            isinstance(s, Split) and s.dim == lines[0] and isinstance(t, Partial)
+            for src, dst in zip(sources, targets) for s, t in zip(src.sbp, dst.sbp)):
+        # Partial is free inside a module whose boundary the user laid out (`ops/scope.py`): Megatron's
+        # row-parallel product, reduced at the boundary. A cut of a split dim taken Partial (each rank its rows,
+        # zeros elsewhere) is not that: the op reading it pays a reduction of the whole where the recut moves
+        # only what each rank lacks, so the choice is not offered there
+        return None
+    if lines is None or not any(isinstance(s, Split) and s.dim == lines[0] for s in targets[0].sbp):
+        return (), 0
+    dim, in_off, out_off = lines
+    ins = tuple((lay, tuple(shape), off) for lay, shape, off in zip(targets, ctx.shapes, in_off))
+    outs = tuple((lay, tuple(shape), off) for lay, shape, off in zip(out_layouts, ctx.out_shapes, out_off))
+    first = ctx.args[0][0] if isinstance(ctx.args[0], (list, tuple)) else ctx.args[0]
+    plan, ranks = recut_plan(ins, outs, dim), targets[0].placement.flat_ranks
+    recv, hears, tells = [0] * (max(ranks) + 1), dict.fromkeys(ranks, 0), dict.fromkeys(ranks, 0)
+    for r in ranks:
+        peers = {q for q, *_ in plan[r] if q != r}
+        recv[r] = sum(numel(piece) for q, _, _, piece in plan[r] if q != r) * first.dtype.itemsize
+        hears[r] += len(peers)
+        for q in peers:
+            tells[q] += 1
+    if not any(recv):
+        return (), 0
+    return tuple(recv), max(max(hears.values()), max(tells.values()))
+
+
+def recutting(base: Rule) -> Rule:
+    """`base` with the recut signature: its kernel where the cut dim is split, `base`'s (or the op) elsewhere."""
+    def signatures(c: Ctx) -> list:
+        return list(base.signatures(c)) + recut_signatures(c)
+
+    def kernel(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
+        if _cuts_split(where.ctx, where.in_layouts):
+            return recut_local(func, args, kwargs, where)
+        return func(*args, **kwargs) if base.kernel is None else base.kernel(func, args, kwargs, where)
+
+    def plain_when(c: Ctx, ins: tuple, outs: tuple) -> bool:
+        return not _cuts_split(c, ins) and (base.kernel is None or base.plain_when is not None
+                                            and base.plain_when(c, ins, outs))
+
+    def unaliased(c: Ctx, ins: tuple, outs: tuple) -> bool:  # a recut's results are new memory, not views
+        return _cuts_split(c, ins)
+
+    return Rule(signatures, kernel=kernel, kernel_cost=recut_cost, plain_when=plain_when, unaliased=unaliased)
+
+
+register([aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.narrow.default],
+         recutting(dim_map_rule(keep_others())))
+register([aten.cat.default], recutting(Rule(cat_signatures)))
+register([aten.slice_backward.default], recutting(dim_map_rule(backward_map(False), sized_backward)))

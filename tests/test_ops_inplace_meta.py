@@ -142,18 +142,20 @@ def test_resize_matches_one_device(mesh, sizes, data):
 
 
 def test_resize_sends_only_what_it_must():
-    """The same count of elements keeps a split the reshape carries; fewer slices the flattened split dim, which
-    each rank does on its own rows, leaving a Partial sum (zeros beside its rows): neither sends a byte."""
+    """The same count of elements keeps a split the reshape carries, sending nothing; fewer slices the flattened
+    split dim and keeps it split (the recut, ops/view.py): rank 1's 10 elements of the 20 are 10..19, of which it
+    held 16..19, so it receives 6 from rank 0 (24 B) and rank 0 nothing, where taking the slice Partial (each rank
+    its rows, zeros beside them) would leave the result owing a reduction of all 20."""
     def body():
         p = mesh_placement((2,))
         x = gt.to_global(torch.arange(32.0).reshape(8, 4), p, gt.split(0))
         with gt.comm_log() as log:
             x.resize_(4, 8)
-            same = x.sbp
+            same, kept = x.sbp, log.recv_bytes
             x.resize_(4, 5)
-        return same, log.recv_bytes, x.full_tensor()
-    for same, received, got in gt.launch(body, 2):
-        assert same == (gt.split(0),) and received == 0
+        return same, kept, log.recv_bytes, x.sbp, x.full_tensor()
+    for rank, (same, kept, received, sbp, got) in enumerate(gt.launch(body, 2)):
+        assert same == sbp == (gt.split(0),) and kept == 0 and received == [0, 24][rank]
         assert torch.equal(got, torch.arange(20.0).reshape(4, 5))
 
 

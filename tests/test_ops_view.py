@@ -209,10 +209,39 @@ def _slice_lacks(shape: tuple, layout: gt.Layout, out_layout: gt.Layout, out_sha
     (s, k), (o, m) = box[dim], out[dim]
     rows = len({t - shift for t in range(o, o + m)} & set(range(shape[dim])) - set(range(s, s + k)))
     return rows * math.prod(n for d, (_, n) in enumerate(out) if d != dim)
+CUTS = {  # name -> (cut of x along dim d: its results, a list), as a user writes them
+    "narrow": lambda x, d: [x.narrow(d, 1, x.shape[d] - 2)],
+    "slice": lambda x, d: [x[(slice(None),) * d + (slice(x.shape[d] // 2, None),)]],
+    "chunk": lambda x, d: list(x.chunk(2, d)),
+    "split_sizes": lambda x, d: list(x.split([1, x.shape[d] - 3, 2], d)),
+    "cat": lambda x, d: [torch.cat([x.narrow(d, 1, x.shape[d] - 1), x * 2, x.narrow(d, 0, 2)], d)],
+}
+
+
+def _recut_lacks(layout: gt.Layout, shape: tuple, d: int, pieces: list, rank: int) -> int:
+    """Elements of its results' shards (each result laid out as the input) a rank does not hold of the input:
+    `pieces` gives each result's rows as (input row, count) runs along d, in result order."""
+    box = layout.shard(shape, rank)
+    if box is None:
+        return 0
+    lacks = 0
+    for runs in pieces:
+        n = sum(k for _, k in runs)
+        out_shape = shape[:d] + (n,) + shape[d + 1:]
+        mine = layout.shard(out_shape, rank)
+        (s, k), other = mine[d], math.prod(k for i, (_, k) in enumerate(mine) if i != d)
+        rows, at = [], 0
+        for start, count in runs:  # the input rows of result rows [s, s + k)
+            lo, hi = max(s, at), min(s + k, at + count)
+            rows += range(start + lo - at, start + hi - at) if hi > lo else []
+            at += count
+        held = range(box[d][0], box[d][0] + box[d][1])
+        lacks += sum(1 for r in rows if r not in held) * other
+    return lacks
 
 
 @st.composite
-def cuts(draw):
+def slices_and_pads(draw):
     """(mesh, shape, SBP splitting `dim` on axis 0, dim, op name, a, b): slices (step 1 or 2), narrow and pads
     (negative pads crop) of a split dim, uneven and empty blocks."""
     mesh = draw(meshes())
@@ -242,7 +271,7 @@ def _cut(x, dim: int, op: str, a: int, b: int):
     return F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [a, b], value=0.5)
 
 
-@given(cuts())
+@given(slices_and_pads())
 @example((Mesh((4,)), (9, 2), (gt.split(0),), 0, "slice", 1, 7))
 @example((Mesh((2, 2)), (7, 4), (gt.split(0), gt.split(0)), 0, "pad", 3, -2))
 def test_slices_and_pads_of_a_split_dim_keep_it_and_move_only_the_rows_a_rank_lacks(case):
@@ -281,3 +310,84 @@ def test_slices_and_pads_of_a_split_dim_keep_it_and_move_only_the_rows_a_rank_la
         shifts = max(8 * _slice_lacks(shape, layout, gt.Layout(layout.placement, sbp), tuple(want.shape), dim,
                                       shift, r) for r in range(len(results)))
         assert max(r for _, _, r, _, _ in results) <= shifts
+
+
+@st.composite
+def cuts(draw):
+    mesh = draw(meshes())
+    shape = tuple(draw(st.lists(st.integers(3, 7), min_size=1, max_size=3)))
+    d = draw(st.integers(0, len(shape) - 1))
+    return mesh, shape, draw(sbps_for(mesh, shape, partial=True)), d, draw(st.sampled_from(sorted(CUTS)))
+
+
+def _runs(name: str, n: int) -> list:
+    """Each result's input rows as (start, count) runs (the cat's middle piece is x * 2: all of x's rows)."""
+    return {"narrow": [[(1, n - 2)]], "slice": [[(n // 2, n - n // 2)]],
+            "chunk": [[(i, min(-(-n // 2), n - i))] for i in range(0, n, -(-n // 2))],
+            "split_sizes": [[(0, 1)], [(1, n - 3)], [(n - 2, 2)]],
+            "cat": [[(1, n - 1), (0, n), (0, 2)]]}[name]
+
+
+@given(cuts())
+@example((Mesh((2,)), (4, 6), (gt.split(1),), 1, "chunk"))
+@example((Mesh((2, 2)), (7, 3), (gt.split(0), gt.split(0)), 0, "split_sizes"))
+@example((Mesh((3,)), (5,), (gt.split(0),), 0, "cat"))
+def test_a_cut_along_a_split_dim_matches_one_device_and_moves_at_most_the_rows_a_rank_lacks(case):
+    """slice, narrow, chunk, split and cat of a dim a mesh axis splits: values and gradients (the backward is
+    slice_backward or cat) equal one device's, and no rank receives more in the forward than the busiest rank
+    lacks of its results' rows (each laid out by the input's split: the recut, `ops/view.py`), plus what a
+    Partial input owes (reduced whole, or each result); a cheaper conversion the dispatcher finds is within that."""
+    mesh, shape, sbp, d, name = case
+    t = torch.arange(float(math.prod(shape)), dtype=D).reshape(shape)
+
+    def body():
+        p = mesh_placement(mesh)
+        x = gt.to_global(t.clone(), p, sbp).requires_grad_()
+        with gt.comm_log() as log:
+            ys = CUTS[name](x, d)
+        loss = sum((y * (k + 1) * y).sum() for k, y in enumerate(ys))
+        loss.backward()
+        return [y.full_tensor() for y in ys], x.grad.full_tensor(), log.recv_bytes, gt.rank() in p.flat_ranks
+    x0 = t.clone().requires_grad_()
+    want = CUTS[name](x0, d)
+    sum((y * (k + 1) * y).sum() for k, y in enumerate(want)).backward()
+    results = gt.launch(body, world_of(mesh))
+    for ys, grad, _, inside in results:
+        if inside:
+            assert len(ys) == len(want) and all(torch.equal(a, b) for a, b in zip(ys, want))
+            torch.testing.assert_close(grad, x0.grad)
+    layout = gt.Layout(mesh_placement(mesh), sbp)
+    runs = _runs(name, shape[d])
+    # a Partial input is owed its reduction: before the cut, or of each result after it (passed Partial)
+    results_owe = decide.summed([decide.owed_by(layout, shape[:d] + (sum(k for _, k in r),) + shape[d + 1:], D)
+                                 for r in runs])[0]
+    owed = max(max(decide.owed_by(layout, shape, D)[0], default=0), max(results_owe, default=0))
+    lacks = max(_recut_lacks(layout, shape, d, runs, r) for r in range(len(results)))
+    assert max(r for _, _, r, _ in results) <= 8 * lacks + owed
+
+
+def test_packed_gate_and_up_split_on_their_packed_dim_move_half_a_shard():
+    """transformers' gated MLP: `gate, up = (x @ w_gate_up.T).chunk(2, -1)` with the packed [2I] dim split over 2
+    ranks (rank 0 holds all of gate, rank 1 all of up). Each half is recut to a split of its own I (rank 0 takes
+    up's first half from rank 1, rank 1 gate's second half from rank 0): T*I/2 elements per rank, in the forward
+    and again in the backward's cat; taking the halves Partial and reducing them would move twice that, and the
+    product then computes with no further communication."""
+    T, I = 16, 6
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x = gt.to_global(torch.arange(T * 2 * I, dtype=D).reshape(T, 2 * I) / 50, p, gt.split(1)).requires_grad_()
+        with gt.comm_log() as fwd:
+            gate, up = x.chunk(2, -1)
+            h = F.silu(gate) * up
+        with gt.comm_log() as bwd:
+            h.backward(gt.to_global(torch.ones(T, I, dtype=D), p, h.sbp))
+        return h.sbp, fwd.recv_bytes, bwd.recv_bytes, len(fwd.events), x.grad.full_tensor(), h.full_tensor()
+    x0 = (torch.arange(T * 2 * I, dtype=D).reshape(T, 2 * I) / 50).requires_grad_()
+    g0, u0 = x0.chunk(2, -1)
+    h0 = F.silu(g0) * u0
+    h0.sum().backward()
+    for sbp, fwd, bwd, events, grad, h in gt.launch(body, 2):
+        assert sbp == (gt.split(1),) and fwd == bwd == T * I // 2 * 8 and events == 1
+        torch.testing.assert_close(h, h0)
+        torch.testing.assert_close(grad, x0.grad)

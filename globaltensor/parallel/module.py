@@ -53,7 +53,7 @@ class ModuleLayout:
     axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
     SBP stands for a 1-D mesh's tuple. An `output` entry may be `gt.ragged(d)`: dim d cut as the
     module's input arrived cut on that axis (its ragged sizes, or a balanced split where it arrived
-    split): MoE's experts hand their output back to the tokens' cut of the groups.
+    split; whole where it arrived whole): MoE's experts hand their output back to the tokens' cut of the groups.
 
     `params`: the compute layout of the module's parameters (recursively, except those of
     submodules with their own `params`): stored as the plan's nd-SBP says, they take this layout

@@ -225,7 +225,7 @@ def boundary_cut(x: GlobalTensor, sbp: tuple, hint: Optional[tuple], arrived: An
     """A module boundary's target (`globaltensor/parallel/module.py`): (x, sbp, sizes, unit) for the layout `sbp` (the
     hint over x's own, its None entries kept). A `gt.ragged(d)` entry of the hint takes the cut the module's
     input `arrived` in ((sbp, sizes, unit): its sizes where it was ragged, a balanced split where it was
-    split); x's own ragged axes keep x's sizes. Where a kept ragged axis would sit in an outer cut that
+    split, whole where it was whole); x's own ragged axes keep x's sizes. Where a kept ragged axis would sit in an outer cut that
     changes (the expert axis first on EP x DP), a reshape's runs take the sizes their unit gives that layout;
     anything else takes the balanced splits (x balanced first: rows move). sizes None: not ragged."""
     sizes = list(getattr(x, "sizes", None) or (None,) * len(sbp))
@@ -240,6 +240,8 @@ def boundary_cut(x: GlobalTensor, sbp: tuple, hint: Optional[tuple], arrived: An
                 sizes[a] = have_sizes[a]
             elif isinstance(have[a], Split):
                 sbp[a] = Split(h.dim)
+            elif isinstance(have[a], Broadcast):  # arrived whole: handed back whole (a Partial output reduced)
+                sbp[a] = Broadcast()
             else:
                 raise ValueError(f"{h!r} on mesh axis {a} takes the cut the module's input arrived in there, but it "
                                  f"arrived {have[a]!r} (not split)")
