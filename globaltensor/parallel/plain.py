@@ -57,7 +57,7 @@ from ..layout import Layout
 from ..runtime import context
 from ..runtime.trace import watching
 from ..sbp import Broadcast, Partial, Split
-from ..tensor import GlobalTensor, grad_layout
+from ..tensor import GlobalTensor, distribute, grad_layout
 from .local_call import Swap, call_local
 
 
@@ -450,7 +450,8 @@ class RowLocal:
     come back split on dim 0 on the row axes, Broadcast on the others; their global rows are the local rows
     scaled as the input's (a [batch, seq, d] input's [batch * seq, e] router logits), which must be a
     balanced split (a batch that divides over the ranks). Gradients: inputs' alike; parameters' Partial on
-    the row axes (each rank's rows' share), reduced as any (the bucket, ZeRO's reduce-scatter).
+    the row axes (each rank's rows' share), reduced as any (the bucket, ZeRO's reduce-scatter). Hooks inside
+    the module see its plain tensors, as inside DTensor's `local_map`.
     """
 
     def __init__(self, module: torch.nn.Module, name: str) -> None:
@@ -469,6 +470,9 @@ class RowLocal:
             row = Split(0) if split else Partial() if grad else Broadcast()
             return Layout(placement, tuple(row if a in axes else Broadcast() for a in range(placement.ndim)))
         where = f"to_global(plan[{self.name!r}]) row_local"
+        for i, x in enumerate(leaves):  # a plain tensor is Broadcast: one with the batch's rows is cut to them too
+            if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[0] == rows:
+                leaves[i] = distribute(x, on(False))
         ins = [i for i, x in enumerate(leaves) if isinstance(x, GlobalTensor)]
         for i in ins:
             x = leaves[i]
@@ -491,13 +495,13 @@ class RowLocal:
                                  f"params=gt.broadcast (ZeRO gathers them) or lay them out Broadcast")
         tensors = [table[name] for table, name in slots]
         grad = torch.is_grad_enabled()
-        tracked = [(i, leaves[i], on(leaves[i]._layout == on(True), grad=True)) for i in ins
-                   if grad and leaves[i].requires_grad]
-        tracked += [(None, t, on(False, grad=True)) for t in tensors
-                    if grad and isinstance(t, GlobalTensor) and t.requires_grad]
-        plain = dict(zip((id(t) for _, t, _ in tracked),
-                         _ToPlain.apply(tuple(g for _, _, g in tracked), *(t for _, t, _ in tracked))
-                         if tracked else ()))
+        # what takes a gradient becomes plain through one autograd node: a row input's gradient split alike, a
+        # whole input's or parameter's Partial on the row axes (each rank's rows' share)
+        tracked = {id(x): (x, on(x._layout == on(True), grad=True)) for x in
+                   [leaves[i] for i in ins] + [t for t in tensors if isinstance(t, GlobalTensor)]
+                   if grad and x.requires_grad}
+        plain = dict(zip(tracked, _ToPlain.apply(tuple(g for _, g in tracked.values()),
+                                                 *(x for x, _ in tracked.values())) if tracked else ()))
         local_leaves = [plain.get(id(x), x._local) if isinstance(x, GlobalTensor) else x for x in leaves]
         locals_ = [plain.get(id(t), t._local) if isinstance(t, GlobalTensor) else t for t in tensors]
         call_args, call_kwargs = pytree.tree_unflatten(local_leaves, spec)
