@@ -2,6 +2,7 @@
 
     python bench/checkpoint.py             # DP=2 x TP=2 on 4 gloo processes
     python bench/checkpoint.py --quick     # a smoke run
+    python bench/checkpoint.py --async-step   # a training step with an asynchronous save every step vs none
 
 Both sides are bench/train_step.py's trainers (the same GPT, seed, plans: Megatron TP on the
 tensor axis, vocab-parallel tied embedding, replicated over the data axis), trained one step so
@@ -96,6 +97,48 @@ def run(cfg: GPTConfig, dp: int, tp: int, reps: int, warmup: int, root: str, thr
     return out
 
 
+def run_async(cfg: GPTConfig, dp: int, tp: int, reps: int, warmup: int, root: str, threads: int) -> dict:
+    """A training step alone, and the same step followed by an asynchronous save of the training state
+    (`gt.checkpoint.save_training(..., async_save=True)`, DCP's `async_save`), waiting for the previous save
+    before starting the next, as a loop that saves every step does: what the save costs the step."""
+    import globaltensor.checkpoint as gtc
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(threads)
+    trainer = BUILDERS["globaltensor"](cfg, dp, tp, 1e-3, 0)
+    (idx, tgt), = batches(cfg, 8, 1)
+    trainer.step(idx, tgt)
+    pending: list = []
+    count = [0]
+
+    def saving() -> None:
+        trainer.step(idx, tgt)
+        if pending:
+            pending.pop().result()
+        count[0] += 1
+        if dist.get_rank() == 0 and count[0] > 2:  # keep the tmpfs small: drop the one before last
+            shutil.rmtree(os.path.join(root, str(count[0] - 2)), ignore_errors=True)
+        pending.append(gtc.save_training(os.path.join(root, str(count[0])), trainer.model, trainer.opt, count[0],
+                                         async_save=True))
+
+    times = interleaved_times({"step": lambda: trainer.step(idx, tgt), "step + async save": saving}, reps, warmup)
+    if pending:
+        pending.pop().result()
+    return {"median_s": {k: statistics.median(v) for k, v in times.items()},
+            "ratio": (paired_ratio(times, "step + async save", "step"),
+                      paired_ratio_ci(times, "step + async save", "step"))}
+
+
+def report_async(r: dict, cfg: GPTConfig, args) -> str:
+    med, (ratio, (lo, hi)) = r["median_s"], r["ratio"]
+    return "\n".join([
+        f"Training step with an asynchronous DCP save every step, GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, "
+        f"vocab {cfg.vocab_size}) + AdamW, DP=2 x TP=2 on 4 gloo processes, files on {args.dir or '/dev/shm'}; "
+        f"{platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}; medians of {args.reps} interleaved "
+        f"repetitions after {args.warmup} warm-up", "",
+        "| step | step + async save | ratio (95% interval) |", "|---|---|---|",
+        f"| {med['step'] * 1e3:.1f} ms | {med['step + async save'] * 1e3:.1f} ms | {ratio:.2f} ({lo:.2f}-{hi:.2f}) |"])
+
+
 def report(r: dict, cfg: GPTConfig, args) -> str:
     med = r["median_s"]
     head = (f"DCP checkpoint of GPT (n_layer {cfg.n_layer}, n_embd {cfg.n_embd}, vocab {cfg.vocab_size}) + AdamW "
@@ -129,6 +172,7 @@ if __name__ == "__main__":
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a folder in /dev/shm)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--async-step", action="store_true", help="time a step with an async save every step vs none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.quick:
@@ -137,11 +181,12 @@ if __name__ == "__main__":
                     n_embd=args.n_embd)
     base = args.dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     root = tempfile.mkdtemp(prefix="gt-ckpt-bench-", dir=base)
+    fn, show, stem = (run_async, report_async, "checkpoint_async") if args.async_step else (run, report, "checkpoint")
     try:
-        result = gt.launch(run, 4, backend="gloo", args=(cfg, 2, 2, args.reps, args.warmup, root, args.threads))[0]
+        result = gt.launch(fn, 4, backend="gloo", args=(cfg, 2, 2, args.reps, args.warmup, root, args.threads))[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = report(result, cfg, args)
+    text = show(result, cfg, args)
     print(text)
     if not args.quick:
-        write_results(args.out, "checkpoint", text, {"config": vars(cfg), "args": vars(args), "result": result})
+        write_results(args.out, stem, text, {"config": vars(cfg), "args": vars(args), "result": result})
