@@ -138,3 +138,33 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_run(tmp_path):
         # divides by its own size: its value is rounding noise on any other reduction order (tests/test_cuda.py)
         if not k.startswith("rng") and not k.endswith("attn.k.bias"):
             torch.testing.assert_close(moved[k], whole[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.gloo
+def test_a_hang_across_nodes_is_reported_naming_the_missing_rank_and_its_last_collective(tmp_path):
+    """Rank 3 (on node 1) stops joining collectives. Within GT_HANG_SECONDS (5 here; 30 by default) the waiting
+    ranks fail naming rank 3 and its last collective, and every rank, rank 3 included (its watcher is a thread
+    of its own), has written its flight record: its last collectives, groups, call numbers and sizes."""
+    import json
+    import time
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GT_HANG_SECONDS": "5", "GT_FLIGHT_DIR": str(tmp_path)}
+    port = _port()
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+                               "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "--rdzv-id", f"hang-{port}", "tests/jobs/hang.py"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in range(2)]
+    outs = [p.communicate(timeout=200)[0] for p in procs]
+    took = time.monotonic() - t0
+    assert any(p.returncode != 0 for p in procs)
+    text = "\n".join(outs)
+    # named by a rank that waits on rank 3 itself (one held up by another waiting rank leaves it to that one),
+    # with what rank 3 did last: its watcher answers while its main thread sleeps
+    assert re.search(r"hang: rank [012] has waited \d+ s in \w+ #\d+ on group \([0-3, ]+\) \[.*\], which rank\(s\) 3 "
+                     r"never joined \(rank 3: \d+ s since it left \w+ #\d+ on group", text), text[-3000:]
+    assert took < 100, took  # reported, not waited out (gloo's own timeout is 300 s; rank 3 sleeps 120 s)
+    for r in range(4):
+        record = json.loads((tmp_path / f"gt-flight-rank{r}.json").read_text())
+        assert record["rank"] == r and record["recent"] and record["recent"][0]["kind"] in ("all_reduce",
+                                                                                           "reduce_scatter")

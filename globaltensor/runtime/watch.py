@@ -16,14 +16,25 @@ thread post it to the job's store and read its peers' posts:
 The same post is read twice, a poll apart, before a rank fails: a peer that just left a stalled
 collective has had time to say so. Checked on gloo (on by default: `GT_CHECK_COLLECTIVES=0` turns it
 off); nccl's collectives return before they complete, so a stall is not seen there.
+
+A hang is a wait of `GT_HANG_SECONDS` (default 30; 0: never) on peers that never joined and are not waiting
+themselves (computing, stuck, on another node that stopped; a peer waiting elsewhere is held up by someone
+its own watcher names): the rank fails naming them, instead of waiting out gloo's timeout. Before it
+does, it raises the job's alarm in the store, and every rank's watcher, the hung ones' included (a watcher
+is a thread of its own), writes its flight record, its last collectives with their groups, call numbers,
+sizes and times, to `GT_FLIGHT_DIR` (default the temp dir) as `gt-flight-rank<r>.json`, and posts its last
+one: the error names each missing rank's last collective and where the records are, as torch's flight
+recorder does for nccl.
 """
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 from .failure import CollectiveError
@@ -37,6 +48,18 @@ def enabled() -> bool:
 
 def stall_seconds() -> float:
     return float(os.environ.get("GT_STALL_CHECK", "1"))
+
+
+def hang_seconds() -> float:
+    return float(os.environ.get("GT_HANG_SECONDS", "30"))
+
+
+def flight_path(rank: int) -> str:
+    return os.path.join(os.environ.get("GT_FLIGHT_DIR") or tempfile.gettempdir(), f"gt-flight-rank{rank}.json")
+
+
+_ALARM = _PREFIX + "alarm"
+RECENT = 16  # collectives a flight record keeps
 
 
 _FORMATS = {"all_reduce": "{0} x {1}, {2}", "reduce_scatter": "{0} x {1} in all, {2}",
@@ -75,6 +98,9 @@ class CollectiveWatch:
         self._posted: Optional[list] = None
         self._suspect: Optional[tuple] = None
         self._stop = False
+        self._hang = hang_seconds()
+        self._recent: deque = deque(maxlen=RECENT)  # [kind, group, seq, what, started, ended or None]
+        self._recorded = False
         threading.Thread(target=self._loop, name="gt-collective-watch", daemon=True).start()
 
     # -- the caller's side: two assignments per collective ------------------------------------------
@@ -82,9 +108,12 @@ class CollectiveWatch:
         key = tuple(sorted(group))
         seq = self._seq[key] = self._seq.get(key, 0) + 1
         self._current = (kind, key, seq, what, time.monotonic())
+        self._recent.append([kind, key, seq, what, self._current[4], None])
 
     def leave(self) -> None:
         self._current = None
+        if self._recent:
+            self._recent[-1][5] = time.monotonic()
         if self._posted is not None:  # it had stalled and said so: peers must not read a stale post
             self._posted = None
             self._store.set(_PREFIX + str(self.rank), json.dumps(["running", "", [], 0, ""]))
@@ -116,12 +145,39 @@ class CollectiveWatch:
 
     # -- the watcher ---------------------------------------------------------------------------------
     def _loop(self) -> None:
+        polls = 0
         while not self._stop:
             time.sleep(self._poll)
+            polls += 1
             try:
+                if not self._recorded and polls % 4 == 0 and self._store.check([_ALARM]):
+                    self._record()  # a peer found a hang: say what this rank was doing, whatever it is doing
                 self._check()
             except Exception:  # noqa: BLE001 - the store went away (the job is ending): stop watching
                 return
+
+    def _last(self) -> str:
+        """This rank's last collective, as a user reads it, and whether it is still in it."""
+        if not self._recent:
+            return "no collective yet"
+        kind, group, seq, what, started, ended = self._recent[-1]
+        state = "still waiting in" if ended is None else f"{time.monotonic() - ended:.0f} s since it left"
+        return f"{state} {kind} #{seq} on group {group} [{sizes(kind, what)}]"
+
+    def _record(self) -> str:
+        """Write this rank's flight record, post its last collective; the record's path."""
+        self._recorded = True
+        now = time.monotonic()
+        calls = [{"kind": k, "group": list(g), "call": seq, "sizes": sizes(k, w), "started_s_ago": round(now - t0, 3),
+                  "took_s": None if t1 is None else round(t1 - t0, 3)} for k, g, seq, w, t0, t1 in self._recent]
+        path = flight_path(self.rank)
+        try:
+            with open(path, "w") as f:
+                json.dump({"rank": self.rank, "pid": os.getpid(), "last": self._last(), "recent": calls}, f, indent=1)
+        except OSError as e:
+            path = f"(not written: {e})"
+        self._store.set(_PREFIX + "last/" + str(self.rank), self._last())
+        return path
 
     def _check(self) -> None:
         cur = self._current
@@ -133,6 +189,14 @@ class CollectiveWatch:
         if self._posted != mine:
             self._store.set(_PREFIX + str(self.rank), json.dumps(mine))
             self._posted = mine
+        waited = time.monotonic() - cur[4]
+        if self._hang and waited >= self._hang and self._current is cur:
+            # the missing ranks that are not waiting themselves: one that waits in another collective (of a group
+            # without this rank) is held up by someone else, whom its own watcher names
+            missing = [p for p in group if p != self.rank and self._post(p)[:1] != ["waiting"]]
+            if missing:
+                self._report_hang(mine, missing, waited)
+                return
         for peer in group:
             if peer == self.rank or not self._store.check([_PREFIX + str(peer)]):
                 continue
@@ -147,6 +211,31 @@ class CollectiveWatch:
                 return
             self._suspect = (peer, theirs, mine)
             return
+
+    def _post(self, peer: int) -> list:
+        """What a peer last posted (it posts only once it has waited `GT_STALL_CHECK`): [] where nothing."""
+        if not self._store.check([_PREFIX + str(peer)]):
+            return []
+        return json.loads(self._store.get(_PREFIX + str(peer)))
+
+    def _report_hang(self, mine: list, missing: list, waited: float) -> None:
+        """Raise the alarm, give the peers' watchers a moment to record and post, then fail naming who is missing
+        and what each missing rank did last."""
+        self._store.set(_ALARM, json.dumps([self.rank, describe(mine)]))
+        path = self._record()
+        lasts = {}
+        deadline = time.monotonic() + 4 * self._poll * 4
+        while time.monotonic() < deadline and len(lasts) < len(missing):
+            for p in missing:
+                if p not in lasts and self._store.check([_PREFIX + "last/" + str(p)]):
+                    lasts[p] = self._store.get(_PREFIX + "last/" + str(p)).decode()
+            time.sleep(self._poll)
+        told = "; ".join(f"rank {p}: {lasts.get(p, 'no answer (its process may be gone or frozen)')}" for p in missing)
+        self._fail(CollectiveError(
+            f"hang: rank {self.rank} has waited {waited:.0f} s in {describe(mine)}, which rank(s) "
+            f"{', '.join(map(str, missing))} never joined ({told}); flight records of every rank that could write "
+            f"one: {os.path.dirname(path) or '.'}/gt-flight-rank<r>.json (this rank's: {path}); GT_HANG_SECONDS sets "
+            f"the wait ({self._hang:g} s)"))
 
     def _blocks(self, mine: list, theirs: list) -> bool:
         """Whether a peer's post means it will never join this rank's collective."""
