@@ -8,7 +8,7 @@ from importlib import metadata as _metadata
 from .api import PlanLike, from_local, to_global
 from .layout import Layout
 from .parallel.module import ModuleLayout
-from .placement import Placement, placement
+from .placement import Placement, node_mesh, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
 from .sbp import SBP, SbpLike, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
 from .raggedtensor.ops import RaggedTensor
@@ -30,7 +30,7 @@ try:
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed: pyproject's version
     __version__ = "0.1.0"
 
-__all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "CollectiveError", "RankError",
+__all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "node_mesh", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
            "Zigzag", "zigzag", "ZigzagTensor",

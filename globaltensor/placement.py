@@ -123,6 +123,13 @@ class Placement:
         seen = dict.fromkeys(self._groups[axis].values())
         return list(seen)
 
+    @property
+    def axis_kind(self) -> tuple[str, ...]:
+        """Per mesh axis, "across" where its groups span nodes (the job's topology), else "inside": the link
+        class its collectives run on (`runtime/topology.py`)."""
+        return tuple("across" if any(self.topology.crosses(g) for g in self.axis_groups(a)) else "inside"
+                     for a in range(self.ndim))
+
     def check_world(self, world_size: int) -> None:
         bad = [r for r in self.flat_ranks if r >= world_size]
         if bad:
@@ -138,6 +145,19 @@ def load_placement(device_type: str, shape: tuple, flat_ranks: tuple) -> Placeme
     not the one that saved it."""
     comm = current_or_none()
     return Placement(device_type, shape, flat_ranks, ONE_NODE if comm is None else comm.topology)
+
+
+def node_mesh(device_type: str = "cpu") -> Placement:
+    """The job's ranks as a (node, local) mesh: axis 0 across nodes, axis 1 inside one (torchrun's numbering:
+    node k holds ranks k*G .. k*G + G - 1, G its LOCAL_WORLD_SIZE). HSDP is `{"*": (gt.broadcast, gt.split(0))}`
+    with the parameters gathered inside a node; DP across nodes x TP inside is `tp_plan(tensor_axis=1, ndim=2)`
+    with the batch split on axis 0. On one node: a 1 x world mesh."""
+    comm = current_or_none()
+    world = 1 if comm is None else comm.world_size
+    per = (ONE_NODE if comm is None else comm.topology).ranks_per_node or world
+    if world % per:
+        raise ValueError(f"node_mesh: {world} ranks do not make whole nodes of {per}; give every node as many ranks")
+    return placement(device_type, [[k * per + i for i in range(per)] for k in range(world // per)])
 
 
 def placement(device_type: str, ranks: Sequence[int] | Sequence[Sequence[Any]]) -> Placement:

@@ -156,3 +156,17 @@ def test_torchrun_environment_says_how_many_ranks_a_node_has(monkeypatch):
     assert Topology.from_environment() == Topology()  # one node
     monkeypatch.setenv("GT_RANKS_PER_NODE", "2")
     assert Topology.from_environment() == Topology(2)
+
+
+def test_node_mesh_lays_the_jobs_ranks_out_by_node():
+    """gt.node_mesh(): axis 0 across the nodes, axis 1 inside one; `axis_kind` names each axis' link class."""
+    def body():
+        mesh = gt.node_mesh()
+        return mesh.ranks, mesh.axis_kind, gt.placement("cpu", [[0, 3], [1, 4], [2, 5]]).axis_kind
+    assert gt.launch(body, 6, ranks_per_node=3)[0] == ([[0, 1, 2], [3, 4, 5]], ("across", "inside"),
+                                                      ("inside", "across"))
+    assert gt.launch(body, 6, ranks_per_node=2)[0][:2] == ([[0, 1], [2, 3], [4, 5]], ("across", "inside"))
+    assert gt.launch(lambda: (gt.node_mesh().ranks, gt.node_mesh().axis_kind), 4)[0] == ([[0, 1, 2, 3]],
+                                                                                         ("inside", "inside"))
+    with pytest.raises(ValueError, match="whole nodes"):
+        gt.launch(gt.node_mesh, 5, ranks_per_node=2)
