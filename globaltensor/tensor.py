@@ -13,6 +13,7 @@ from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import zigzag as _ops_zigzag
+from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
 from .sbp import Broadcast, Partial, SbpLike, Split, Zigzag
@@ -45,9 +46,17 @@ def dry_run_devices() -> Iterator[None]:
 
 def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any,
           requires_grad: bool = False) -> "GlobalTensor":
+    """The wrapper: the global sizes, and the strides and storage offset one device's tensor would have
+    (`key.geometry`: an op's output strides follow its inputs', and as_strided reads them), contiguous where
+    the key holds none."""
     device = layout.placement.device_type if _DRY_RUN.on and local.is_meta else local.device
-    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=device,
-                                            requires_grad=requires_grad)  # contiguous strides
+    geometry = key.geometry
+    if geometry is None:
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=device,
+                                                requires_grad=requires_grad)
+    else:
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=geometry[0], storage_offset=geometry[1],
+                                                dtype=local.dtype, device=device, requires_grad=requires_grad)
     r._local = local
     r._layout = layout
     r._key = key
@@ -89,14 +98,15 @@ class GlobalTensor(torch.Tensor):
         return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
 
     @classmethod
-    def _wrapper(cls, layout: Layout, shape: Sequence[int],
-                 dtype: torch.dtype) -> Callable[[torch.Tensor], "GlobalTensor"]:
-        """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits)."""
+    def _wrapper(cls, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
+                 geometry: tuple | None = None) -> Callable[[torch.Tensor], "GlobalTensor"]:
+        """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits);
+        `geometry`: the wrapper's (strides, storage offset) as the op's meta kernel gave them (None: contiguous)."""
         shape = tuple(shape)
-        key = _tensor_key(layout, shape, dtype)
+        key = _tensor_key(layout, shape, dtype, geometry)
         # the decision's dtype comes from torch's meta kernels, which a real kernel may contradict
         return lambda local: _wrap(cls, local, layout, shape,
-                                   key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype))
+                                   key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype, geometry))
 
     def with_local(self, local: torch.Tensor) -> "GlobalTensor":
         """This tensor's layout, shape and dtype holding another shard, out of autograd and without a dispatch
@@ -112,7 +122,8 @@ class GlobalTensor(torch.Tensor):
                              "x.to_global(placement, sbp), which returns a new tensor")
         self._local = local
         self._layout = layout
-        self._key = _tensor_key(layout, tuple(self.shape), self.dtype)
+        shape = tuple(self.shape)
+        self._key = _tensor_key(layout, shape, self.dtype, geometry_of(shape, self.stride(), self.storage_offset()))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -374,7 +385,8 @@ def _no_ragged(layout: Layout, arg: str) -> None:
 
 def _target_of(x: GlobalTensor, dst: Layout) -> _Target:
     shape = tuple(x.shape)
-    return _Target(dst, boxing.route(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype))
+    # the value is the same tensor's, so it keeps its strides (DTensor's redistribute keeps them too)
+    return _Target(dst, boxing.route(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype, x._key.geometry))
 
 
 def _target(x: GlobalTensor, placement: Any, sbp: Any) -> _Target:

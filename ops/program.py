@@ -23,6 +23,7 @@ from ..runtime import context
 from ..sbp import Broadcast
 from .decide import Decision, flatten_out, map_tensors
 from .errors import kernel_error
+from .keys import contiguous_strides
 from .inputs import box, local_of
 from .registry import ShardSite
 from .stats import STATS, note_fallback
@@ -49,7 +50,14 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         on_stand_ins.decision = dec  # type: ignore[attr-defined]
         return on_stand_ins
     if dec.kind == "decompose":
-        if not rule.overwrites:
+        if not rule.overwrites and dec.out_geometry is not None and not dec.inplace:
+            run_decomposition = compile_decomposition(func, rule, cls)
+
+            def decomposed(args: tuple, kwargs: dict) -> Any:
+                out = run_decomposition(args, kwargs)
+                restride(out, dec.out_geometry, tensors_of(args, kwargs))
+                return out
+        elif not rule.overwrites:
             decomposed = compile_decomposition(func, rule, cls)
         else:
             def decomposed(args: tuple, kwargs: dict) -> Any:
@@ -76,8 +84,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     work = tuple((k, targets[k]) for k in range(len(targets)) if k not in direct)
     boxed = dec.boxes
     known = dec.out_shapes is not None
-    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
-                     for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
+    geometry = dec.out_geometry or (None,) * len(out_layouts) if known else ()
+    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype, at)
+                     for lay, shape, dtype, at in zip(out_layouts, dec.out_shapes, dec.out_dtypes, geometry)) \
+        if known else ()
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
     restates = inplace and known and changes_metadata(func, every[0], dec.out_shapes[0], dec.out_dtypes[0])
     where: dict = {}  # rank -> ShardSite, built only where the rule has its own kernel
@@ -274,6 +284,35 @@ def restate(target: Any, func: Any, args: tuple, kwargs: dict, local: torch.Tens
         finally:
             torch._C._set_meta_in_tls_dispatch_include(was)
     target._set_layout(local, layout)
+
+
+def restride(out: Any, geometry: tuple, inputs: list) -> None:
+    """A decomposition's outputs take the strides and offsets one device gives the op (its meta kernel's).
+
+    Its own ops' outputs have theirs (a view computed as a gather is contiguous, where torch's view of a
+    transposed tensor is not): the value is right either way, but the wrapper must say what one device
+    says, or `stride()`, `is_contiguous()`, a later view's legality and `as_strided` would not be torch's.
+    An output that is one of the inputs (a view that changed nothing) keeps its wrapper.
+    """
+    outs, _ = flatten_out(out)
+    for o, at in zip(outs, geometry):
+        if o is None or not hasattr(o, "_layout") or any(o is t for t in inputs):
+            continue
+        stride, offset = at if at is not None else (contiguous_strides(o.shape), 0)
+        if tuple(o.stride()) != tuple(stride) or o.storage_offset() != offset:
+            set_geometry(o, tuple(o.shape), stride, offset)
+            o._set_layout(o._local, o._layout)
+
+
+def set_geometry(t: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> None:
+    """Set a wrapper's sizes, strides and storage offset in place, with no data and no dispatch (as `restate`)."""
+    with no_dispatch():
+        was = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            torch.ops.aten.as_strided_.default(t, list(shape), list(stride), offset)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(was)
 
 
 def _tensor_list(args: tuple, kwargs: dict) -> list:
