@@ -23,7 +23,7 @@ from ..runtime import context
 from ..sbp import Broadcast
 from .decide import Decision, flatten_out, map_tensors
 from .errors import kernel_error
-from .keys import contiguous_strides
+from .keys import geometry_of
 from .inputs import box, local_of
 from .registry import ShardSite
 from .stats import STATS, note_fallback
@@ -54,9 +54,7 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
             run_decomposition = compile_decomposition(func, rule, cls)
 
             def decomposed(args: tuple, kwargs: dict) -> Any:
-                out = run_decomposition(args, kwargs)
-                restride(out, dec.out_geometry, tensors_of(args, kwargs))
-                return out
+                return restride(run_decomposition(args, kwargs), dec.out_geometry, tensors_of(args, kwargs))
         elif not rule.overwrites:
             decomposed = compile_decomposition(func, rule, cls)
         else:
@@ -286,33 +284,26 @@ def restate(target: Any, func: Any, args: tuple, kwargs: dict, local: torch.Tens
     target._set_layout(local, layout)
 
 
-def restride(out: Any, geometry: tuple, inputs: list) -> None:
-    """A decomposition's outputs take the strides and offsets one device gives the op (its meta kernel's).
+def restride(out: Any, geometry: tuple, inputs: list) -> Any:
+    """A decomposition's outputs with the strides and offsets one device gives the op (its meta kernel's).
 
     Its own ops' outputs have theirs (a view computed as a gather is contiguous, where torch's view of a
     transposed tensor is not): the value is right either way, but the wrapper must say what one device
     says, or `stride()`, `is_contiguous()`, a later view's legality and `as_strided` would not be torch's.
-    An output that is one of the inputs (a view that changed nothing) keeps its wrapper.
+    An output that is one of the inputs (a view that changed nothing) and a ragged one keep their wrappers.
     """
-    outs, _ = flatten_out(out)
-    for o, at in zip(outs, geometry):
-        if o is None or not hasattr(o, "_layout") or any(o is t for t in inputs):
+    outs, rebuild = flatten_out(out)
+    changed = False
+    for j, (o, at) in enumerate(zip(outs, geometry)):
+        if o is None or not hasattr(o, "_layout") or o._layout.ragged_axes or any(o is t for t in inputs):
             continue
-        stride, offset = at if at is not None else (contiguous_strides(o.shape), 0)
-        if tuple(o.stride()) != tuple(stride) or o.storage_offset() != offset:
-            set_geometry(o, tuple(o.shape), stride, offset)
-            o._set_layout(o._local, o._layout)
-
-
-def set_geometry(t: torch.Tensor, shape: tuple, stride: tuple, offset: int) -> None:
-    """Set a wrapper's sizes, strides and storage offset in place, with no data and no dispatch (as `restate`)."""
-    with no_dispatch():
-        was = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
-        try:
-            torch.ops.aten.as_strided_.default(t, list(shape), list(stride), offset)
-        finally:
-            torch._C._set_meta_in_tls_dispatch_include(was)
+        shape = tuple(o.shape)
+        if at != geometry_of(shape, o.stride(), o.storage_offset()):
+            new = type(o)._wrapper(o._layout, shape, o.dtype, at)(o._local)
+            if getattr(o, "_cut_from", None) is not None:
+                new._cut_from = o._cut_from
+            outs[j], changed = new, True
+    return rebuild(outs) if changed else out
 
 
 def _tensor_list(args: tuple, kwargs: dict) -> list:
