@@ -91,11 +91,13 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
-                requires_grad: bool = False) -> "GlobalTensor":
+                requires_grad: bool = False, geometry: tuple | None = None) -> "GlobalTensor":
+        """`geometry`: the wrapper's (strides, storage offset) as `ops.keys.geometry_of` gives them, where the
+        tensor stands for one device's that is not contiguous (None: contiguous at offset 0)."""
         shape = tuple(shape)
         if layout.zigzag_axes and cls is GlobalTensor:
             cls = ZigzagTensor
-        return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
+        return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry), requires_grad)
 
     @classmethod
     def _wrapper(cls, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
@@ -205,7 +207,7 @@ class GlobalTensor(torch.Tensor):
         """
         self._clear_non_serializable_cached_data()
         return (_rebuild_from_shard, (self._local.detach(), self._layout, tuple(self.shape), self.requires_grad,
-                                      context.current().rank, dict(self.__dict__)))
+                                      context.current().rank, dict(self.__dict__), self._key.geometry))
 
     def __deepcopy__(self, memo: dict) -> "GlobalTensor":
         """An independent copy: its own shard storage, the same layout, Python state and gradient.
@@ -319,7 +321,7 @@ def _piece(layout: Layout, rank: int) -> tuple | None:
 
 
 def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requires_grad: bool, saved_by: int,
-                        state: dict | None) -> GlobalTensor:
+                        state: dict | None, geometry: tuple | None = None) -> GlobalTensor:
     """torch.load's way back to a GlobalTensor: the shard lands on the loading rank.
 
     The world must hold the placement and the loading rank must hold the piece the saving rank
@@ -337,7 +339,7 @@ def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requi
     if tuple(local.shape) != layout.local_shape(shape, rank):
         raise ValueError(f"{where}: the saved shard has shape {tuple(local.shape)}, not the "
                          f"{layout.local_shape(shape, rank)} that rank {rank} holds")
-    x = GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+    x = GlobalTensor(local, layout, shape, requires_grad=requires_grad, geometry=geometry)
     for name, value in (state or {}).items():  # a parameter's mark, user attributes
         setattr(x, name, value)
     return x

@@ -136,7 +136,7 @@ def _add(key: list, a: Any, cls: type, floats_by_value: bool) -> None:
         key.append(_END)
     elif isinstance(a, cls):
         key.append(a._key)
-    elif isinstance(a, torch.Tensor):
-        key += (_PLAIN, a.shape, a.dtype, a.device)
+    elif isinstance(a, torch.Tensor):  # its strides too: an output's strides follow every input's
+        key += (_PLAIN, a.shape, a.stride(), a.dtype, a.device)
     else:
         key.append(a)

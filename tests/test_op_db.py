@@ -34,14 +34,6 @@ FALLBACKS = {
                               'range of the output; a feature split is not exact (a p-norm of pieces)',
     '_to_sparse.default': 'a sparse result: sparse layouts are not global tensors (to_sparse returns it replicated)',
     '_to_sparse.sparse_dim': 'a sparse result: sparse layouts are not global tensors (to_sparse returns it replicated)',
-    'as_strided.default': "addresses the storage by strides and an offset, which say nothing of where a shard's "
-                          'elements sit',
-    'as_strided_.default': 'reads the storage: any element may land anywhere; the target takes the whole result, its '
-                           'sizes and strides restated (ops/program.py)',
-    'as_strided_copy.default': "addresses the storage by strides and an offset, which say nothing of where a shard's "
-                               'elements sit',
-    'as_strided_scatter.default': "addresses the storage by the whole tensor's strides and offset, which say nothing "
-                                  "of where a shard's elements sit",
     'linalg_householder_product.default': 'its backward writes in place through slices of split tensors, and a view '
                                           'whose input the dispatcher converts does not alias it (x[:, 0:1].sub_(1) on'
                                           ' S(1) leaves x unchanged): replicated (such writes now raise, naming the '

@@ -8,6 +8,7 @@ reaching elsewhere in the storage raises, naming as_strided and the fix.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -224,3 +225,23 @@ def test_outside_the_elements_raises_naming_as_strided_and_the_fix():
     with pytest.raises(NotImplementedError, match=r"as_strided.*\.contiguous\(\)"):
         gt.launch(lambda: gt.to_global(torch.randn(4, 6), mesh_placement((2,)), gt.split(0))[1:]
                   .as_strided((2,), (1,), 0), 2)
+
+
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_save_load_and_deepcopy_keep_the_strides(tmp_path, weights_only):
+    """A saved transposed slice loads (and deep-copies) with one device's strides and offset, so an
+    as_strided of it reads the same positions after the round trip."""
+    full = torch.arange(24.0).reshape(4, 6)
+    want = full.t()[1:]
+
+    def body():
+        p = mesh_placement((2,))
+        y = gt.to_global(full, p, gt.split(0)).t()[1:]
+        path = tmp_path / f"rank{gt.rank()}.pt"
+        torch.save(y, path)
+        back = torch.load(path, weights_only=weights_only)
+        dup = copy.deepcopy(y)
+        return [(t.stride(), t.storage_offset(), t.as_strided((2, 2), (1, 6), 7).full_tensor()) for t in (back, dup)]
+    for stride, offset, read in gt.launch(body, 2)[0]:
+        assert (stride, offset) == (want.stride(), want.storage_offset())
+        assert torch.equal(read, want.as_strided((2, 2), (1, 6), 7))
