@@ -84,7 +84,10 @@ def geometry_of(shape: Sequence[int], stride: Sequence[int], offset: int) -> Opt
 def meta_of(t: torch.Tensor) -> torch.Tensor:
     """A meta stand-in of `t` with its sizes, strides and storage offset, so that an op's meta kernel gives the
     output strides one device gives (and raises where one device raises: `.view` of a transposed tensor)."""
-    shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    shape = tuple(t.shape)
+    if t.layout is not torch.strided:  # sparse and other layouts have no strides: a dense stand-in, as before
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+    stride, offset = t.stride(), t.storage_offset()
     if offset == 0 and stride == contiguous_strides(shape):
         return torch.empty(shape, dtype=t.dtype, device="meta")
     extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0)
@@ -137,6 +140,6 @@ def _add(key: list, a: Any, cls: type, floats_by_value: bool) -> None:
     elif isinstance(a, cls):
         key.append(a._key)
     elif isinstance(a, torch.Tensor):  # its strides too: an output's strides follow every input's
-        key += (_PLAIN, a.shape, a.stride(), a.dtype, a.device)
+        key += (_PLAIN, a.shape, a.stride() if a.layout is torch.strided else a.layout, a.dtype, a.device)
     else:
         key.append(a)
