@@ -197,7 +197,9 @@ def geqrf_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
     if a.dim() < 2:
         raise RuntimeError(f"{func}: input must have at least 2 dimensions")
     tau = (*a.shape[:-2], min(a.shape[-2], a.shape[-1]))
-    return torch.empty(a.shape, dtype=a.dtype, device="meta"), torch.empty(tau, dtype=a.dtype, device="meta")
+    # LAPACK's reflectors come back column-major, as torch's CPU kernel returns them
+    return (torch.empty(a.shape, dtype=a.dtype, device="meta").mT.contiguous().mT,
+            torch.empty(tau, dtype=a.dtype, device="meta"))
 
 
 register([aten.linalg_inv_ex.default, aten.linalg_cholesky_ex.default], batched((2,), (2, 0)))
