@@ -62,7 +62,7 @@ def whole(func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _geometry(o: torch.Tensor) -> Any:
     """The strides and offset of an output computed whole: one device's (nonzero's are column-major)."""
-    return geometry_of(o.shape, o.stride(), o.storage_offset())
+    return geometry_of(o.shape, o.stride(), o.storage_offset()) if o.layout is torch.strided else None
 
 
 def _as_integer_indices(indices: list) -> tuple[list, bool]:

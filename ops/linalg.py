@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .dims import Carried, carried
+from .keys import contiguous_strides
 from .registry import B, P, Ctx, Rule, ShardSite, S, always, aten, register
 
 Cores = Sequence[Optional[int]] | Callable[[Ctx], Sequence[Optional[int]]]
@@ -198,7 +199,9 @@ def geqrf_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
         raise RuntimeError(f"{func}: input must have at least 2 dimensions")
     tau = (*a.shape[:-2], min(a.shape[-2], a.shape[-1]))
     # LAPACK's reflectors come back column-major, as torch's CPU kernel returns them
-    return (torch.empty(a.shape, dtype=a.dtype, device="meta").mT.contiguous().mT,
+    *batch, m, n = a.shape
+    *outer, rows, cols = contiguous_strides((*batch, n, m))
+    return (torch.empty_strided(a.shape, (*outer, cols, rows), dtype=a.dtype, device="meta"),
             torch.empty(tau, dtype=a.dtype, device="meta"))
 
 

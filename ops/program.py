@@ -324,7 +324,7 @@ def _outside(func: Any, dec: Decision, args: tuple, kwargs: dict, tensors: list,
         lay = _broadcast(dec.placement)
         metas = _shared_metas(None, comm)
         return _as_returned(func, [None if m is None else cls(torch.empty((0,), dtype=m[1], device=device),
-                                                              lay, m[0]) for m in metas])
+                                                              lay, m[0], geometry=m[2]) for m in metas])
     if not dec.out_layouts:  # a Python value (is_pinned, a scalar): computed on the empty shards
         largs, lkwargs = map_tensors(args, kwargs, lambda t, i: t._local if isinstance(t, cls) else t)
         try:
@@ -362,7 +362,7 @@ def _broadcast(placement: Any) -> Layout:
 
 
 def _shared_metas(metas: Any, comm: Any) -> list:
-    """(shape, dtype) per output as the first rank of the placement has them, told to every rank."""
+    """(shape, dtype, geometry) per output as the first rank of the placement has them, told to every rank."""
     got = comm.all_gather_object(metas, tuple(range(comm.world_size)))
     return next(g for g in got if g is not None)
 
@@ -370,10 +370,15 @@ def _shared_metas(metas: Any, comm: Any) -> list:
 def _wrap_discovered(outs: list, rebuild: Callable, dec: Decision, cls: type, comm: Any, members: frozenset) -> Any:
     """Outputs whose shapes only the run could tell (a replicated fallback of a data-dependent op)."""
     if comm.world_size > len(members):  # ranks outside wait for the shapes
-        metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs]
+        metas = [None if o is None else (tuple(o.shape), o.dtype, _geometry(o)) for o in outs]
         _shared_metas(metas if comm.rank == dec.placement.flat_ranks[0] else None, comm)
     lay = _broadcast(dec.placement)
-    return rebuild([None if o is None else cls(o, lay, tuple(o.shape)) for o in outs])
+    # computed whole on the replicated inputs, so its strides are one device's (LAPACK's column-major solutions)
+    return rebuild([None if o is None else cls(o, lay, tuple(o.shape), geometry=_geometry(o)) for o in outs])
+
+
+def _geometry(o: torch.Tensor) -> Any:
+    return geometry_of(o.shape, o.stride(), o.storage_offset()) if o.layout is torch.strided else None
 
 
 def _keep(t: Any, local: torch.Tensor, layout: Layout, cls: type) -> None:

@@ -150,9 +150,17 @@ def _global(entry: Entry, sample: Any, layouts: Layouts, grad: bool, seed: int) 
         inp, args, kwargs = pytree.tree_map_only(torch.Tensor, conv, (sample.input, sample.args, sample.kwargs))
         torch.manual_seed(seed)
         out = entry.fn(inp, *args, **kwargs)
+        geometry = geometries(out)
         grads = _grads(out, (inp, args, kwargs), grad, seed)
-        return pytree.tree_map(_full, out), (_full(inp) if entry.inplace else None), grads
+        return pytree.tree_map(_full, out), (_full(inp) if entry.inplace else None), grads, geometry
     return gt.launch(body, layouts.world)[0]
+
+
+def geometries(x: Any) -> list:
+    """(shape, strides, storage offset) of every strided tensor leaf: a GlobalTensor's wrapper must say what
+    one device's tensor says (as_strided and a view's legality read them)."""
+    return [(tuple(t.shape), t.stride(), t.storage_offset()) if isinstance(t, torch.Tensor) and
+            t.layout is torch.strided else None for t in pytree.tree_leaves(x)]
 
 
 def difference(got: Any, want: Any, what: str) -> Optional[str]:
@@ -211,8 +219,10 @@ def deterministic(entry: Entry, sample: Any) -> bool:
     return not mode.found
 
 
-def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, seed: int = 0) -> Outcome:
-    """Every sample of `entry` (up to `samples`) laid out by `layouts`, against one device."""
+def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, seed: int = 0,
+          strides: bool = False) -> Outcome:
+    """Every sample of `entry` (up to `samples`) laid out by `layouts`, against one device; with `strides`, the
+    outputs' strides and storage offsets too (a difference is WRONG)."""
     ran = 0
     gt.reset_stats()
     for sample in sample_inputs(entry, grad, samples):
@@ -224,7 +234,7 @@ def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                got_out, got_target, got_grads = _global(entry, sample, layouts, grad, seed)
+                got_out, got_target, got_grads, got_geometry = _global(entry, sample, layouts, grad, seed)
             except Exception as e:
                 msg = (str(e).strip().splitlines() or [""])[-1][:300]
                 return Outcome(entry.key, ERROR, _fallbacks(), f"{type(e).__name__}: {msg}", ran)
@@ -234,6 +244,9 @@ def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, 
             diff = difference(got, want, what) if values else difference(shapes_of(got), shapes_of(want), what)
             if diff is not None:
                 return Outcome(entry.key, WRONG, _fallbacks(), f"sample {ran - 1}: {diff}", ran)
+        if strides and got_geometry != geometries(want_out):
+            return Outcome(entry.key, WRONG, _fallbacks(), f"sample {ran - 1}: (shape, strides, offset) "
+                           f"{got_geometry} != one device's {geometries(want_out)}", ran)
     if ran == 0:
         return Outcome(entry.key, SKIP, detail="no sample torch runs")
     fb = _fallbacks()
@@ -245,5 +258,5 @@ def _fallbacks() -> tuple:
 
 
 __all__ = ["Entry", "Layouts", "LAYOUTS", "Outcome", "entries", "sweep", "sample_inputs", "run_plain", "difference",
-           "shapes_of", "deterministic",
+           "shapes_of", "deterministic", "geometries",
            "NATIVE", "FALLBACK", "WRONG", "ERROR", "SKIP"]
