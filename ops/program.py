@@ -29,6 +29,9 @@ from .registry import ShardSite
 from .stats import STATS, note_fallback
 
 _FRESH = WeakIdKeyDictionary()  # shards of outputs that hold no values yet (rule.fresh)
+# a fresh target that took its source whole (`_adopt`) -> that source: a step plan records the target as the
+# source's value, whose layout it follows, not as a layout of its own
+ADOPTED = WeakIdKeyDictionary()
 
 Program = Callable[[tuple, dict], Any]
 
@@ -407,4 +410,5 @@ def _adopt(tensors: list, cls: type) -> bool:
         return False
     del _FRESH[dst._local]
     dst._set_layout(src._local.to(dst.dtype, copy=True), src._layout)
+    ADOPTED[dst] = src
     return True
