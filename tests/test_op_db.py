@@ -81,6 +81,8 @@ STRIDES = {
     'svd_lowrank': "torch's meta kernel of linalg_svd gives a row-major V where its CPU kernel's is column-major",
     'pca_lowrank': "torch's meta kernel of linalg_svd gives a row-major V where its CPU kernel's is column-major",
     'to_sparse': 'a sparse result on one device, a dense replicated one here (FALLBACKS: _to_sparse)',
+    'nonzero_static': "torch's meta kernel gives an empty [0, 0] result strides (1, 0), its CPU kernel (1, 1) "
+                      '(it falls back: FALLBACKS says why)',
 }
 ENTRIES = {e.key: e for e in sweep.entries()}
 
