@@ -2,6 +2,7 @@
 
     python bench/op_db.py                 # the table: every op_db entry, S(0) over 4 ranks, up to 3 samples
     python bench/op_db.py --json out.json # and every entry's outcome
+    python bench/op_db.py --only add,mul  # only the entries whose names contain one of these (a quick check)
 
 Each OpInfo entry (float32, CPU; its function variant) runs its first samples with every tensor
 argument split on dim 0 over 4 ranks (Broadcast where it has no dim 0), gathered and compared with
@@ -43,12 +44,12 @@ def dtensor_outcome(entry: sweep.Entry, mesh: Any, samples: int = 3) -> str:
         return x.detach().resolve_conj().resolve_neg() if isinstance(x, torch.Tensor) else x
 
     ran = 0
-    for sample in sweep._samples(entry, False, samples):
+    for sample in sweep.sample_inputs(entry, False, samples):
         try:
-            want, _, _ = sweep._plain(entry, sample, False, 0)
+            want, _, _ = sweep.run_plain(entry, sample, False, 0)
         except Exception:
             continue
-        values = sweep._deterministic(entry, sample)
+        values = sweep.deterministic(entry, sample)
         try:
             with LocalTensorMode(frozenset(range(mesh.size()))):
                 def conv(t: torch.Tensor) -> Any:
@@ -60,7 +61,8 @@ def dtensor_outcome(entry: sweep.Entry, mesh: Any, samples: int = 3) -> str:
             return sweep.ERROR
         ran += 1
         want = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, want)
-        diff = sweep._same(got, want, "out") if values else sweep._same(sweep._shapes(got), sweep._shapes(want), "out")
+        diff = (sweep.difference(got, want, "out") if values else
+                sweep.difference(sweep.shapes_of(got), sweep.shapes_of(want), "out"))
         if diff is not None:
             return sweep.WRONG
     return sweep.NATIVE if ran else sweep.SKIP
@@ -70,8 +72,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", help="write every entry's outcome here")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--only", help="comma-separated parts of entry names: run only the entries containing one")
     a = ap.parse_args()
     entries = [e for e in sweep.entries() if not e.inplace]
+    if a.only:
+        parts = a.only.split(",")
+        entries = [e for e in entries if any(p in e.key for p in parts)]
     t0, c0 = time.time(), time.process_time()
     ours = {}
     with warnings.catch_warnings():

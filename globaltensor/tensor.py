@@ -13,6 +13,7 @@ from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import zigzag as _ops_zigzag
+from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
 from .sbp import Broadcast, Partial, SbpLike, Split, Zigzag
@@ -45,9 +46,17 @@ def dry_run_devices() -> Iterator[None]:
 
 def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any,
           requires_grad: bool = False) -> "GlobalTensor":
+    """The wrapper: the global sizes, and the strides and storage offset one device's tensor would have
+    (`key.geometry`: an op's output strides follow its inputs', and as_strided reads them), contiguous where
+    the key holds none."""
     device = layout.placement.device_type if _DRY_RUN.on and local.is_meta else local.device
-    r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=device,
-                                            requires_grad=requires_grad)  # contiguous strides
+    geometry = key.geometry
+    if geometry is None:
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=device,
+                                                requires_grad=requires_grad)
+    else:
+        r = torch.Tensor._make_wrapper_subclass(cls, shape, strides=geometry[0], storage_offset=geometry[1],
+                                                dtype=local.dtype, device=device, requires_grad=requires_grad)
     r._local = local
     r._layout = layout
     r._key = key
@@ -82,21 +91,24 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, shape: Sequence[int],
-                requires_grad: bool = False) -> "GlobalTensor":
+                requires_grad: bool = False, geometry: tuple | None = None) -> "GlobalTensor":
+        """`geometry`: the wrapper's (strides, storage offset) as `ops.keys.geometry_of` gives them, where the
+        tensor stands for one device's that is not contiguous (None: contiguous at offset 0)."""
         shape = tuple(shape)
         if layout.zigzag_axes and cls is GlobalTensor:
             cls = ZigzagTensor
-        return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype), requires_grad)
+        return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry), requires_grad)
 
     @classmethod
-    def _wrapper(cls, layout: Layout, shape: Sequence[int],
-                 dtype: torch.dtype) -> Callable[[torch.Tensor], "GlobalTensor"]:
-        """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits)."""
+    def _wrapper(cls, layout: Layout, shape: Sequence[int], dtype: torch.dtype,
+                 geometry: tuple | None = None) -> Callable[[torch.Tensor], "GlobalTensor"]:
+        """`lambda local: cls(local, layout, shape)` with the key looked up once (dispatch cache hits);
+        `geometry`: the wrapper's (strides, storage offset) as the op's meta kernel gave them (None: contiguous)."""
         shape = tuple(shape)
-        key = _tensor_key(layout, shape, dtype)
+        key = _tensor_key(layout, shape, dtype, geometry)
         # the decision's dtype comes from torch's meta kernels, which a real kernel may contradict
         return lambda local: _wrap(cls, local, layout, shape,
-                                   key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype))
+                                   key if local.dtype is dtype else _tensor_key(layout, shape, local.dtype, geometry))
 
     def with_local(self, local: torch.Tensor) -> "GlobalTensor":
         """This tensor's layout, shape and dtype holding another shard, out of autograd and without a dispatch
@@ -112,7 +124,8 @@ class GlobalTensor(torch.Tensor):
                              "x.to_global(placement, sbp), which returns a new tensor")
         self._local = local
         self._layout = layout
-        self._key = _tensor_key(layout, tuple(self.shape), self.dtype)
+        shape = tuple(self.shape)
+        self._key = _tensor_key(layout, shape, self.dtype, geometry_of(shape, self.stride(), self.storage_offset()))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -194,7 +207,7 @@ class GlobalTensor(torch.Tensor):
         """
         self._clear_non_serializable_cached_data()
         return (_rebuild_from_shard, (self._local.detach(), self._layout, tuple(self.shape), self.requires_grad,
-                                      context.current().rank, dict(self.__dict__)))
+                                      context.current().rank, dict(self.__dict__), self._key.geometry))
 
     def __deepcopy__(self, memo: dict) -> "GlobalTensor":
         """An independent copy: its own shard storage, the same layout, Python state and gradient.
@@ -308,7 +321,7 @@ def _piece(layout: Layout, rank: int) -> tuple | None:
 
 
 def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requires_grad: bool, saved_by: int,
-                        state: dict | None) -> GlobalTensor:
+                        state: dict | None, geometry: tuple | None = None) -> GlobalTensor:
     """torch.load's way back to a GlobalTensor: the shard lands on the loading rank.
 
     The world must hold the placement and the loading rank must hold the piece the saving rank
@@ -326,7 +339,7 @@ def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requi
     if tuple(local.shape) != layout.local_shape(shape, rank):
         raise ValueError(f"{where}: the saved shard has shape {tuple(local.shape)}, not the "
                          f"{layout.local_shape(shape, rank)} that rank {rank} holds")
-    x = GlobalTensor(local, layout, shape, requires_grad=requires_grad)
+    x = GlobalTensor(local, layout, shape, requires_grad=requires_grad, geometry=geometry)
     for name, value in (state or {}).items():  # a parameter's mark, user attributes
         setattr(x, name, value)
     return x
@@ -374,7 +387,8 @@ def _no_ragged(layout: Layout, arg: str) -> None:
 
 def _target_of(x: GlobalTensor, dst: Layout) -> _Target:
     shape = tuple(x.shape)
-    return _Target(dst, boxing.route(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype))
+    # the value is the same tensor's, so it keeps its strides (DTensor's redistribute keeps them too)
+    return _Target(dst, boxing.route(x._layout, dst, shape, x.dtype), _tensor_key(dst, shape, x.dtype, x._key.geometry))
 
 
 def _target(x: GlobalTensor, placement: Any, sbp: Any) -> _Target:

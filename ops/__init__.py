@@ -3,7 +3,7 @@ from . import registry  # noqa: F401  (rules register themselves on import, belo
 from . import attention, attention_cuda, embedding, loss, matrix, normalization, optimizer, pointwise, random, reduction, view  # noqa: F401
 from . import indexing, norm, sorting  # noqa: F401
 from . import batchnorm, complex, datadependent, scalar, variance  # noqa: F401
-from . import inplace_view, view_copies  # noqa: F401
+from . import inplace_view, strided, view_copies  # noqa: F401
 from . import fft, linalg  # noqa: F401
 from . import structural  # noqa: F401
 from . import products  # noqa: F401

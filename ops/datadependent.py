@@ -23,6 +23,7 @@ from ..sbp import Broadcast
 from . import indexing  # noqa: F401  (registers the index rules this module extends)
 from .decide import flatten_out, map_tensors, placement_of
 from .inputs import box_global
+from .keys import geometry_of
 from .registry import RULES, Rule, aten, no_signatures, overloads, register
 
 _MASKS = (torch.bool, torch.uint8)
@@ -40,7 +41,7 @@ def whole(func: Any, args: tuple, kwargs: dict) -> Any:
     largs, lkwargs = map_tensors(args, kwargs, lambda t, i: box_global(t, bcast) if isinstance(t, cls) else t)
     outs, rebuild = flatten_out(func(*largs, **lkwargs)) if inside else (None, None)
     if comm.world_size > placement.size:  # ranks outside learn the shapes from the first rank inside
-        metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs] if inside else None
+        metas = [None if o is None else (tuple(o.shape), o.dtype, _geometry(o)) for o in outs] if inside else None
         got = comm.all_gather_object(metas if comm.rank == placement.flat_ranks[0] else None,
                                      tuple(range(comm.world_size)))
         metas = next((g for g in got if g is not None), None)
@@ -58,9 +59,14 @@ def whole(func: Any, args: tuple, kwargs: dict) -> Any:
             device = comm.device_for(placement.device_type)
             outs = [None if m is None else torch.empty((0,), dtype=m[1], device=device) for m in metas]
             shapes = [None if m is None else m[0] for m in metas]
-            wrapped = [None if o is None else cls(o, bcast, s) for o, s in zip(outs, shapes)]
+            wrapped = [None if o is None else cls(o, bcast, m[0], geometry=m[2]) for o, m in zip(outs, metas)]
             return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
-    return rebuild([None if o is None else cls(o, bcast, tuple(o.shape)) for o in outs])
+    return rebuild([None if o is None else cls(o, bcast, tuple(o.shape), geometry=_geometry(o)) for o in outs])
+
+
+def _geometry(o: torch.Tensor) -> Any:
+    """The strides and offset of an output computed whole: one device's (nonzero's are column-major)."""
+    return geometry_of(o.shape, o.stride(), o.storage_offset()) if o.layout is torch.strided else None
 
 
 def _as_integer_indices(indices: list) -> tuple[list, bool]:

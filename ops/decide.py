@@ -32,6 +32,7 @@ from .. import boxing
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Ragged, Split
 from .errors import data_dependent, kernel_error
+from .keys import geometry_of, meta_of
 from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
 from .scope import in_named
 from .span import placement_of
@@ -103,6 +104,9 @@ class Decision:
     inplace: bool
     writeback: bool                   # in-place op computed elsewhere and boxed back into its target
     rows: Optional[RaggedRows] = None  # ragged inputs: sources and targets are balanced stand-ins
+    # per flattened output: the (strides, storage offset) one device gives it (`keys.geometry_of`, None:
+    # contiguous), from the op's meta kernel on stand-ins with the inputs' own; None where not known
+    out_geometry: Optional[tuple] = None
 
     @property
     def boxes(self) -> bool:
@@ -175,7 +179,7 @@ def decide(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type,
     targets, out_layouts = chosen
     return Decision("kernel", rule, ctx, placement, srcs, targets, out_layouts, ctx.out_shapes,
                     tuple(None if o is None else o.dtype for o in outs), inplace,
-                    _writes_back(inplace, srcs, targets, out_layouts), rows)
+                    _writes_back(inplace, srcs, targets, out_layouts), rows, ctx.out_geometry)
 
 
 def options(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> Optional[tuple]:
@@ -220,7 +224,8 @@ def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> An
     if decomposes:
         return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False, rows)
     try:
-        meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_like(t, t.shape))
+        # stand-ins with the inputs' strides and offsets: the outputs' strides are one device's
+        meta_args, meta_kwargs = map_tensors(args, kwargs, lambda t, i: meta_of(t))
         outs, _ = flatten_out(func(*meta_args, **meta_kwargs) if rule is None or rule.meta is None else
                               rule.meta(func, meta_args, meta_kwargs))
     except Exception as e:
@@ -229,14 +234,38 @@ def _start(func: Any, args: tuple, kwargs: dict, tensors: list, cls: type) -> An
         outs = None  # no meta kernel (data-dependent output): only a replicated run can say
     if outs is None and rule is not None and rule.decompose is not None:  # e.g. x[mask]: a mask to indices
         return Decision("decompose", rule, None, placement, srcs, srcs, (), None, (), inplace, False, rows)
+    geometry = None if outs is None else _geometry(func, rule, outs, meta_args, meta_kwargs)
     if outs is None or rule is None:
-        return _fallback(func, placement, srcs, outs, inplace, rows)
+        return _fallback(func, placement, srcs, outs, inplace, rows, geometry)
     # the context keeps meta stand-ins, not the call's tensors: a cached decision must not pin them
     ctx = Ctx(func, tuple(tuple(t.shape) for t in tensors),
-              tuple(None if o is None else tuple(o.shape) for o in outs), meta_args, meta_kwargs, placement.shape)
+              tuple(None if o is None else tuple(o.shape) for o in outs), meta_args, meta_kwargs, placement.shape,
+              geometry)
     if rule.decompose is not None and rule.decompose_when(ctx, srcs):
-        return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False, rows)
+        return Decision("decompose", rule, ctx, placement, srcs, srcs, (), None, (), inplace, False, rows, geometry)
     return Call(ctx, rule, placement, srcs, outs, inplace, rows)
+
+
+def _geometry(func: Any, rule: Optional[Rule], outs: list, meta_args: tuple, meta_kwargs: dict) -> tuple:
+    """Per output, the (strides, storage offset) one device gives it (`keys.geometry_of`).
+
+    A rule's own meta (`Rule.meta`, a fast path for shapes and dtypes) makes contiguous outputs; where an
+    input is not contiguous (whose layout torch's kernels carry over, a pointwise op's output of a transposed
+    input is transposed) torch's own meta kernel says the strides, if it has one.
+    """
+    if rule is not None and rule.meta is not None and any(
+            not t.is_contiguous() or t.storage_offset() for t in _meta_tensors(meta_args, meta_kwargs)):
+        try:
+            outs, _ = flatten_out(func(*meta_args, **meta_kwargs))
+        except Exception:
+            pass
+    return tuple(None if o is None else geometry_of(o.shape, o.stride(), o.storage_offset()) for o in outs)
+
+
+def _meta_tensors(args: tuple, kwargs: dict) -> list:
+    found: list = []
+    map_tensors(args, kwargs, lambda t, i: found.append(t))
+    return found
 
 
 def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple) -> bool:
@@ -245,7 +274,7 @@ def _writes_back(inplace: bool, srcs: tuple, targets: tuple, out_layouts: tuple)
 
 
 def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inplace: bool,
-              rows: Optional[RaggedRows] = None) -> Decision:
+              rows: Optional[RaggedRows] = None, geometry: Optional[tuple] = None) -> Decision:
     bcast = Layout(placement, (Broadcast(),) * placement.ndim)
     if outs is None:
         out_layouts, out_shapes, out_dtypes = None, None, None
@@ -254,7 +283,7 @@ def _fallback(func: Any, placement: Any, srcs: tuple, outs: Optional[list], inpl
         out_shapes = tuple(None if o is None else tuple(o.shape) for o in outs)
         out_dtypes = tuple(None if o is None else o.dtype for o in outs)
     return Decision("fallback", None, None, placement, srcs, (bcast,) * len(srcs), out_layouts, out_shapes,
-                    out_dtypes, inplace, inplace and srcs[0] != bcast, rows)
+                    out_dtypes, inplace, inplace and srcs[0] != bcast, rows, geometry)
 
 
 def axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:

@@ -20,7 +20,7 @@ from .. import boxing
 from ..layout import Layout
 from ..runtime import context
 from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
-from ..sbp import Broadcast
+from ..sbp import Broadcast, Split
 
 _SETTLED = WeakIdKeyDictionary()  # gradient converted in place by its bucket -> the layout its backward gave it
 _REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor or noted gradient -> {target layout: (versions, local)}
@@ -115,9 +115,66 @@ def _once_in_node(t: Any, dst: Layout, node: Any) -> torch.Tensor:
     hit = memo.get(dst)
     if hit is not None and hit[0] == now:
         return hit[1]
-    out = box(t._local, t._layout, dst, t.shape)
+    out = _permuted_hit(t, dst, seen.memo)
+    if out is None:
+        out = box(t._local, t._layout, dst, t.shape)
+        _remember_for_base(t, dst, out, seen.memo)
     memo[dst] = (now, out)
     return out
+
+
+def _remember_for_base(t: Any, dst: Layout, out: torch.Tensor, remembered: Any) -> None:
+    """A view that permutes its base's dims (`grad.t()`, a temporary the memo would lose with it) leaves its
+    conversion for the base too, permuted back, so that a later read of the base or of another such view of
+    it finds it."""
+    base = t._base
+    if base is None or not hasattr(base, "_layout"):
+        return
+    perm = _permutation(t, base)
+    if perm is None:
+        return
+    inverse = [perm.index(d) for d in range(len(perm))]
+    lay = Layout(dst.placement, tuple(Split(perm[s.dim]) if isinstance(s, Split) else s for s in dst.sbp))
+    memo = remembered.get(base)
+    if memo is None:
+        memo = remembered[base] = {}
+    memo[lay] = (_versions(base), out.permute(inverse))
+
+
+def _permuted_hit(t: Any, dst: Layout, remembered: Any) -> Any:
+    """`t`'s shard in `dst` from a conversion remembered in this node for a tensor whose dims `t` permutes, or None.
+
+    A linear's weight gradient reads the output's gradient transposed where its input gradient reads it as it
+    is (torch's mm backward picks `grad.t().mm(x).t()` for a transposed weight, as one device does): the same
+    elements, so the conversion the first made serves the second, permuted (either may come first). The
+    wrappers' strides say it: two views of one base (or a base and its view) at the same offset whose sizes and
+    strides are a permutation of each other."""
+    root = t._base if t._base is not None else t
+    for m, memo in remembered.items():
+        if m is t or not memo or (m._base if m._base is not None else m) is not root:
+            continue
+        perm = _permutation(t, m)
+        if perm is None:
+            continue
+        want = Layout(dst.placement, tuple(Split(perm[s.dim]) if isinstance(s, Split) else s for s in dst.sbp))
+        hit = memo.get(want)
+        if hit is not None and hit[0] == _versions(m):
+            return hit[1].permute(perm)
+    return None
+
+
+def _permutation(t: Any, m: Any) -> Any:
+    """The dims of `m` that `t`'s dims are (`t` is `m.permute(perm)`), read off sizes, strides and offsets."""
+    if t.dim() != m.dim() or t.storage_offset() != m.storage_offset():
+        return None
+    free, perm = list(range(m.dim())), []
+    for n, st in zip(t.shape, t.stride()):
+        j = next((j for j in free if m.shape[j] == n and m.stride(j) == st), None)
+        if j is None:
+            return None
+        free.remove(j)
+        perm.append(j)
+    return perm
 
 
 def _memo_of(t: Any) -> dict:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .dims import Carried, carried
+from .keys import contiguous_strides
 from .registry import B, P, Ctx, Rule, ShardSite, S, always, aten, register
 
 Cores = Sequence[Optional[int]] | Callable[[Ctx], Sequence[Optional[int]]]
@@ -197,7 +198,11 @@ def geqrf_meta(func: Any, args: tuple, kwargs: dict) -> tuple:
     if a.dim() < 2:
         raise RuntimeError(f"{func}: input must have at least 2 dimensions")
     tau = (*a.shape[:-2], min(a.shape[-2], a.shape[-1]))
-    return torch.empty(a.shape, dtype=a.dtype, device="meta"), torch.empty(tau, dtype=a.dtype, device="meta")
+    # LAPACK's reflectors come back column-major, as torch's CPU kernel returns them
+    *batch, m, n = a.shape
+    *outer, rows, cols = contiguous_strides((*batch, n, m))
+    return (torch.empty_strided(a.shape, (*outer, cols, rows), dtype=a.dtype, device="meta"),
+            torch.empty(tau, dtype=a.dtype, device="meta"))
 
 
 register([aten.linalg_inv_ex.default, aten.linalg_cholesky_ex.default], batched((2,), (2, 0)))

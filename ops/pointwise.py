@@ -193,9 +193,12 @@ def cast_signatures(ctx: Ctx) -> list:
 
 
 def cast_meta(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
-    """`_to_copy` on meta: the dtype asked for, the input's shape (a `device=` asked for is the shard's business)."""
+    """`_to_copy` on meta: the dtype asked for, the input's shape and, as torch's kernel lays it out, the memory
+    format asked for (preserved by default: a transposed input gives a transposed copy); a `device=` asked for is
+    the shard's business."""
     x = args[0]
-    return torch.empty(x.shape, dtype=kwargs.get("dtype") or x.dtype, device="meta")
+    return torch.empty_like(x, dtype=kwargs.get("dtype") or x.dtype, device="meta",
+                            memory_format=kwargs.get("memory_format") or torch.preserve_format)
 
 
 def any_layout_no_output(ctx: Ctx) -> list:

@@ -23,11 +23,15 @@ from ..runtime import context
 from ..sbp import Broadcast
 from .decide import Decision, flatten_out, map_tensors
 from .errors import kernel_error
+from .keys import geometry_of
 from .inputs import box, local_of
 from .registry import ShardSite
 from .stats import STATS, note_fallback
 
 _FRESH = WeakIdKeyDictionary()  # shards of outputs that hold no values yet (rule.fresh)
+# a fresh target that took its source whole (`_adopt`) -> that source: a step plan records the target as the
+# source's value, whose layout it follows, not as a layout of its own
+ADOPTED = WeakIdKeyDictionary()
 
 Program = Callable[[tuple, dict], Any]
 
@@ -49,7 +53,12 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
         on_stand_ins.decision = dec  # type: ignore[attr-defined]
         return on_stand_ins
     if dec.kind == "decompose":
-        if not rule.overwrites:
+        if not rule.overwrites and dec.out_geometry is not None and not dec.inplace:
+            run_decomposition = compile_decomposition(func, rule, cls)
+
+            def decomposed(args: tuple, kwargs: dict) -> Any:
+                return restride(run_decomposition(args, kwargs), dec.out_geometry, tensors_of(args, kwargs))
+        elif not rule.overwrites:
             decomposed = compile_decomposition(func, rule, cls)
         else:
             def decomposed(args: tuple, kwargs: dict) -> Any:
@@ -76,8 +85,10 @@ def compile_program(func: Any, dec: Decision, args: tuple, kwargs: dict, cls: ty
     work = tuple((k, targets[k]) for k in range(len(targets)) if k not in direct)
     boxed = dec.boxes
     known = dec.out_shapes is not None
-    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype)
-                     for lay, shape, dtype in zip(out_layouts, dec.out_shapes, dec.out_dtypes)) if known else ()
+    geometry = dec.out_geometry or (None,) * len(out_layouts) if known else ()
+    wrappers = tuple(None if lay is None else cls._wrapper(lay, shape, dtype, at)
+                     for lay, shape, dtype, at in zip(out_layouts, dec.out_shapes, dec.out_dtypes, geometry)) \
+        if known else ()
     wrap_one = wrappers[0] if len(wrappers) == 1 else None
     restates = inplace and known and changes_metadata(func, every[0], dec.out_shapes[0], dec.out_dtypes[0])
     where: dict = {}  # rank -> ShardSite, built only where the rule has its own kernel
@@ -278,6 +289,28 @@ def restate(target: Any, func: Any, args: tuple, kwargs: dict, local: torch.Tens
     target._set_layout(local, layout)
 
 
+def restride(out: Any, geometry: tuple, inputs: list) -> Any:
+    """A decomposition's outputs with the strides and offsets one device gives the op (its meta kernel's).
+
+    Its own ops' outputs have theirs (a view computed as a gather is contiguous, where torch's view of a
+    transposed tensor is not): the value is right either way, but the wrapper must say what one device
+    says, or `stride()`, `is_contiguous()`, a later view's legality and `as_strided` would not be torch's.
+    An output that is one of the inputs (a view that changed nothing) and a ragged one keep their wrappers.
+    """
+    outs, rebuild = flatten_out(out)
+    changed = False
+    for j, (o, at) in enumerate(zip(outs, geometry)):
+        if o is None or not hasattr(o, "_layout") or o._layout.ragged_axes or any(o is t for t in inputs):
+            continue
+        shape = tuple(o.shape)
+        if at != geometry_of(shape, o.stride(), o.storage_offset()):
+            new = type(o)._wrapper(o._layout, shape, o.dtype, at)(o._local)
+            if getattr(o, "_cut_from", None) is not None:
+                new._cut_from = o._cut_from
+            outs[j], changed = new, True
+    return rebuild(outs) if changed else out
+
+
 def _tensor_list(args: tuple, kwargs: dict) -> list:
     found: list = []
     map_tensors(args, kwargs, lambda t, i: found.append(t))
@@ -296,7 +329,7 @@ def _outside(func: Any, dec: Decision, args: tuple, kwargs: dict, tensors: list,
         lay = _broadcast(dec.placement)
         metas = _shared_metas(None, comm)
         return _as_returned(func, [None if m is None else cls(torch.empty((0,), dtype=m[1], device=device),
-                                                              lay, m[0]) for m in metas])
+                                                              lay, m[0], geometry=m[2]) for m in metas])
     if not dec.out_layouts:  # a Python value (is_pinned, a scalar): computed on the empty shards
         largs, lkwargs = map_tensors(args, kwargs, lambda t, i: t._local if isinstance(t, cls) else t)
         try:
@@ -334,7 +367,7 @@ def _broadcast(placement: Any) -> Layout:
 
 
 def _shared_metas(metas: Any, comm: Any) -> list:
-    """(shape, dtype) per output as the first rank of the placement has them, told to every rank."""
+    """(shape, dtype, geometry) per output as the first rank of the placement has them, told to every rank."""
     got = comm.all_gather_object(metas, tuple(range(comm.world_size)))
     return next(g for g in got if g is not None)
 
@@ -342,10 +375,15 @@ def _shared_metas(metas: Any, comm: Any) -> list:
 def _wrap_discovered(outs: list, rebuild: Callable, dec: Decision, cls: type, comm: Any, members: frozenset) -> Any:
     """Outputs whose shapes only the run could tell (a replicated fallback of a data-dependent op)."""
     if comm.world_size > len(members):  # ranks outside wait for the shapes
-        metas = [None if o is None else (tuple(o.shape), o.dtype) for o in outs]
+        metas = [None if o is None else (tuple(o.shape), o.dtype, _geometry(o)) for o in outs]
         _shared_metas(metas if comm.rank == dec.placement.flat_ranks[0] else None, comm)
     lay = _broadcast(dec.placement)
-    return rebuild([None if o is None else cls(o, lay, tuple(o.shape)) for o in outs])
+    # computed whole on the replicated inputs, so its strides are one device's (LAPACK's column-major solutions)
+    return rebuild([None if o is None else cls(o, lay, tuple(o.shape), geometry=_geometry(o)) for o in outs])
+
+
+def _geometry(o: torch.Tensor) -> Any:
+    return geometry_of(o.shape, o.stride(), o.storage_offset()) if o.layout is torch.strided else None
 
 
 def _keep(t: Any, local: torch.Tensor, layout: Layout, cls: type) -> None:
@@ -374,4 +412,5 @@ def _adopt(tensors: list, cls: type) -> bool:
         return False
     del _FRESH[dst._local]
     dst._set_layout(src._local.to(dst.dtype, copy=True), src._layout)
+    ADOPTED[dst] = src
     return True

@@ -41,6 +41,8 @@ class Ctx:
     args: tuple
     kwargs: dict
     mesh: tuple[int, ...]
+    # per output: its (strides, storage offset) on one device (`keys.geometry_of`; None: contiguous)
+    out_geometry: Optional[tuple] = None
 
     def arg(self, i: int, name: str, default: Any = None) -> Any:
         """Positional or keyword argument of the op's schema."""

@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import Layout
 from .decide import Decision, conversion_cost, flatten_out, summed
+from .program import ADOPTED
 from .registry import RULES
 from .scope import in_named
 from .step_solve import Graph, Read, solve
@@ -197,6 +198,15 @@ class StepPlan:
         if dec.kind == "decompose":  # its own calls read and made the values
             return
         outs, _ = flatten_out(out)
+        if dec.inplace and len(tensors) > 1 and outs and ADOPTED.pop(outs[0], None) is tensors[1]:
+            # a fresh target took its source whole, in the source's layout, converting nothing (autograd's
+            # `new_empty_strided(..).copy_(grad)` of a gradient whose strides are not its parameter's): the
+            # target holds the source's value, in whatever layout the source's maker is steered to
+            # (the fresh target's own values are never read: the call reads nothing)
+            v = self._value_of(tensors[1], dec.sources[1], cls)
+            g.set_call(k, [(dec.targets, (None,) * len(outs))], 0, [((), 0)], [], [None] * len(outs), steer=False)
+            rec.tags[outs[0]] = v
+            return
         if opts is None:  # nothing to choose; the outputs' layouts are what the run gave them
             made_in = tuple(o._layout if isinstance(o, cls) else None for o in outs)
             srcs, cands, chosen, bills = dec.sources, [(dec.targets, made_in)], 0, [((), 0)]

@@ -86,7 +86,9 @@ class Outcome:
         return f"{self.key}: {self.status}{fb} {self.detail}".rstrip()
 
 
-def _samples(entry: Entry, grad: bool, n: int) -> list:
+def sample_inputs(entry: Entry, grad: bool, n: int) -> list:
+    """The entry's first `n` OpInfo samples (none where torch cannot make them). Public: bench/op_db.py runs
+    DTensor on the very samples the sweep runs globaltensor on, so the two columns count the same calls."""
     grad = grad and entry.info.supports_autograd and not entry.inplace
     try:
         it = entry.info.sample_inputs("cpu", torch.float32, requires_grad=grad)
@@ -100,8 +102,9 @@ def _samples(entry: Entry, grad: bool, n: int) -> list:
         return []
 
 
-def _plain(entry: Entry, sample: Any, grad: bool, seed: int) -> Any:
-    """The sample on one device: (outputs, the in-place target after, input grads)."""
+def run_plain(entry: Entry, sample: Any, grad: bool, seed: int) -> Any:
+    """The sample on one device: (outputs, the in-place target after, input grads). Public: it is the oracle
+    both columns of bench/op_db.py are compared against, so it must be this one."""
     inp, args, kwargs = pytree.tree_map_only(torch.Tensor, _fresh(grad), (sample.input, sample.args, sample.kwargs))
     torch.manual_seed(seed)
     out = entry.fn(inp, *args, **kwargs)
@@ -147,13 +150,22 @@ def _global(entry: Entry, sample: Any, layouts: Layouts, grad: bool, seed: int) 
         inp, args, kwargs = pytree.tree_map_only(torch.Tensor, conv, (sample.input, sample.args, sample.kwargs))
         torch.manual_seed(seed)
         out = entry.fn(inp, *args, **kwargs)
+        geometry = geometries(out)
         grads = _grads(out, (inp, args, kwargs), grad, seed)
-        return pytree.tree_map(_full, out), (_full(inp) if entry.inplace else None), grads
+        return pytree.tree_map(_full, out), (_full(inp) if entry.inplace else None), grads, geometry
     return gt.launch(body, layouts.world)[0]
 
 
-def _same(got: Any, want: Any, what: str) -> Optional[str]:
-    """None if equal, else what differs."""
+def geometries(x: Any) -> list:
+    """(shape, strides, storage offset) of every strided tensor leaf: a GlobalTensor's wrapper must say what
+    one device's tensor says (as_strided and a view's legality read them)."""
+    return [(tuple(t.shape), t.stride(), t.storage_offset()) if isinstance(t, torch.Tensor) and
+            t.layout is torch.strided else None for t in pytree.tree_leaves(x)]
+
+
+def difference(got: Any, want: Any, what: str) -> Optional[str]:
+    """None if equal, else what differs. Public: bench/op_db.py judges DTensor's results by the same
+    tolerance and structure check as the sweep's, or the side-by-side table would compare unlike things."""
     g_leaves, g_spec = pytree.tree_flatten(got)
     w_leaves, w_spec = pytree.tree_flatten(want)
     if g_spec != w_spec:
@@ -176,7 +188,9 @@ def _same(got: Any, want: Any, what: str) -> Optional[str]:
     return None
 
 
-def _shapes(x: Any) -> Any:
+def shapes_of(x: Any) -> Any:
+    """(shape, dtype) in place of every tensor: what is compared where values are random or uninitialized
+    (`deterministic`). Public for bench/op_db.py, which compares DTensor's results the same way."""
     return pytree.tree_map_only(torch.Tensor, lambda t: (tuple(t.shape), t.dtype), x)
 
 
@@ -193,40 +207,46 @@ class _Seeded(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _deterministic(entry: Entry, sample: Any) -> bool:
+def deterministic(entry: Entry, sample: Any) -> bool:
     """Whether the sample's values are defined: random ops (whose values on ranks are tests/test_ops_random.py's)
-    and uninitialized ones (`empty_like`) are compared by shapes and dtypes only."""
+    and uninitialized ones (`empty_like`) are compared by shapes and dtypes only. Public: bench/op_db.py
+    makes the same choice for DTensor's column."""
     with _Seeded() as mode:
         try:
-            _plain(entry, sample, False, 0)
+            run_plain(entry, sample, False, 0)
         except Exception:
             pass
     return not mode.found
 
 
-def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, seed: int = 0) -> Outcome:
-    """Every sample of `entry` (up to `samples`) laid out by `layouts`, against one device."""
+def sweep(entry: Entry, layouts: Layouts, grad: bool = False, samples: int = 3, seed: int = 0,
+          strides: bool = False) -> Outcome:
+    """Every sample of `entry` (up to `samples`) laid out by `layouts`, against one device; with `strides`, the
+    outputs' strides and storage offsets too (a difference is WRONG)."""
     ran = 0
     gt.reset_stats()
-    for sample in _samples(entry, grad, samples):
+    for sample in sample_inputs(entry, grad, samples):
         try:
-            want_out, want_target, want_grads = _plain(entry, sample, grad, seed)
+            want_out, want_target, want_grads = run_plain(entry, sample, grad, seed)
         except Exception:
             continue  # torch itself refuses the sample (an in-place op whose result would promote)
-        values = _deterministic(entry, sample)  # else random or uninitialized (empty_like): shapes and dtypes
+        values = deterministic(entry, sample)  # else random or uninitialized (empty_like): shapes and dtypes
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                got_out, got_target, got_grads = _global(entry, sample, layouts, grad, seed)
+                got_out, got_target, got_grads, got_geometry = _global(entry, sample, layouts, grad, seed)
             except Exception as e:
                 msg = (str(e).strip().splitlines() or [""])[-1][:300]
                 return Outcome(entry.key, ERROR, _fallbacks(), f"{type(e).__name__}: {msg}", ran)
         ran += 1
         for got, want, what in ((got_out, pytree.tree_map(_full, want_out), "out"),
                                 (got_target, want_target, "target"), (got_grads, want_grads, "grad")):
-            diff = _same(got, want, what) if values else _same(_shapes(got), _shapes(want), what)
+            diff = difference(got, want, what) if values else difference(shapes_of(got), shapes_of(want), what)
             if diff is not None:
                 return Outcome(entry.key, WRONG, _fallbacks(), f"sample {ran - 1}: {diff}", ran)
+        if strides and got_geometry != geometries(want_out):
+            return Outcome(entry.key, WRONG, _fallbacks(), f"sample {ran - 1}: (shape, strides, offset) "
+                           f"{got_geometry} != one device's {geometries(want_out)}", ran)
     if ran == 0:
         return Outcome(entry.key, SKIP, detail="no sample torch runs")
     fb = _fallbacks()
@@ -237,5 +257,6 @@ def _fallbacks() -> tuple:
     return tuple(sorted(gt.stats()["fallback"]))
 
 
-__all__ = ["Entry", "Layouts", "LAYOUTS", "Outcome", "entries", "sweep",
+__all__ = ["Entry", "Layouts", "LAYOUTS", "Outcome", "entries", "sweep", "sample_inputs", "run_plain", "difference",
+           "shapes_of", "deterministic", "geometries",
            "NATIVE", "FALLBACK", "WRONG", "ERROR", "SKIP"]

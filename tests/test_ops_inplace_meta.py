@@ -184,8 +184,8 @@ def test_resize_refuses_what_it_cannot_compute_exactly(case, match):
 
 
 @given(meshes(), st.data())
-def test_as_strided_in_place_falls_back_and_restates_its_target(mesh, data):
-    """as_strided_ has no rule: its fallback must leave the target with torch's shape and strides."""
+def test_as_strided_in_place_restates_its_target(mesh, data):
+    """as_strided_ (ops/strided.py) leaves the target with torch's shape, strides and values."""
     full = torch.arange(20.0, dtype=D).reshape(4, 5)
     sbp = data.draw(sbps_for(mesh, (4, 5)))
     want = full.clone().as_strided_((3, 2), (1, 3), 2)

@@ -63,8 +63,8 @@ from .local_call import Swap, call_local
 
 @dataclass(frozen=True)
 class _Verdict:
-    """What the watched call showed: `plain`, and for a plain one the outputs' (layout, shape) per flattened
-    output leaf, the gradient layout per input leaf and per parameter/buffer slot; else `why` not."""
+    """What the watched call showed: `plain`, and for a plain one the outputs' (layout, shape, geometry: the
+    wrapper's strides and offset) per flattened output leaf, the gradient layout per input leaf and per parameter/buffer slot; else `why` not."""
     plain: bool
     why: str = ""
     members: frozenset = frozenset()
@@ -182,7 +182,8 @@ class PlainRegion:
         if grad and any(out_leaves[i].requires_grad for i in at):
             wrapped = _FromPlain.apply(v.outs, *(out_leaves[i] for i in at))
         else:
-            wrapped = [GlobalTensor(out_leaves[i], lay, shape) for i, (lay, shape) in zip(at, v.outs)]
+            wrapped = [GlobalTensor(out_leaves[i], lay, shape, geometry=at_)
+                       for i, (lay, shape, at_) in zip(at, v.outs)]
         for i, w in zip(at, wrapped):
             out_leaves[i] = w
         return pytree.tree_unflatten(out_leaves, out_spec)
@@ -239,9 +240,9 @@ class _FromPlain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, outs: tuple, *locals_: torch.Tensor) -> tuple:  # type: ignore[override]
-        ctx.duals = [grad_layout(lay) for lay, _ in outs]
+        ctx.duals = [grad_layout(lay) for lay, _, _ in outs]
         ctx.set_materialize_grads(False)  # an output the loss does not use: None, not zeros of its global shape
-        return tuple(GlobalTensor(t.view_as(t), lay, shape) for t, (lay, shape) in zip(locals_, outs))
+        return tuple(GlobalTensor(t.view_as(t), lay, shape, geometry=at) for t, (lay, shape, at) in zip(locals_, outs))
 
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
@@ -336,7 +337,7 @@ def _judge(call: _Call, watch: _Watch, log: Any, out: Any) -> _Verdict:
     why = _shape_check(call, watch, placement)
     if why:
         return _Verdict(False, why)
-    return _Verdict(True, "", frozenset(placement.flat_ranks), tuple((o._layout, tuple(o.shape)) for o in outs),
+    return _Verdict(True, "", frozenset(placement.flat_ranks), tuple((o._layout, tuple(o.shape), o._key.geometry) for o in outs),
                     tuple(_plain_grad_layout(x._layout, split_axes) for x in ins),
                     tuple(_plain_grad_layout(t._layout, split_axes) if isinstance(t, GlobalTensor) else None
                           for t in call.tensors))
