@@ -57,6 +57,7 @@ from ..layout import Layout
 from ..runtime import context
 from ..runtime.trace import watching
 from ..sbp import Broadcast, Partial, Split
+from ..ops.keys import geometry_of
 from ..tensor import GlobalTensor, distribute, grad_layout
 from .local_call import Swap, call_local
 
@@ -511,11 +512,14 @@ class RowLocal:
         out = call_local(self.module, swaps, call_args, call_kwargs)
         out_leaves, out_spec = pytree.tree_flatten(out)
         at = [i for i, o in enumerate(out_leaves) if isinstance(o, torch.Tensor)]
-        outs = tuple((on(True), self._global_shape(out_leaves[i], rows, held, on(True), rank, where)) for i in at)
+        outs = []
+        for i in at:
+            shape = self._global_shape(out_leaves[i], rows, held, on(True), rank, where)
+            outs.append((on(True), shape, _geometry_like(out_leaves[i], shape)))
         if grad and any(out_leaves[i].requires_grad for i in at):
-            wrapped = _FromPlain.apply(outs, *(out_leaves[i] for i in at))
+            wrapped = _FromPlain.apply(tuple(outs), *(out_leaves[i] for i in at))
         else:
-            wrapped = [GlobalTensor(out_leaves[i], lay, shape) for i, (lay, shape) in zip(at, outs)]
+            wrapped = [GlobalTensor(out_leaves[i], lay, shape, geometry=g) for i, (lay, shape, g) in zip(at, outs)]
         for i, w in zip(at, wrapped):
             out_leaves[i] = w
         return pytree.tree_unflatten(out_leaves, out_spec)
@@ -533,3 +537,12 @@ class RowLocal:
                                f"{shape[0]}: a row-local module needs rows that divide alike over the ranks (a batch "
                                "that divides by the data ranks)")
         return shape
+
+
+def _geometry_like(local: torch.Tensor, shape: tuple) -> Optional[tuple]:
+    """The global output's strides as one device lays it out: its dims in the local output's memory order."""
+    if local.is_contiguous():
+        return None
+    order = sorted(range(local.dim()), key=lambda d: (-local.stride(d), d))  # outermost dim first
+    whole = torch.empty([shape[d] for d in order], device="meta").permute(sorted(range(local.dim()), key=order.index))
+    return geometry_of(shape, whole.stride(), 0)
