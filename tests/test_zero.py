@@ -14,6 +14,7 @@ bytes than the textbook's count, chosen by cost; the paper's count is then an up
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import warnings
@@ -758,3 +759,44 @@ def test_zero_knows_nothing_of_the_pipeline():
         elif isinstance(node, ast.Import):
             names.update(a.name.rsplit(".", 1)[-1] for a in node.names)
     assert not names & {"replay", "pipeline", "stage", "early_exit", "RECORDING"}
+
+
+def test_an_exception_inside_a_gathering_module_leaves_nothing_open():
+    """A block's forward that raises (a bad input, an interrupted step) leaves its stored parameters in their
+    slots, frees its gathered copies and closes its call, as FSDP2's hooks do: the next step runs and equals
+    one device, and nothing stays gathered."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.fail = False
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.fail:
+                raise ValueError("a bad batch")
+            return torch.tanh(y)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Block(), Block()).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    ref = copy.deepcopy(net)
+    ref(x).sum().backward()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        whole = gt.ModuleLayout(params=gt.broadcast)
+        m = gt.to_global(copy.deepcopy(net), p, {"*": gt.split(0), "": whole, "0": whole, "1": whole})
+        xs = gt.to_global(x, p, gt.split(0))
+        m[1].fail = True
+        with pytest.raises(ValueError, match="a bad batch"):
+            m(xs)
+        m[1].fail = False
+        held = gt.zero.gathered_bytes()
+        stored = all(isinstance(q, gt.GlobalTensor) and q.sbp == (gt.split(0),) for q in m.parameters())
+        m(xs).sum().backward()
+        return held, stored, {n: q.grad.full_tensor() for n, q in m.named_parameters()}
+    for held, stored, grads in gt.launch(body, 2):
+        assert held == 0 and stored
+        for n, q in ref.named_parameters():
+            torch.testing.assert_close(grads[n], q.grad)

@@ -438,6 +438,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         if mod in groups:
             handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
             handles.append(mod.register_forward_hook(groups[mod].after))
+            handles.append(mod.register_forward_hook(groups[mod].unwind, always_call=True))
             onto = {c.placement for c in groups[mod].compute}
             if pre is None and post is None and groups[mod].param_dtype is None and len(onto) == 1:
                 mod.__dict__["_gt_gather_group"] = groups[mod]  # only gathers, onto one placement: may run plain there

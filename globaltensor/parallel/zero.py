@@ -126,6 +126,19 @@ class ParamGroup:
             args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
         return args, kwargs
 
+    def unwind(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        """Forward hook run even when the forward raised (`always_call`): where `after` did not run, this call
+        is still open; its stored parameters go back in their slots and its gathered copies are freed, so an
+        exception leaves the module, and this thread's stack of open calls, as they were before it."""
+        if not _OPEN.stack or _OPEN.stack[-1].group is not self:
+            return  # `after` closed it: the forward returned
+        call = _OPEN.stack.pop()
+        _OPEN.installed.pop()
+        for mod, name, i in self.slots:
+            mod._parameters[name] = self.params[i]
+        if not call.freed:
+            call.free()
+
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
         and marks the output so that its backward gathers them again first."""
