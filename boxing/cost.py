@@ -1,7 +1,8 @@
 """Cost: bytes received per rank (DESIGN.md's convention), and the lower bound they cannot beat.
 
 The planner minimises, lexicographically, (total bytes received over all
-ranks, collective launches, point-to-point steps, steps). The total is
+ranks, a byte between nodes counted as the topology's `across_cost` bytes,
+collective launches, point-to-point steps, steps). The total is
 additive along a path, so a shortest-path search is exact; and because every
 rank receives at least its own lower bound in any route, a route whose total
 equals the summed bound meets the bound on every rank.
