@@ -340,8 +340,9 @@ def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
     gradient buckets 144,832 (DDP's 95,872 of it), the router's and norms' 4,288, and the experts 563,200:
     transformers' experts sort the whole batch's tokens by expert
     (`torch.sort` of every routing choice) and index them back, a program that moves tokens between data ranks
-    where Megatron's DP x TP runs each data rank's own sort (the zoo's `_MOE` note; a hint that a module is
-    row-local would let it run on the local rows)."""
+    where Megatron's DP x TP runs each data rank's own sort. `ModuleLayout(row_local=True)` removes that under
+    DP and ZeRO (the zoo's plans declare these blocks row-local), but it runs a block on whole parameters, and
+    here the experts are split on the tensor axis; a row-local run per data group over the tensor axis is due."""
     got = hf_zoo.step(hf_zoo.ZOO["mixtral"], "dp_tp", 4)
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2, dp=2, shard_elems=23_968)
