@@ -101,7 +101,8 @@ class CollectiveWatch:
         self._hang = hang_seconds()
         self._recent: deque = deque(maxlen=RECENT)  # [kind, group, seq, what, started, ended or None]
         self._recorded = False
-        threading.Thread(target=self._loop, name="gt-collective-watch", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="gt-collective-watch", daemon=True)
+        self._thread.start()
 
     # -- the caller's side: two assignments per collective ------------------------------------------
     def enter(self, kind: str, group: Sequence[int], what: str) -> None:
@@ -122,6 +123,10 @@ class CollectiveWatch:
         """The program returned: a peer still waiting for this rank is told it never will."""
         counts = ", ".join(f"{n} on group {g}" for g, n in sorted(self._seq.items())) or "none"
         self._stop = True
+        if self._thread is not threading.current_thread():
+            # no store call of the watcher may outlive this: the process group (and its store) is destroyed next
+            # at exit, and a client torn down under another thread's call aborts the process
+            self._thread.join(timeout=2 * self._poll + 5)
         try:
             self._store.set(_PREFIX + str(self.rank), json.dumps(["finished", "", [], 0, counts]))
         except Exception:  # noqa: BLE001 - at exit the job's store may be gone already: nothing to tell
