@@ -30,11 +30,28 @@ from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
 BATCH = 8
+SEQUENCES = 32  # 4 batches an epoch, shuffled per epoch: a resumed job must find its place in them
+SEED = 0
 
 
-def _data() -> torch.Tensor:
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size + 1), generator=g)
+class Tokens(torch.utils.data.Dataset):
+    """Token sequences as (input, target) pairs: the target is the input shifted by one."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.rows = torch.randint(0, CFG.vocab_size, (SEQUENCES, CFG.block_size + 1), generator=g)
+
+    def __len__(self) -> int:
+        return SEQUENCES
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.rows[i, :-1], self.rows[i, 1:]
+
+
+def _epochs(batches: gt.data.Batches):
+    """Batches, one epoch after another (a training loop counts steps, not epochs)."""
+    while True:
+        yield from batches
 
 
 def one_device(steps: int) -> tuple:
@@ -42,9 +59,11 @@ def one_device(steps: int) -> tuple:
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data, losses = _data(), []
-    for _ in range(steps):
-        _, loss = model(data[:, :-1], data[:, 1:])
+    data, losses = Tokens(), []
+    per_epoch = SEQUENCES // BATCH
+    for step in range(steps):  # the order gt.data.Batches reads on any mesh
+        rows = gt.data.batch_indices(SEQUENCES, BATCH, SEED, step // per_epoch, step % per_epoch)
+        _, loss = model(data.rows[rows, :-1], data.rows[rows, 1:])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -77,9 +96,8 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
     model = GPT(cfg)
     p = gt.placement(device, np.arange(mesh[0] * mesh[1]).reshape(mesh).tolist())
     gt.to_global(model, p, tp_plan(tensor_axis=1, ndim=2))
-    data = _data()
-    idx = gt.to_global(data[:, :-1], p, dp_batch(data_axis=0, ndim=2))
-    tgt = gt.to_global(data[:, 1:], p, dp_batch(data_axis=0, ndim=2))
+    # each rank reads its rows of each global batch; the position is saved with each checkpoint
+    batches = gt.data.Batches(Tokens(), BATCH, p, dp_batch(data_axis=0, ndim=2), seed=SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     lines, start, pending = describe(mesh, p, model, backend), 0, None
     losses, rep = [], None
@@ -88,11 +106,13 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
         if last is None:  # a job's first start: one command line starts it and restarts it (torchrun --max-restarts)
             lines.append(f"--resume {resume}: no complete checkpoint yet; starting at step 0")
         else:
-            start = gtc.load_training(last, model, opt)
+            start = gtc.load_training(last, model, opt, data=batches)
             lines.append(f"resumed from {last} at step {start}")
+    stream = _epochs(batches)
     for step in range(start, steps):
         if kill == (gt.rank(), step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)  # a lost rank, as a node failure loses it: no exit handler runs
+        idx, tgt = next(stream)
         t0 = time.perf_counter()
         with gt.comm_log() as log, (gt.comm_report(model) if step == steps - 1 else _nothing()) as last:
             _, loss = model(idx, tgt)
@@ -111,7 +131,7 @@ def main(mesh: tuple, steps: int, device: str = "cpu", save: str | None = None, 
                 pending.result()
             # async under torchrun/gloo (training goes on while DCP writes); synchronous on the simulator
             pending = gtc.save_training(os.path.join(save, f"step-{step + 1:06d}"), model, opt, step + 1,
-                                        async_save=True)
+                                        data=batches, async_save=True)
     if pending is not None:
         pending.result()
     if rep is not None:

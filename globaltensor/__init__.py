@@ -23,7 +23,7 @@ from .ops.step_plan import StepPlan, step_plan
 from .tools.report import comm_report
 from .tools.visualize import visualize
 from .tools.explain import explain
-from . import hf
+from . import data, hf
 
 try:
     __version__ = _metadata.version("globaltensor")
@@ -36,4 +36,4 @@ __all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLa
            "Zigzag", "zigzag", "ZigzagTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf"]
+           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data"]

@@ -16,7 +16,7 @@ needs no coordination at all. `save`/`load` below pick the right arguments on ei
 What is unpickled on load: DCP's `FileSystemReader` reads `.metadata` with plain `pickle`
 (DCP's own dataclasses), tensors with `torch.load(weights_only=True)`, and non-tensor values
 with `torch.load(weights_only=False)` in `DefaultLoadPlanner.load_bytes`. Our part of a
-checkpoint is tensors only (RNG states and the step are encoded as tensors; layouts are not
+checkpoint is tensors only (RNG states, the step and the data position are encoded as tensors; layouts are not
 saved at all: a chunk is offsets and sizes), and `load` uses `LoadPlanner` (non-tensor values
 with `weights_only=True`) and `FileSystemReader` (`.metadata` through an unpickler that accepts
 DCP's metadata classes and nothing else), so loading never runs arbitrary pickled code.
@@ -296,33 +296,42 @@ def latest(root: str | os.PathLike) -> str | None:
 
 # -- a training run: model, optimizer, step and RNG ------------------------------------------
 
-def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0) -> dict[str, Any]:
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int = 0,
+                   data: Any = None) -> dict[str, Any]:
     """What resuming needs, as DCP state: torch's `get_state_dict` of model and optimizer
     (parameter-name keys; AdamW's exp_avg/exp_avg_sq keep their parameter's layout, so they are
-    saved and resharded as the parameter is), the step and this rank's RNG states, all tensors.
+    saved and resharded as the parameter is), the step, this rank's RNG states and, with `data`
+    (a `gt.data.Batches`, or anything whose `state_dict()` is a dict of ints), the data order's
+    position, all tensors.
 
     An optimizer that has not stepped gets its state made by `get_state_dict` (one step at
     learning rate 0 on zero gradients, which leaves AdamW's parameters bitwise as they were),
     so a fresh run has something to load into.
     """
     msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd, "step": torch.tensor(step, dtype=torch.int64), "rng": rng_state()}
+    state = {"model": msd, "optim": osd, "step": torch.tensor(step, dtype=torch.int64), "rng": rng_state()}
+    if data is not None:  # one value for every rank, as the step: the position is global, not a rank's
+        state["data"] = {k: torch.tensor(int(v), dtype=torch.int64) for k, v in data.state_dict().items()}
+    return state
 
 
 def save_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
-                  async_save: bool = False) -> Any:
+                  data: Any = None, async_save: bool = False) -> Any:
     """Save `training_state` into `path` (see `save` for `async_save`)."""
-    return save(training_state(model, optimizer, step), path, async_save=async_save)
+    return save(training_state(model, optimizer, step, data), path, async_save=async_save)
 
 
-def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  data: Any = None) -> int:
     """Load what `save_training` wrote into `model` and `optimizer`, each in its own layout, restore
-    this rank's RNG states, and return the step to continue from.
+    this rank's RNG states and `data`'s position (`Batches.load_state_dict`), and return the step
+    to continue from.
 
-    Model and optimizer reshard freely; the RNG states are per rank, so they are restored only
-    on the world size that saved them (elsewhere a warning says that they were not).
+    Model, optimizer and data position reshard freely (a batch's rows are cut anew for this world);
+    the RNG states are per rank, so they are restored only on the world size that saved them
+    (elsewhere a warning says that they were not).
     """
-    state = training_state(model, optimizer)
+    state = training_state(model, optimizer, data=data)
     md = read_metadata(path).state_dict_metadata
     live = flatten_state_dict(state)[0]
     extra = sorted(k for k in md if k.startswith(("model.", "optim.state.")) and k not in live)
@@ -330,6 +339,9 @@ def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: to
         raise ValueError(f"load_training: {os.fspath(path)!r} holds {len(extra)} keys that this model and optimizer "
                          f"lack, e.g. {extra[:4]} (another model, or an optimizer with gradients but no state yet: "
                          "zero_grad(set_to_none=True) before loading)")
+    if data is not None and not any(k.startswith("data.") for k in md):
+        raise ValueError(f"load_training(data): {os.fspath(path)!r} holds no data position (saved without "
+                         "save_training(..., data=)); resuming would restart the data order")
     saved = md.get("rng.torch")
     if saved is not None and tuple(saved.size) != tuple(state["rng"]["torch"].shape):
         warnings.warn(f"load_training: {os.fspath(path)!r} was saved by {saved.size[0]} ranks, this world has "
@@ -339,6 +351,8 @@ def load_training(path: str | os.PathLike, model: torch.nn.Module, optimizer: to
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if "rng" in state:
         set_rng_state(state["rng"])
+    if data is not None:
+        data.load_state_dict({k: int(v) for k, v in state["data"].items()})
     return int(state["step"])
 
 

@@ -101,10 +101,12 @@ def _final_state(directory: Path) -> dict:
 @pytest.mark.gloo
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_run(tmp_path):
     """torchrun --max-restarts 1 with rank 1 SIGKILLed as it starts step 3: the agent restarts both workers,
-    which resume from the last complete checkpoint (model, AdamW state, step; saved asynchronously every step)
-    and end at the same parameters and optimizer state as a run never interrupted, bit for bit; a checkpoint
-    cut off by the kill is never taken as the latest. Then the job starts on 4 ranks (2x2) and resumes on 2
-    from their checkpoint (resharded by DCP), ending where the 2-rank run does, to float32 rounding."""
+    which resume from the last complete checkpoint (model, AdamW state, step, RNG and the data position;
+    saved asynchronously every step) and end at the same parameters and optimizer state as a run never
+    interrupted, bit for bit; a checkpoint cut off by the kill is never taken as the latest. Then the job starts
+    on 4 ranks (2x2) and resumes on 2 from their checkpoint (resharded by DCP), ending where the 2-rank run does,
+    to float32 rounding. Each step reads another batch of a shuffled epoch (`gt.data.Batches`), so a resume that
+    lost its place in the data would end elsewhere."""
     import torch
     common = ["examples/train_gpt.py", "--mesh", "2x1", "--steps", "6"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -123,6 +125,7 @@ def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_run(tmp_path):
     whole = _final_state(tmp_path / "whole" / "step-000006")
     again = _final_state(tmp_path / "killed" / "step-000006")
     assert whole.keys() == again.keys() and len(whole) > 10
+    assert int(whole["data.epoch"]) == 1 and int(whole["data.batch"]) == 2  # 6 steps of 4-batch epochs
     # numpy's and Python's generators start from the OS's entropy in each process (two uninterrupted runs differ
     # there too) and the training draws from neither; torch's generator, the model and AdamW's state must agree
     kept = [k for k in whole if not k.startswith(("rng.numpy", "rng.python"))]
@@ -147,7 +150,7 @@ def test_a_hang_across_nodes_is_reported_naming_the_missing_rank_and_its_last_co
     of its own), has written its flight record: its last collectives, groups, call numbers and sizes."""
     import json
     import time
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GT_HANG_SECONDS": "5", "GT_FLIGHT_DIR": str(tmp_path)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GT_HANG_SECONDS": "5", "GT_HANG_REPORT_DIR": str(tmp_path)}
     port = _port()
     t0 = time.monotonic()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),

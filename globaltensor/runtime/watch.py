@@ -22,8 +22,8 @@ themselves (computing, stuck, on another node that stopped; a peer waiting elsew
 its own watcher names): the rank fails naming them, instead of waiting out gloo's timeout. Before it
 does, it raises the job's alarm in the store, and every rank's watcher, the hung ones' included (a watcher
 is a thread of its own), writes its flight record, its last collectives with their groups, call numbers,
-sizes and times, to `GT_FLIGHT_DIR` (default the temp dir) as `gt-flight-rank<r>.json`, and posts its last
-one: the error names each missing rank's last collective and where the records are, as torch's flight
+sizes and times, to `GT_HANG_REPORT_DIR` (default the working directory) as `gt-flight-rank<r>.json`, and
+posts its last one: the error names each missing rank's last collective and where the records are, as torch's flight
 recorder does for nccl.
 """
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -55,7 +54,7 @@ def hang_seconds() -> float:
 
 
 def flight_path(rank: int) -> str:
-    return os.path.join(os.environ.get("GT_FLIGHT_DIR") or tempfile.gettempdir(), f"gt-flight-rank{rank}.json")
+    return os.path.join(os.environ.get("GT_HANG_REPORT_DIR") or os.getcwd(), f"gt-flight-rank{rank}.json")
 
 
 _ALARM = _PREFIX + "alarm"
