@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, default_collate
 from .api import from_local
 from .layout import Layout, normalize_sbp
 from .placement import Placement
+from .runtime import context
 from .sbp import Broadcast, SbpLike, Split
 
 __all__ = ["Batches", "batch_indices"]
@@ -86,7 +87,6 @@ class Batches:
         return self.per_epoch
 
     def __iter__(self) -> Iterator[Any]:
-        from .runtime import context
         rank, epoch, first = context.current().rank, self.epoch, self.batch
         if self.num_workers:
             if self.batch_size < self.layout.placement.size:

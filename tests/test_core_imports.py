@@ -29,7 +29,8 @@ FLOORS = [
     ("ragged", ("globaltensor.raggedtensor",)),
     ("parallel", ("globaltensor.parallel",)),
     ("tools", ("globaltensor.tools",)),
-    ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint", "globaltensor.hf")),
+    ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint", "globaltensor.data",
+                    "globaltensor.hf")),
     ("models", ("globaltensor.models",)),
 ]
 
