@@ -31,29 +31,41 @@ def step_cost(step) -> Cost:
 
 
 def link_bytes(step, topology: Topology) -> tuple[int, int]:
-    """(bytes received inside nodes, bytes received across them) by all ranks in `step`. A collective whose
-    group spans nodes is bound by its links between them: all its bytes count across. A point-to-point
-    exchange counts each message by its two ends (a rank's bytes shared out by the elements of its messages)."""
+    """(bytes received inside nodes, bytes received across them) by all ranks in `step`."""
+    across = sum(across_bytes(step, topology))
+    return step.bytes - across, across
+
+
+def across_bytes(step, topology: Topology) -> tuple[int, ...]:
+    """Per global rank, the bytes of `step` it receives over links between nodes. A collective whose group
+    spans nodes is bound by its links between them: all its bytes count across. A point-to-point exchange
+    counts each message by its two ends (a rank's bytes shared out by the elements of its messages)."""
+    out = [0] * len(step.recv_bytes)
     if topology.ranks_per_node is None:
-        return step.bytes, 0
+        return tuple(out)
     if step.axis is not None:
-        inside = across = 0
         for group in step.src.placement.axis_groups(step.axis):
-            got = sum(step.recv_bytes[r] for r in group)
             if topology.crosses(group):
-                across += got
-            else:
-                inside += got
-        return inside, across
-    across = 0
+                for r in group:
+                    out[r] = step.recv_bytes[r]
+        return tuple(out)
     for r, ex in step.exchanges:
         far = sum(numel(b) for q, boxes in ex.recvs for b in boxes if topology.node(q) != topology.node(r))
         far += sum(n for group, src, _, n in ex.bcasts if src != r and topology.crosses(group))
         total = sum(numel(b) for _, boxes in ex.recvs for b in boxes) + sum(n for _, src, _, n in ex.bcasts
                                                                              if src != r)
         if far and total:
-            across += step.recv_bytes[r] * far // total
-    return step.bytes - across, across
+            out[r] = step.recv_bytes[r] * far // total
+    return tuple(out)
+
+
+def priced_bytes(step) -> tuple[int, ...]:
+    """Per global rank, the bytes of `step` it receives with a byte between nodes counted as the topology's
+    `across_cost` bytes inside one: what a per-op choice weighs (on one node, the bytes themselves)."""
+    topology = step.src.placement.topology
+    if topology.ranks_per_node is None:
+        return step.recv_bytes
+    return tuple(b + (topology.across_cost - 1) * a for b, a in zip(step.recv_bytes, across_bytes(step, topology)))
 
 
 def add(a: Cost, b: Cost) -> Cost:

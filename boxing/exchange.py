@@ -4,7 +4,7 @@ Works between any two Partial-free-source layouts, on the same placement or
 across placements (disjoint, overlapping, other mesh shapes). The source tiles
 the tensor into distinct boxes, each held by one or more ranks (replicas); a
 destination rank copies what it holds and receives each missing piece from
-one holder, chosen to spread the sending load. For a Partial destination, the
+one holder, on its own node where one is (`runtime/topology.py`), chosen to spread the sending load. For a Partial destination, the
 ranks of a partial group (same shard, different partial coordinates) split the
 contributions: whoever holds a piece contributes it, the others hold the op's
 identity there, and only pieces nobody in the group holds are received.
@@ -62,15 +62,18 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
                 if m != c:
                     regions[m].append(("fill", relative(inter, box), _fill_op(dst, B.coord(m), B.coord(c))))
 
-    # Spread the sending over replicas: least bytes sent so far first, then a rank that receives
-    # in this step anyway (pairs become swaps and fewer ranks take part), then round-robin.
+    # Spread the sending over replicas: a holder on the receiver's node first (a byte between nodes is
+    # dearer: runtime/topology.py), then least bytes sent so far, then a rank that receives in this step
+    # anyway (pairs become swaps and fewer ranks take part), then round-robin.
+    topology = A.topology
     receivers = {c for c, *_ in wants}
     sends: dict[int, dict[int, list[Box]]] = {}
     recvs: dict[int, dict[int, list[Box]]] = {}
     load: dict[int, int] = {}
     for c, slot, out_box, tile_box, holders in wants:
         k = len(holders)
-        i = min(range(k), key=lambda i: (load.get(holders[i], 0), holders[i] not in receivers, (i - c) % k))
+        i = min(range(k), key=lambda i: (topology.node(holders[i]) != topology.node(c), load.get(holders[i], 0),
+                                         holders[i] not in receivers, (i - c) % k))
         sender = holders[i]
         load[sender] = load.get(sender, 0) + numel(out_box)
         got = recvs.setdefault(c, {}).setdefault(sender, [])

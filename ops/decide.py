@@ -300,14 +300,20 @@ def axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:
 
 @lru_cache(maxsize=8192)
 def conversion_cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Optional[tuple]:
-    """(bytes received per rank, collectives) of boxing src -> dst; None if no such conversion exists."""
+    """(bytes received per rank, collectives) of boxing src -> dst; None if no such conversion exists. A byte
+    between nodes counts as the topology's `across_cost` bytes (`boxing.priced_bytes`), so a choice that keeps
+    its traffic inside nodes wins over one that moves as many bytes across them."""
     if src == dst:
         return (), 0
     try:
         p = boxing.route(src, dst, shape, dtype)
     except ValueError:  # no such conversion (P(sum) cannot become P(max))
         return None
-    return tuple(p.recv_bytes), sum(s.latency for s in p.steps)
+    per_rank: list = [0] * p.world
+    for s in p.steps:
+        for r, b in enumerate(boxing.priced_bytes(s)):
+            per_rank[r] += b
+    return tuple(per_rank), sum(s.latency for s in p.steps)
 
 
 @lru_cache(maxsize=8192)

@@ -18,7 +18,7 @@ import torch.nn as nn
 from hypothesis import given, strategies as st
 
 import globaltensor as gt
-from globaltensor.boxing.cost import link_bytes
+from globaltensor.boxing.cost import across_bytes, link_bytes
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan
 from globaltensor.runtime.topology import Topology
 
@@ -170,3 +170,30 @@ def test_node_mesh_lays_the_jobs_ranks_out_by_node():
                                                                                          ("inside", "inside"))
     with pytest.raises(ValueError, match="whole nodes"):
         gt.launch(gt.node_mesh, 5, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("op", [torch.maximum, torch.mul])
+def test_an_op_takes_each_piece_from_a_holder_on_its_own_node(op):
+    """`op(a, b)` with a split over nodes (S(0), B) and b split inside them (B, S(0)) on 2 nodes x 2: both are cut
+    to (S(0), S(0)) (a for free, b by a point-to-point exchange: ranks (0, 1) and (1, 0) each lack one quarter,
+    held by one rank on each node). Every piece comes from the holder on the receiver's node: 0 bytes across
+    nodes, where the planner blind to nodes takes both from the other node. The per-op choice prices bytes
+    between nodes dearer too (`boxing.priced_bytes`): before the exchange chose holders by node, it paid an
+    all-gather inside each node (64 B a rank) rather than the exchange it priced across."""
+    a_full, b_full = torch.arange(16, dtype=torch.float64), torch.arange(16, dtype=torch.float64) * 10
+
+    def body():
+        p = gt.placement("cpu", _node_major(2, 2))
+        a = gt.to_global(a_full, p, (gt.split(0), B))
+        b = gt.to_global(b_full, p, (B, gt.split(0)))
+        with gt.comm_log() as log:
+            out = op(a, b)
+        assert torch.equal(out.full_tensor(), op(a_full, b_full))
+        route = gt.boxing.route(gt.Layout(p, b.sbp), gt.Layout(p, (gt.split(0), gt.split(0))), (16,), torch.float64)
+        return out.sbp, log.by_link(), [sum(across_bytes(s, Topology(2))) for s in route.steps]
+
+    aware = gt.launch(body, 4, ranks_per_node=2)
+    assert [r[0] for r in aware] == [(gt.split(0), gt.split(0))] * 4
+    assert [r[1] for r in aware] == [{"inside": b, "across": 0} for b in (0, 32, 32, 0)]
+    assert aware[0][2] == [0]
+    assert gt.launch(body, 4)[0][2] == [64]  # blind: ranks 1 and 2 each receive their quarter from the other node
