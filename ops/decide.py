@@ -34,7 +34,7 @@ from ..sbp import Broadcast, Partial, Ragged, Split
 from .errors import data_dependent, kernel_error
 from .keys import geometry_of, meta_of
 from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
-from .scope import in_named
+from .scope import excused
 from .span import placement_of
 
 MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
@@ -366,9 +366,9 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
     now = sum(n for _, n in bills)
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
-    elif not in_named():
+    else:
         bills += [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
-                  for j, lay in enumerate(out_layouts) if lay is not None]
+                  for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0)
     per_rank, collectives = summed(bills)
@@ -402,7 +402,8 @@ def _choose(call: Call, tensors: list) -> Optional[tuple]:
             return False
         if inplace:
             return out_layouts[0] == srcs[0]
-        return in_named() or not any(lay is not None and lay.has_partial for lay in out_layouts)
+        return not any(lay is not None and lay.has_partial and not excused(tuple(ctx.out_shapes[j]))
+                       for j, lay in enumerate(out_layouts))
 
     # a choice that boxes nothing and owes nothing costs nothing: the first valid one wins without
     # planning any conversion (boxing searches are most of a cache miss)

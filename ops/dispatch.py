@@ -19,7 +19,7 @@ from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
 from .program import Program, compile_decomposition, compile_program
 from .registry import RULES
-from .scope import _DEPTH, enter_named, leave_named
+from .scope import enter_named, leave_named, scope_key
 from .stats import _WARNED, reset_stats, stats
 from .step_plan import ACTIVE as _STEP
 
@@ -28,7 +28,6 @@ _PROGRAMS: dict[tuple, Program] = {}
 _NO_KWARGS: dict = {}
 _KEYING: dict = {}  # id(op) -> `_keying`'s tuple
 _DECOMPOSITIONS: dict = {}  # (id(op), class) -> the program of an op whose rule always decomposes
-_NAMED = object()  # key mark: decided inside a module whose boundary layouts the user named (ops/scope.py)
 
 
 def run(func: Any, args: tuple, kwargs: Optional[dict], cls: type) -> Any:
@@ -72,10 +71,7 @@ def _keying(func: Any) -> tuple:
 
 def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
     scalar_key, floats_by_value, _ = _keying(func)
-    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value)
-    if _DEPTH.value:
-        key += (_NAMED,)
-    return key
+    return call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key()
 
 
 def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
@@ -85,9 +81,7 @@ def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
         if program is None:
             program = _DECOMPOSITIONS[(id(func), cls)] = compile_decomposition(func, RULES[func], cls)
         return program
-    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value)
-    if _DEPTH.value:
-        key += (_NAMED,)
+    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key()
     program = _PROGRAMS.get(key)
     if program is None:
         program = _compile(key, func, args, kwargs, cls)

@@ -35,7 +35,7 @@ from ..layout import Layout
 from .decide import Decision, conversion_cost, flatten_out, summed
 from .program import ADOPTED
 from .registry import RULES
-from .scope import in_named
+from .scope import excused
 from .step_solve import Graph, Read, solve
 
 
@@ -230,7 +230,7 @@ class StepPlan:
             if dec.inplace and j == 0:  # the target, written: a new value in its own (fixed) layout
                 v = g.add_value(tuple(o.shape), o.dtype, fixed=o._layout)
             else:
-                v = g.add_value(tuple(o.shape), o.dtype, producer=(k, j), owes=not in_named())
+                v = g.add_value(tuple(o.shape), o.dtype, producer=(k, j), owes=not excused(tuple(o.shape)))
             rec.tags[o] = v
             made.append(v)
         g.set_call(k, cands, chosen, bills, reads, made, steer=opts is not None)

@@ -37,10 +37,9 @@ OVER: dict = {
     ("resnet", "dp"): (1.28, "batch norm's statistics are the whole batch's (one device's): each layer all-reduces its "
                              "sums forward and backward, as SyncBatchNorm does; DDP's per-rank statistics are another "
                              "program"),
-    ("resnet", "zero3"): (11.45, "a defect, measured so that it cannot grow: a ZeRO block's backward runs in the named "
-                                 "scope (its parameters' Partial gradients are left for the reduce-scatter), where batch "
-                                 "norm's backward then takes an activation's gradient Partial and the convolution's "
-                                 "backward reduce-scatters it whole; the forward charges it (21.9x before)"),
+    ("resnet", "zero3"): (1.21, "batch norm's statistics are the whole batch's, as under DP: each layer all-reduces "
+                                "its sums forward and backward (11.45x while a ZeRO block's backward excused every "
+                                "Partial output, activation gradients included: ops/scope.py)"),
     ("albert", "zero3"): (1.54, "ALBERT runs its one shared layer at every depth: gathered at each call (and again "
                                 "for each call's backward), as FSDP2 gathers a module at each call"),
 }

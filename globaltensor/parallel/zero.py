@@ -346,13 +346,14 @@ class _Call:
             ahead.regather()
 
     def enter_scope(self) -> None:
-        """The module's backward runs in the named scope (its gradients are laid out by the user: the
-        cost model leaves a Partial for the reduce-scatter). The scope is per thread (ops/scope.py), and a
+        """The module's backward runs in a scope that names its parameters' gradients (the cost model leaves
+        a Partial of a parameter's shape for the module's reduce-scatter; an activation's gradient is charged
+        its reduction as anywhere). The scope is per thread (ops/scope.py), and a
         call kept for a pipeline step is in several backwards at once, one per micro-batch, each on its
         own fiber's thread when interleaved: each thread enters (and leaves) it for itself."""
         me = threading.get_ident()
         if me not in self.scopes:
-            self.scopes[me] = enter_named_here()
+            self.scopes[me] = enter_named_here(tuple(q.shape) for q in self.group.params)
 
     def leave_scope(self) -> None:
         if not self.scopes:
