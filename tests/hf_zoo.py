@@ -317,6 +317,7 @@ def ep_sizes(model: nn.Module) -> dict:
         return isinstance(q, gt.GlobalTensor) and any(s == gt.split(0) for s in q.sbp)
     trained = [q for q in model.parameters() if q.requires_grad]
     return {"dense": sum(q.numel() for q in trained if not expert(q)),
+            "one_row": sum(q.numel() for q in trained if not expert(q) and q.shape[0] == 1),
             "expert": sum(q.to_local().numel() for q in trained if expert(q)),
             "n_expert": next(q.shape[0] for q in trained if expert(q)), "hidden": model.config.hidden_size,
             "size": trained[0].element_size()}
