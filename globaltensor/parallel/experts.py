@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout
-from ..raggedtensor.grouped import _to, by_expert, by_group
-from ..raggedtensor.ops import make
+from ..raggedtensor.grouped import by_expert, by_group
+from ..raggedtensor.ops import convert, make
 from ..runtime import context
 from ..sbp import Broadcast, Partial, Ragged, Split
 from ..tensor import GlobalTensor
@@ -165,7 +165,7 @@ class _LocalExperts(torch.autograd.Function):
         out, leaf, locals_ = ctx.graph
         ctx.graph = None
         if grad._layout != ctx.rows_layout or getattr(grad, "_sizes", None) != ctx.sizes:
-            grad = _to(grad, ctx.rows_layout, ctx.sizes)
+            grad = convert(grad, ctx.rows_layout, ctx.sizes)
         wants = [t for t in [leaf, *locals_] if t.requires_grad]
         got = torch.autograd.grad(out, wants, grad._local, allow_unused=True) if out.requires_grad and wants else \
             [None] * len(wants)
