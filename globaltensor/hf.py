@@ -235,7 +235,7 @@ def model_ep_plan(model: torch.nn.Module) -> dict[str, str]:
 
 
 def ep_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
-            plan: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+            plan: Optional[Mapping[str, str]] = None, tp_axis: Optional[int] = None) -> dict[str, Any]:
     """The model's transformers expert-parallel plan (`model_ep_plan`: `config.base_model_ep_plan` under the base
     model's prefix; or `plan`, keys relative to `model`) as our module plan, experts split over mesh axis `axis`
     of an `ndim`-axis mesh (default `axis + 1`); every other parameter is Broadcast, so the batch's layout
@@ -255,10 +255,17 @@ def ep_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     Any other style in an EP plan (a tensor-parallel one some configs put there) raises NotImplementedError
     naming it: give it to `tp_plan`.
 
+    `tp_axis` (EP x TP): the model's TP plan (`tp_plan(model, axis=tp_axis, ndim=ndim)`) on that axis as well,
+    without its entries for the EP plan's modules and parameters and anything under them, as transformers
+    drops them ("EP rules take precedence"): attention and the dense parts Megatron-style, the experts whole
+    on the tensor axis. The tokens are then whole on the tensor axis (split the batch on `axis` only): each
+    rank of a tensor group dispatches the same rows to the same experts, and the experts' results are
+    computed once per tensor rank, where transformers' `AllToAllEP` slices the rows over the tensor group
+    and gathers the results after.
+
     A function of its own, not a `tp_plan` option, because transformers keeps the two plans apart
     (`model.ep_plan` beside `model.tp_plan`, `DistributedConfig(ep_size=)` beside `tp_size`): EP goes on a
-    mesh axis of its own (usually the data axis), and its entries win over TP's on the expert modules (our
-    plans take the first match: put `ep_plan`'s entries first when merging).
+    mesh axis of its own (usually the data axis), and its entries win over TP's on the expert modules.
     """
     if ndim is None:
         ndim = axis + 1
@@ -287,6 +294,16 @@ def ep_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
             raise NotImplementedError(f"gt.hf.ep_plan: style {style!r} of pattern {key!r} is not an expert-parallel "
                                       f"style mapped here (mapped: {sorted(_EP_STYLES)}); give it to gt.hf.tp_plan "
                                       "or drop it (plan=...)")
+    if tp_axis is None:
+        return out
+    if tp_axis == axis or not 0 <= tp_axis < ndim:
+        raise ValueError(f"gt.hf.ep_plan(tp_axis={tp_axis}): give a mesh axis of the {ndim}-axis mesh other than the "
+                         f"expert axis {axis}")
+    # transformers' rule (`_resolve_parallel_plans`): a TP entry naming an EP key, or anything under one, is dropped
+    expert = re.compile(rf"(?:{'|'.join(re.escape(generic_name(k)) for k in source)})(?:\..+)?").fullmatch
+    for k, v in tp_plan(model, axis=tp_axis, ndim=ndim).items():
+        if not expert(generic_name(k)):
+            out[k] = v
     return out
 
 

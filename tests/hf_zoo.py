@@ -167,14 +167,15 @@ def has_tp_plan(model: nn.Module) -> bool:
 
 
 def mesh_for(strategy: str, world: int) -> list:
-    """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp", (data, expert) for "dp_ep"."""
+    """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp", (data, expert) for "dp_ep", (expert, tensor) for
+    "ep_tp"."""
     ranks = list(range(world))
-    return [ranks[:world // 2], ranks[world // 2:]] if strategy in ("dp_tp", "dp_ep") else ranks
+    return [ranks[:world // 2], ranks[world // 2:]] if strategy in ("dp_tp", "dp_ep", "ep_tp") else ranks
 
 
 def batch_sbp(strategy: str) -> Any:
     """The batch's layout: split over every axis but a tensor axis (under EP each rank routes its own tokens)."""
-    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast),
+    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast), "ep_tp": (gt.split(0), gt.broadcast),
             "dp_ep": (gt.split(0), gt.split(0))}.get(strategy, gt.split(0))
 
 
@@ -190,6 +191,8 @@ def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
         return gt.hf.ep_plan(model)  # row-local: its experts are split, and the plan runs them as EP)
     if strategy == "dp_ep":
         return gt.hf.ep_plan(model, axis=1, ndim=2)
+    if strategy == "ep_tp":
+        return gt.hf.ep_plan(model, axis=0, ndim=2, tp_axis=1)
     if strategy == "zero3":
         whole = gt.ModuleLayout(params=gt.broadcast)
         return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}, **rows}

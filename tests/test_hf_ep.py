@@ -94,6 +94,25 @@ def test_ep_three_steps_end_to_end() -> None:
     assert got["recv_bytes"] == expected, (got["recv_bytes"], expected, book)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_ep_composes_with_the_models_tp_plan(name: str) -> None:
+    """EP x TP on 2x2 (expert, tensor): `gt.hf.ep_plan(tp_axis=1)` adds the model's TP plan on the tensor axis
+    without its entries for the experts (transformers' rule: EP's win), so attention is Megatron's and the experts
+    run expert-parallel (whole on the tensor axis); one AdamW step equals one device's with no fallback. (Its
+    bytes are not yet counted against a textbook here: each tensor rank dispatches the same rows, where
+    transformers slices them over the tensor group.)"""
+    got = hf_zoo.step(hf_zoo.ZOO[name], "ep_tp", 4)
+    _equal_one_device(name, got)
+    assert not got["fallback"], got["fallback"]
+    plan = gt.hf.ep_plan(hf_zoo.ZOO[name].build(), axis=0, ndim=2, tp_axis=1)
+    assert plan["model.layers.*.mlp.experts"] == gt.ModuleLayout(expert_local=True)
+    assert plan["model.layers.*.self_attn.q_proj.weight"] == (gt.broadcast, gt.split(0))
+    experts = {k: v for k, v in plan.items() if gt.hf.generic_name(k).startswith("model.layers.*.mlp.experts")}
+    assert experts == {"model.layers.*.mlp.experts": gt.ModuleLayout(expert_local=True),
+                       "model.layers.*.mlp.experts.gate_up_proj": (gt.split(0), gt.broadcast),
+                       "model.layers.*.mlp.experts.down_proj": (gt.split(0), gt.broadcast)}, experts
+
+
 def test_ep_plan_maps_the_models_plan() -> None:
     """The entries: the experts' weights split on dim 0 over the EP axis (Broadcast on the others), the experts
     module expert-local; the keys under the base model's prefix, as transformers' `model.ep_plan` has them."""
@@ -105,6 +124,8 @@ def test_ep_plan_maps_the_models_plan() -> None:
                     "model.layers.*.mlp.experts": gt.ModuleLayout(expert_local=True)}
     with pytest.raises(ValueError, match=r"ep_plan\(axis=2\)"):
         gt.hf.ep_plan(model, axis=2, ndim=2)
+    with pytest.raises(ValueError, match=r"ep_plan\(tp_axis=1\).*other than the expert axis 1"):
+        gt.hf.ep_plan(model, axis=1, ndim=2, tp_axis=1)
     with pytest.raises(NotImplementedError, match=r"'colwise'.*gt.hf.tp_plan"):
         gt.hf.ep_plan(model, plan={"model.layers.*.self_attn.q_proj": "colwise"})
     with pytest.raises(ValueError, match="ships no expert-parallel plan"):
