@@ -95,7 +95,7 @@ class ExpertLocal:
         order = ids.argsort(dim=1, stable=True)                       # each group's choices by expert
         counts = F.one_hot(ids, n_expert).sum(1)                      # [G, E]
         rows, routing = by_expert(xs, counts, params[0], order // k)  # the dispatch all-to-all
-        y = _LocalExperts.apply(self.module, slots, routing.per_expert, rows, *params)
+        y = _LocalExperts.apply(self.module, slots, routing.per_expert, torch.is_grad_enabled(), rows, *params)
         out = by_group(y, routing, order.argsort(dim=1))              # the combine all-to-all, choice order
         out = (out * weights.reshape(groups, per * k, 1)).reshape(groups, per, k, -1).sum(2)
         return out.reshape(tokens, out.shape[-1]).to(x.dtype)
@@ -127,19 +127,19 @@ class _LocalExperts(torch.autograd.Function):
     so every rank of the expert axis takes part in the all-to-alls around it even if it ran no rows."""
 
     @staticmethod
-    def forward(ctx, module, slots, per_expert, rows, *params):  # type: ignore[override]
+    def forward(ctx, module, slots, per_expert, grad, rows, *params):  # type: ignore[override]
         inside = rows.placement.coord(context.current().rank) is not None
         ctx.rows_layout, ctx.rows_shape, ctx.sizes = rows._layout, tuple(rows.shape), rows._sizes
         ctx.params = [(p._layout, tuple(p.shape), p._local) for p in params]
         ctx.inside = inside
         if not inside:
             return make(rows._local.new_empty((0,)), rows._layout, rows.shape, rows._sizes)
-        with torch.enable_grad():
+        with torch.set_grad_enabled(grad):  # the plain graph only where a backward will read it
             leaf = rows._local.detach().requires_grad_(rows.requires_grad)
             locals_ = [p._local.detach().requires_grad_(p.requires_grad) for p in params]
             n_local = locals_[0].shape[0]
-            ids = torch.arange(n_local).repeat_interleave(torch.tensor(per_expert, dtype=torch.long),
-                                                          output_size=leaf.shape[0]).unsqueeze(1)
+            ids = torch.arange(n_local, device=leaf.device).repeat_interleave(
+                torch.tensor(per_expert, dtype=torch.long, device=leaf.device), output_size=leaf.shape[0]).unsqueeze(1)
             ones = torch.ones(leaf.shape[0], 1, dtype=leaf.dtype, device=leaf.device)
             swaps = [Swap(table, name, p, q) for (table, name), p, q in zip(slots, params, locals_)]
             saved = module.__dict__.get("num_experts", None)
@@ -151,7 +151,7 @@ class _LocalExperts(torch.autograd.Function):
             finally:
                 if has:
                     module.num_experts = saved
-        ctx.graph = (out, leaf, locals_)
+        ctx.graph = (out, leaf, locals_) if grad else None
         rows_layout = rows._layout
         return make(out.detach(), rows_layout, (rows.shape[0], out.shape[-1]), rows._sizes)
 
@@ -159,7 +159,8 @@ class _LocalExperts(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         params = ctx.params
         if not ctx.inside:
-            return (None, None, None, make(grad._local.new_empty((0,)), ctx.rows_layout, ctx.rows_shape, ctx.sizes),
+            return (None, None, None, None,
+                    make(grad._local.new_empty((0,)), ctx.rows_layout, ctx.rows_shape, ctx.sizes),
                     *[GlobalTensor(loc.new_empty((0,)), _param_grad_layout(lay, ctx.rows_layout), shape)
                       for lay, shape, loc in params])
         out, leaf, locals_ = ctx.graph
@@ -175,7 +176,7 @@ class _LocalExperts(torch.autograd.Function):
         g_rows = None if grads[0] is None else make(grads[0], ctx.rows_layout, ctx.rows_shape, ctx.sizes)
         g_params = [None if g is None else GlobalTensor(g, _param_grad_layout(lay, ctx.rows_layout), shape)
                     for g, (lay, shape, _) in zip(grads[1:], params)]
-        return (None, None, None, g_rows, *g_params)
+        return (None, None, None, None, g_rows, *g_params)
 
 
 def _param_grad_layout(p: Layout, rows: Layout) -> Layout:
