@@ -8,6 +8,11 @@ taken from the style; the dispatcher derives every collective, so the results ar
 model on one device whatever the styles say. A style whose meaning needs local (per-rank) semantics
 that a global program has no words for raises `NotImplementedError` naming it and its module.
 
+`gt.hf.ep_plan(model, axis=0)` gives a mixture of experts expert parallelism from the plan it ships for that
+(`config.base_model_ep_plan`): its experts' weights split by expert, its experts module declared
+expert-local (`ModuleLayout(expert_local=True)`), which runs it as our dropless MoE runs its experts: the
+routed rows sent to their experts' ranks and back, one all-to-all each way.
+
 Nothing here imports transformers: the plan is read as plain dicts from the model and its config.
 """
 from __future__ import annotations
