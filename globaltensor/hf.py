@@ -1,4 +1,4 @@
-"""Hugging Face transformers models: their own tensor-parallel and pipeline plans as our module plans.
+"""Hugging Face transformers models: their own tensor-parallel, expert-parallel and pipeline plans as our module plans.
 
 `gt.to_global(model, mesh, gt.hf.tp_plan(model, axis=1))` gives the model Megatron TP on mesh axis
 `axis` from the plan the model ships (`model._tp_plan`, which transformers fills on a built model with
