@@ -1,4 +1,4 @@
-"""Hugging Face transformers models: their own tensor-parallel and pipeline plans as our module plans.
+"""Hugging Face transformers models: their own tensor-parallel, expert-parallel and pipeline plans as our module plans.
 
 `gt.to_global(model, mesh, gt.hf.tp_plan(model, axis=1))` gives the model Megatron TP on mesh axis
 `axis` from the plan the model ships (`model._tp_plan`, which transformers fills on a built model with
@@ -7,6 +7,11 @@ written by hand. Only the weights' layouts and the layouts at the named modules'
 taken from the style; the dispatcher derives every collective, so the results are those of the same
 model on one device whatever the styles say. A style whose meaning needs local (per-rank) semantics
 that a global program has no words for raises `NotImplementedError` naming it and its module.
+
+`gt.hf.ep_plan(model, axis=0)` gives a mixture of experts expert parallelism from the plan it ships for that
+(`config.base_model_ep_plan`): its experts' weights split by expert, its experts module declared
+expert-local (`ModuleLayout(expert_local=True)`), which runs it as our dropless MoE runs its experts: the
+routed rows sent to their experts' ranks and back, one all-to-all each way.
 
 Nothing here imports transformers: the plan is read as plain dicts from the model and its config.
 """
@@ -23,7 +28,7 @@ from .parallel.module import ModuleLayout
 from .placement import Placement
 from .sbp import Broadcast, Ragged, SbpLike, Split
 
-__all__ = ["tp_plan", "pp_plan", "model_tp_plan", "generic_name", "BASE_TP_PLANS"]
+__all__ = ["tp_plan", "ep_plan", "pp_plan", "model_tp_plan", "model_ep_plan", "generic_name", "BASE_TP_PLANS"]
 
 # Megatron plans, in `config.base_model_tp_plan`'s form (keys relative to the base model), for architectures whose
 # transformers classes ship none, by `config.model_type`: each attention's query, key and value projections
@@ -41,11 +46,14 @@ BASE_TP_PLANS: dict[str, dict[str, str]] = {
 }
 
 # styles that have no exact global meaning here (local per-rank semantics, a fused projection's own kernel, an
-# identity expert pre-divided for a sum the global program does not make, expert parallelism's dispatch)
+# identity expert pre-divided for a sum the global program does not make, the expert-parallel router transformers
+# removed); the expert-parallel styles of `config.base_model_ep_plan` are `ep_plan`'s (`_EP_STYLES`)
 _UNSUPPORTED = {
     "local_colwise", "local_rowwise", "local", "local_params", "isolated", "all_reduce",
-    "mla_kv_a_proj", "moe_identity_expert", "ep_router", "ep_dispatch_experts", "grouped_gemm",
+    "mla_kv_a_proj", "moe_identity_expert", "ep_router",
 }
+# expert parallelism's styles (transformers' `base_model_ep_plan`), mapped by `ep_plan`, refused by `tp_plan`
+_EP_STYLES = {"grouped_gemm", "ep_dispatch_experts"}
 # a plan key that names a parameter (an experts module's [experts, out, in] weights): the dim each style splits,
 # as transformers' styles shard a parameter of that many dims (None: whole)
 _PARAM_DIM = {
@@ -126,10 +134,10 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       dispatcher, which reduce-scatters their gradient over the tokens where transformers all-reduces it
       (`_AllReduceBackward`): fewer bytes there, and the residual stream's gradient then arrives split over
       the tokens at the module before (an all-gather of half of it on 2 ranks).
-    Others (local, fused-attention, identity-expert and expert-parallel styles: "ep_router", "grouped_gemm",
-    "ep_dispatch_experts") raise NotImplementedError: they name per-rank behaviour that this mapping does not
-    reproduce (expert parallelism's experts-split product gives each rank its experts' rows and zeros
-    elsewhere, a Partial the gate's activation would reduce whole, where those rows are a split by expert).
+    Others (local, fused-attention and identity-expert styles, and "ep_router", which transformers removed)
+    raise NotImplementedError: they name per-rank behaviour that this mapping does not reproduce. The
+    expert-parallel styles ("grouped_gemm", "ep_dispatch_experts") are `ep_plan`'s, from the model's
+    `base_model_ep_plan`; here they are refused, naming it.
 
     Keys keep transformers' "*" for layer numbers where the fnmatch glob over `named_modules` matches
     the same modules as transformers' rule (a "*" there stands for a layer number only); where the glob
@@ -176,6 +184,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
         # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves
         keys = [key] if theirs == ours else theirs
         where = f"gt.hf.tp_plan: style {style!r} of module pattern {key!r}"
+        if style in _EP_STYLES:
+            raise NotImplementedError(f"{where} is an expert-parallel style: gt.hf.ep_plan maps it")
         if style in _UNSUPPORTED:
             raise NotImplementedError(f"{where} is not mapped: it names per-rank (local), fused or expert "
                                       "behaviour this mapping does not reproduce exactly; give that entry "
@@ -213,6 +223,92 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                 if sbp is not None and any(f"{n}.{suffix}" in params for n in (theirs if k == key else [k])):
                     out[f"{k}.{suffix}"] = sbp
     out.update(layouts)
+    return out
+
+
+def model_ep_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The transformers expert-parallel plan of `model`, keys relative to `model`: its `_ep_plan` (a built model's,
+    base-model keys already prefixed), else its config's `base_model_ep_plan` under the base model's prefix."""
+    plan = getattr(model, "_ep_plan", None)
+    if plan:
+        return dict(plan)
+    base = dict(getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    if base and prefix and isinstance(getattr(model, prefix, None), torch.nn.Module):
+        base = {f"{prefix}.{k}": v for k, v in base.items()}
+    return base
+
+
+def ep_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
+            plan: Optional[Mapping[str, str]] = None, tp_axis: Optional[int] = None) -> dict[str, Any]:
+    """The model's transformers expert-parallel plan (`model_ep_plan`: `config.base_model_ep_plan` under the base
+    model's prefix; or `plan`, keys relative to `model`) as our module plan, experts split over mesh axis `axis`
+    of an `ndim`-axis mesh (default `axis + 1`); every other parameter is Broadcast, so the batch's layout
+    makes the rest data parallel (split the batch over `axis` too: each rank routes its own tokens, as
+    DeepSpeed-MoE's and transformers' `AllToAllEP` do; on another axis as well for EP x DP).
+
+    Styles:
+    - "grouped_gemm" (an experts module's parameter [E, ...]: Mixtral's gate_up_proj, down_proj): split on
+      dim 0, the experts, over `axis`; Broadcast on the other axes (each data rank holds the same experts).
+    - "ep_dispatch_experts" (the experts module, `forward(hidden_states, top_k_index, top_k_weights)`):
+      `ModuleLayout(expert_local=True)`: each routed row sent to its expert's rank and its result back, one
+      all-to-all each way, the module's own forward (eager loop or grouped GEMM) run on each rank's rows with
+      its experts (`globaltensor/parallel/experts.py`). The global program of that forward (a sort of the whole
+      batch's choices, a loop or grouped product over experts, an index back) has no rule that reads "row t
+      needs only its k experts" off it; the module's contract, which transformers' own `EPImplementation`s
+      rely on, says it, and the plan declares it, as `row_local` declares a row-wise block.
+    Any other style in an EP plan (a tensor-parallel one some configs put there) raises NotImplementedError
+    naming it: give it to `tp_plan`.
+
+    `tp_axis` (EP x TP): the model's TP plan (`tp_plan(model, axis=tp_axis, ndim=ndim)`) on that axis as well,
+    without its entries for the EP plan's modules and parameters and anything under them, as transformers
+    drops them ("EP rules take precedence"): attention and the dense parts Megatron-style, the experts whole
+    on the tensor axis. The tokens are then whole on the tensor axis (split the batch on `axis` only): each
+    rank of a tensor group dispatches the same rows to the same experts, and the experts' results are
+    computed once per tensor rank, where transformers' `AllToAllEP` slices the rows over the tensor group
+    and gathers the results after.
+
+    A function of its own, not a `tp_plan` option, because transformers keeps the two plans apart
+    (`model.ep_plan` beside `model.tp_plan`, `DistributedConfig(ep_size=)` beside `tp_size`): EP goes on a
+    mesh axis of its own (usually the data axis), and its entries win over TP's on the expert modules.
+    """
+    if ndim is None:
+        ndim = axis + 1
+    if not 0 <= axis < ndim:
+        raise ValueError(f"gt.hf.ep_plan(axis={axis}): not an axis of a {ndim}-axis mesh")
+    source = dict(plan) if plan is not None else model_ep_plan(model)
+    if not source:
+        raise ValueError(f"gt.hf.ep_plan: {type(model).__name__} ships no expert-parallel plan (no `_ep_plan`, no "
+                         "`config.base_model_ep_plan`); pass plan={pattern: style}, keys relative to the model")
+    experts = tuple(Split(0) if a == axis else Broadcast() for a in range(ndim))
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    out: dict[str, Any] = {}
+    for key, style in source.items():
+        if style == "grouped_gemm":
+            named = sorted(n for n in params if generic_name(n) == key)
+            ours = sorted(n for n in params if fnmatch.fnmatchcase(n, key))
+            for k in ([key] if named and named == ours else named):
+                out[k] = experts
+        elif style == "ep_dispatch_experts":
+            named = sorted(n for n in modules if generic_name(n) == key)
+            ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
+            for k in ([key] if named and named == ours else named):
+                out[k] = ModuleLayout(expert_local=True)
+        else:
+            raise NotImplementedError(f"gt.hf.ep_plan: style {style!r} of pattern {key!r} is not an expert-parallel "
+                                      f"style mapped here (mapped: {sorted(_EP_STYLES)}); give it to gt.hf.tp_plan "
+                                      "or drop it (plan=...)")
+    if tp_axis is None:
+        return out
+    if tp_axis == axis or not 0 <= tp_axis < ndim:
+        raise ValueError(f"gt.hf.ep_plan(tp_axis={tp_axis}): give a mesh axis of the {ndim}-axis mesh other than the "
+                         f"expert axis {axis}")
+    # transformers' rule (`_resolve_parallel_plans`): a TP entry naming an EP key, or anything under one, is dropped
+    expert = re.compile(rf"(?:{'|'.join(re.escape(generic_name(k)) for k in source)})(?:\..+)?").fullmatch
+    for k, v in tp_plan(model, axis=tp_axis, ndim=ndim).items():
+        if not expert(generic_name(k)):
+            out[k] = v
     return out
 
 

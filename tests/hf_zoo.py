@@ -167,13 +167,16 @@ def has_tp_plan(model: nn.Module) -> bool:
 
 
 def mesh_for(strategy: str, world: int) -> list:
-    """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp"."""
+    """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp", (data, expert) for "dp_ep", (expert, tensor) for
+    "ep_tp"."""
     ranks = list(range(world))
-    return [ranks[:world // 2], ranks[world // 2:]] if strategy == "dp_tp" else ranks
+    return [ranks[:world // 2], ranks[world // 2:]] if strategy in ("dp_tp", "dp_ep", "ep_tp") else ranks
 
 
 def batch_sbp(strategy: str) -> Any:
-    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast)}.get(strategy, gt.split(0))
+    """The batch's layout: split over every axis but a tensor axis (under EP each rank routes its own tokens)."""
+    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast), "ep_tp": (gt.split(0), gt.broadcast),
+            "dp_ep": (gt.split(0), gt.split(0))}.get(strategy, gt.split(0))
 
 
 def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
@@ -184,6 +187,12 @@ def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
         return gt.hf.tp_plan(model)
     if strategy == "dp_tp":
         return gt.hf.tp_plan(model, axis=1, ndim=2)
+    if strategy == "ep":  # the experts from the model's own EP plan; the rest data parallel (the MoE block not
+        return gt.hf.ep_plan(model)  # row-local: its experts are split, and the plan runs them as EP)
+    if strategy == "dp_ep":
+        return gt.hf.ep_plan(model, axis=1, ndim=2)
+    if strategy == "ep_tp":
+        return gt.hf.ep_plan(model, axis=0, ndim=2, tp_axis=1)
     if strategy == "zero3":
         whole = gt.ModuleLayout(params=gt.broadcast)
         return {"*": gt.split(0), "": whole, **{p: whole for p in block_patterns(model)}, **rows}
@@ -277,7 +286,48 @@ def textbook_pp(model: nn.Module, layers: str, acts: dict, microbatches: int) ->
     return total
 
 
-def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1, microbatches: int = 1) -> dict:
+def textbook_ep(sizes: dict, routes: list, world: int, data: int = 1, steps: int = 1) -> dict:
+    """Bytes rank 0 receives in `steps` training steps whose routing choices `routes` lists (each experts module's
+    top_k_index [T, k] per forward, from one device: `step(routes=True)`) under expert parallelism over e = world /
+    data ranks (EP x DP on a (data, e) mesh when data > 1), by the textbook (DeepSpeed-MoE's, Megatron's,
+    transformers' `AllToAllEP`): the batch cut into `world` blocks of tokens (rank r holds block r, row-major
+    over the mesh), the E experts into e contiguous runs (expert x on expert-axis rank x // (E/e)). Per experts
+    call, rank 0 (data rank 0, expert rank 0) receives:
+    - the count exchange: an all-to-all of each peer's rows per expert of this rank's, (e-1) * E/e int64;
+    - the dispatch: the routed rows of its expert peers' tokens that chose its experts, d elements each;
+    - the combine: the results of its own tokens' choices of other ranks' experts, d elements each;
+    - in the backward the duals, as many rows again (no counts).
+    And DDP's ring all-reduce of the gradients, once per step: 2(w-1)/w of the non-expert ones over all w ranks
+    (each holds them whole), 2(data-1)/data of this rank's experts' shard over the data axis.
+    Returns {"counts", "rows", "ddp", "total"} in bytes (`sizes`: `ep_sizes` of the global model)."""
+    e, size, n_expert = world // data, sizes["size"], sizes["n_expert"]
+    counts = rows = 0
+    for idx in routes:
+        owner = idx // (n_expert // e)                          # expert-axis rank of each choice's expert
+        peers = owner[:idx.shape[0] // data].reshape(e, idx.shape[0] // world, -1)  # data rank 0's, by expert rank
+        rows += int((peers[1:] == 0).sum()) + int((peers[0] != 0).sum())
+        counts += (e - 1) * (n_expert // e)
+    ddp = steps * (2 * (world - 1) / world * sizes["dense"] + 2 * (data - 1) / data * sizes["expert"]) * size
+    out = {"counts": counts * 8, "rows": 2 * rows * sizes["hidden"] * size, "ddp": ddp}
+    out["total"] = sum(out.values())
+    return out
+
+
+def ep_sizes(model: nn.Module) -> dict:
+    """What `textbook_ep` reads off a model under `gt.hf.ep_plan`: its non-expert gradient elements (whole on
+    every rank), this rank's experts' (split by expert), the experts' count E, the hidden size, the dtype's bytes."""
+    def expert(q: Any) -> bool:
+        return isinstance(q, gt.GlobalTensor) and any(s == gt.split(0) for s in q.sbp)
+    trained = [q for q in model.parameters() if q.requires_grad]
+    return {"dense": sum(q.numel() for q in trained if not expert(q)),
+            "one_row": sum(q.numel() for q in trained if not expert(q) and q.shape[0] == 1),
+            "expert": sum(q.to_local().numel() for q in trained if expert(q)),
+            "n_expert": next(q.shape[0] for q in trained if expert(q)), "hidden": model.config.hidden_size,
+            "size": trained[0].element_size()}
+
+
+def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int = 1, microbatches: int = 1,
+         routes: bool = False) -> dict:
     """`steps` training steps (the gradients and loss of the last, the parameters after it); on one device when
     `strategy` is None. "pp": `gt.hf.pp_plan` on `world` one-rank stages, `gt.Pipeline` of 1F1B over 2
     micro-batches; each parameter's gradient and value from the rank holding it. `microbatches` (one device):
@@ -294,6 +344,12 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
     def body() -> dict:
         model, batch = arch.build(), arch.batch()
         out: dict = {}
+        if routes:  # each experts module's routing choices per forward, in call order (one device: plain tensors)
+            chosen = out["routes"] = []
+            keys = {k for k, v in gt.hf.model_ep_plan(model).items() if v == "ep_dispatch_experts"}
+            for name, m in model.named_modules():
+                if gt.hf.generic_name(name) in keys:
+                    m.register_forward_pre_hook(lambda mod, args: chosen.append(args[1].detach().clone()))
         pipe = None
         if strategy == "pp":
             stages = [gt.placement("cpu", [r]) for r in range(world)]
@@ -337,7 +393,10 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             out["fallback"] = dict(gt.stats()["fallback"])
             out["recv_bytes"] = log.recv_bytes
             out["collectives"] = len(log.events)
+            out["events"] = [(e.kind, len(e.group), e.recv_bytes) for e in log.events]
             out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
+            if strategy in ("ep", "dp_ep"):
+                out["ep_sizes"] = ep_sizes(model)
             if strategy == "dp_tp":
                 tp = textbook_dp_tp(model, world, acts)
                 out["textbook_dp_tp"] = None if tp is None else steps * tp

@@ -33,6 +33,7 @@ from ..layout import Layout, normalize_sbp
 from ..ops import dispatch
 from ..ops.scope import enter_named_here
 from ..placement import Placement
+from .experts import ExpertLocal
 from .plain import PlainRegion, RowLocal
 from ..raggedtensor.ops import boundary_cut, convert as convert_ragged
 from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike, Split
@@ -67,6 +68,13 @@ class ModuleLayout:
     alone (a token-wise MoE block with a dropless router), so on a batch split it runs on each rank's rows
     in plain torch, as DDP runs it, instead of as the global program it writes (a sort of every token):
     see `globaltensor/parallel/plain.py`'s `RowLocal`. A claim the values rely on, as DTensor's `local_map`.
+
+    `expert_local`: the module is a routed experts module (`forward(x [T, d], index [T, k], weights [T, k])`,
+    each output row the weighted sum of its k experts' functions of its row, expert e reading only entry e of
+    each parameter [E, ...]: transformers' experts modules), its parameters split on dim 0 over one mesh axis
+    (the expert axis): it runs as expert parallelism, each routed row sent to its expert's rank and its result
+    back (`by_expert` / `by_group`, one all-to-all each way), the module's own forward run on each rank's rows
+    with its experts: see `globaltensor/parallel/experts.py`. A claim the values rely on, as `row_local`.
     """
     input: Optional[SbpLike] = None
     input_grad: Optional[SbpLike] = None
@@ -77,14 +85,19 @@ class ModuleLayout:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     row_local: bool = False
+    expert_local: bool = False
 
     def __post_init__(self) -> None:
         if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")) \
-                and not self.row_local:
+                and not self.row_local and not self.expert_local:
             raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params, "
-                             "row_local")
-        if not isinstance(self.row_local, bool):
-            raise TypeError(f"ModuleLayout(row_local=): expected True or False, got {self.row_local!r}")
+                             "row_local, expert_local")
+        for name in ("row_local", "expert_local"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ModuleLayout({name}=): expected True or False, got {getattr(self, name)!r}")
+        if self.row_local and self.expert_local:
+            raise ValueError("ModuleLayout(row_local=True, expert_local=True): give one; row_local runs a module on "
+                             "whole parameters, expert_local on its experts' slice of them")
         for name in ("param_dtype", "reduce_dtype"):
             d = getattr(self, name)
             if d is not None and (not isinstance(d, torch.dtype) or not d.is_floating_point):
@@ -414,21 +427,22 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         for handle in [*mod.__dict__.pop("_gt_layout_hooks", ()), *mod.__dict__.pop("_gt_stage_hooks", ())]:
             handle.remove()
         mod.__dict__.pop("_gt_gather_group", None)
-        if isinstance(mod.__dict__.get("forward"), (StageForward, PlainRegion, RowLocal)):
+        if isinstance(mod.__dict__.get("forward"), (StageForward, PlainRegion, RowLocal, ExpertLocal)):
             del mod.__dict__["forward"]
     groups = _param_groups(module, hints, placement)
     stages = stage_hooks(module, groups)
     for mod, where in stages.items():
         mod.__dict__["forward"] = StageForward(mod, where)
-    rows = {mod: pattern for mod, (_, pattern, hint) in hints.items() if hint.row_local}
+    rows = {mod: (pattern, hint) for mod, (_, pattern, hint) in hints.items() if hint.row_local or hint.expert_local}
     for mod in _plain_candidates(groups, stages, hooks):
         if mod not in rows:
             mod.__dict__["forward"] = PlainRegion(mod)
-    for mod, pattern in rows.items():
+    for mod, (pattern, hint) in rows.items():
+        what = "row_local" if hint.row_local else "expert_local"
         if mod in stages:
-            raise ValueError(f"to_global(plan[{pattern!r}]): row_local on a pipeline stage's module; mark a module "
+            raise ValueError(f"to_global(plan[{pattern!r}]): {what} on a pipeline stage's module; mark a module "
                              "inside the stage")
-        mod.__dict__["forward"] = RowLocal(mod, pattern)
+        mod.__dict__["forward"] = (RowLocal if hint.row_local else ExpertLocal)(mod, pattern)
     for mod in set(hooks) | set(groups) | set(stages):
         pre, post = hooks.get(mod, (None, None))
         handles = []
