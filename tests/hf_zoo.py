@@ -185,8 +185,8 @@ def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
         return rows
     if strategy == "tp":
         return gt.hf.tp_plan(model)
-    if strategy == "dp_tp":
-        return gt.hf.tp_plan(model, axis=1, ndim=2)
+    if strategy == "dp_tp":  # a row-local MoE block runs on each data rank's tokens, TP over its tensor group
+        return {**gt.hf.tp_plan(model, axis=1, ndim=2), **rows}
     if strategy == "ep":  # the experts from the model's own EP plan; the rest data parallel (the MoE block not
         return gt.hf.ep_plan(model)  # row-local: its experts are split, and the plan runs them as EP)
     if strategy == "dp_ep":

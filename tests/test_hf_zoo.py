@@ -330,20 +330,22 @@ def test_mixtral_tensor_parallel_bytes_against_megatron():
 
 
 def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
-    """HF Mixtral on 2x2 (data x tensor) from its own plan, one AdamW step: equal to one device with no fallback
-    (test_zoo_tensor_parallel_from_the_models_plan), and its bytes counted against Megatron on each data rank's
-    128 tokens plus DDP's all-reduce of each rank's 23,968 gradient elements (278,144 B: 182,272 of TP,
-    95,872 of DDP). Measured 1,288,036 B (4.63x): on the tensor axis 575,712 (the pure-TP gaps of
-    test_mixtral_tensor_parallel_bytes_against_megatron, and more: inside the experts the sorted rows are cut
-    over the data axis, so the recut and the products meet Partial rows there), on the data axis 712,324: the
-    gradient buckets 144,832 (DDP's 95,872 of it), the router's and norms' 4,288, and the experts 563,200:
-    transformers' experts sort the whole batch's tokens by expert
-    (`torch.sort` of every routing choice) and index them back, a program that moves tokens between data ranks
-    where Megatron's DP x TP runs each data rank's own sort. `ModuleLayout(row_local=True)` removes that under
-    DP and ZeRO (the zoo's plans declare these blocks row-local), but it runs a block on whole parameters, and
-    here the experts are split on the tensor axis; a row-local run per data group over the tensor axis is due."""
+    """HF Mixtral on 2x2 (data x tensor) from its own plan, its MoE blocks row-local (`hf_zoo.plan_for`), one AdamW
+    step: equal to one device with no fallback (test_zoo_tensor_parallel_from_the_models_plan), and its bytes
+    counted against Megatron on each data rank's T = 128 tokens plus DDP's all-reduce of each rank's 23,968
+    gradient elements (278,144 B: 182,272 of TP, 95,872 of DDP). A row-local block whose experts are split on the
+    tensor axis runs on each data rank's tokens as a global program over its tensor group (`RowLocal`'s row
+    groups): no token crosses a data rank, as in Megatron, where the global program sorted the whole batch's
+    tokens by expert and moved them between data ranks (1,288,036 B before, 4.63x). Beyond Megatron now, on the
+    tensor axis: q, k and v each all-reduce their input's gradient (2 layers * 2 * 16,384 = 65,536);
+    packed_colwise's contiguous halves recut at `chunk` and `cat` (2 layers * 2 * 128 * 2 * 24 * 4 = 98,304); the
+    routing weights' gradient reduce-scattered over the tokens (768 B a layer, not 1,024: -512), so the block's
+    input gradient arrives split and is gathered as it leaves the row group (16,384 for the two blocks) and the
+    router's weight gradient is Partial there and all-reduced (1,024). On the data axis, 164 B: the loss's 4, the
+    norms' gradients reduce-scattered at their views (320), so the bucket reduces 160 B less than DDP."""
     got = hf_zoo.step(hf_zoo.ZOO["mixtral"], "dp_tp", 4)
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2, dp=2, shard_elems=23_968)
     assert want["total"] == 278_144 and want["ddp"] == 95_872
-    assert got["recv_bytes"] == 1_288_036, got["recv_bytes"]
+    qkv, packed, router, data = 65_536, 98_304, 16_384 + 1_024 - 512, 4 + 320 - 160
+    assert got["recv_bytes"] == want["total"] + qkv + packed + router + data == 459_044, got["recv_bytes"]

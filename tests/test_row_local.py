@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import globaltensor as gt
 
@@ -178,3 +178,36 @@ def test_outputs_without_rows_and_ranks_without_rows_are_refused(fn, batch, matc
         return m(gt.to_global(torch.ones(batch, 3, dtype=D), p, gt.split(0)))
     with pytest.raises(RuntimeError, match=match):
         gt.launch(body, 4)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.integers(0, 3))
+def test_with_parameters_split_on_another_axis_each_data_rank_runs_its_rows_over_its_tensor_group(dim, per_rank,
+                                                                                                   seed):
+    """On a data x tensor mesh with the experts split on the tensor axis (dim 1: their input features; 2: their
+    output features), the row-local module runs on each data rank's rows as a global program over that rank's
+    tensor group (Megatron's DP x TP: each data rank's tokens through the tensor-parallel experts): one device's
+    loss and gradients, and no forward collective outside a tensor group, so no token crosses a data rank (the
+    undeclared program's forward sorts the whole batch over every rank)."""
+    torch.manual_seed(seed)
+    net = Net().to(D)
+    x = torch.randn(2 * per_rank, 5, 8, dtype=D)
+    want_loss, want_grads = _one_device(net, x)
+    mesh, tensor_groups = [[0, 1], [2, 3]], [{0, 1}, {2, 3}]
+
+    def body(plan: dict):
+        p = gt.placement("cpu", mesh)
+        model = gt.to_global(copy.deepcopy(net), p, plan)
+        with gt.comm_log() as fwd:
+            loss = model(gt.to_global(x, p, (gt.split(0), gt.broadcast)))
+        loss.backward()
+        return (loss.full_tensor(), {n: q.grad.full_tensor() for n, q in model.named_parameters()},
+                [set(e.group) for e in fwd.events if e.recv_bytes])
+    split = {"moe.experts": (gt.broadcast, gt.split(dim))}
+    for loss, grads, groups in gt.launch(body, 4, args=({**split, "moe": gt.ModuleLayout(row_local=True)},)):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+        for n, g in want_grads.items():
+            torch.testing.assert_close(grads[n], g, rtol=1e-10, atol=1e-12)
+        assert all(any(g <= t for t in tensor_groups) for g in groups), groups
+    undeclared = gt.launch(body, 4, args=(split,))
+    assert any(not any(g <= t for t in tensor_groups) for r in undeclared for g in r[2])

@@ -34,7 +34,7 @@ from ..ops import dispatch
 from ..ops.scope import enter_named_here
 from ..placement import Placement
 from .experts import ExpertLocal
-from .plain import PlainRegion, RowLocal
+from .plain import PlainRegion, RowLocal, row_group_axes
 from ..raggedtensor.ops import boundary_cut, convert as convert_ragged
 from ..sbp import SBP_TYPES, Broadcast, Partial, Ragged, SbpLike, Split
 from ..tensor import GlobalTensor, OnBackward, distribute
@@ -140,15 +140,21 @@ class _Boundary:
         if not isinstance(x, GlobalTensor):
             raise TypeError(f"{self.where}: the plan lays out a GlobalTensor here, got {type(x).__name__}; "
                             "convert the model's inputs with gt.to_global first")
-        sbp = x.sbp if self.sbp is None else tuple(o if h is None else h for h, o in zip(self.sbp, x.sbp))
+        hint, grad_hint = self.sbp, self.grad
+        kept = row_group_axes()
+        if kept is not None:  # inside a row-local module's row group: the hint's axes that its sub-mesh keeps
+            hint = None if hint is None or len(hint) == x.placement.ndim else tuple(hint[a] for a in kept)
+            grad_hint = None if grad_hint is None or len(grad_hint) == x.placement.ndim else \
+                tuple(grad_hint[a] for a in kept)
+        sbp = x.sbp if hint is None else tuple(o if h is None else h for h, o in zip(hint, x.sbp))
         try:
-            x, sbp, sizes, unit = boundary_cut(x, sbp, self.sbp, arrived)
+            x, sbp, sizes, unit = boundary_cut(x, sbp, hint, arrived)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{self.where}: {e}") from None
         grad = None
-        if self.grad is not None:
+        if grad_hint is not None:
             dual = tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
-            grad = tuple(d if h is None else h for h, d in zip(self.grad, dual))
+            grad = tuple(d if h is None else h for h, d in zip(grad_hint, dual))
         try:
             if sizes is not None:
                 if grad is not None:

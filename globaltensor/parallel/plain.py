@@ -53,7 +53,12 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+import threading
+
+import numpy as np
+
 from ..layout import Layout
+from ..placement import Placement, placement as make_placement
 from ..runtime import context
 from ..runtime.trace import watching
 from ..sbp import Broadcast, Partial, Split
@@ -467,6 +472,12 @@ class RowLocal:
         if not axes or context.current().rank not in first.placement.flat_ranks:
             return forward(self.module, *args, **kwargs)  # no rows split (or empty shards here): the dispatcher's
         placement, rows, rank = first.placement, first.shape[0], context.current().rank
+        others = tuple(a for a in range(placement.ndim) if a not in axes)
+        slots = [(t, n) for m in self.module.modules() for t in (m._parameters, m._buffers) for n in t
+                 if t[n] is not None]
+        if others and any(isinstance(x, GlobalTensor) and any(not isinstance(x.sbp[a], Broadcast) for a in others)
+                          for x in [leaves[i] for i in range(len(leaves))] + [t[n] for t, n in slots]):
+            return self._per_row_group(leaves, spec, slots, placement, axes, others, rank)
 
         def on(split: bool, grad: bool = False) -> Layout:
             row = Split(0) if split else Partial() if grad else Broadcast()
@@ -487,8 +498,6 @@ class RowLocal:
         if held == 0:
             raise RuntimeError(f"{where}: rank {rank} holds none of the input's {rows} rows; a row-local module "
                                "runs on each rank's rows: give every rank some (a batch of at least the ranks)")
-        slots = [(t, n) for m in self.module.modules() for t in (m._parameters, m._buffers) for n in t
-                 if t[n] is not None]
         for table, name in slots:
             t = table[name]
             if isinstance(t, GlobalTensor) and (t.placement != placement or t._layout != on(False)):
@@ -524,6 +533,74 @@ class RowLocal:
             out_leaves[i] = w
         return pytree.tree_unflatten(out_leaves, out_spec)
 
+    def _per_row_group(self, leaves: list, spec: Any, slots: list, placement: Placement, axes: tuple,
+                       others: tuple, rank: int) -> Any:
+        """The module on this rank's rows as a global program over the other mesh axes: the ranks that hold the
+        same rows (a data rank's tensor group) run it together on the sub-mesh of those axes, their parameters
+        laid out there as on the whole mesh (a tensor-parallel expert's slice stays a slice). Megatron's DP x TP:
+        each data rank's tokens go through the tensor group's experts, and no token crosses a data rank.
+        Outputs and gradients come back as on the whole mesh: rows split on the row axes, the sub-mesh's layout
+        on the others (Broadcast there: the one layout every group's own program is sure to agree on); a
+        parameter's or a whole input's gradient Partial on the row axes, laid out on the others as the
+        parameter is."""
+        where = f"to_global(plan[{self.name!r}]) row_local"
+        mesh = np.array(placement.ranks, dtype=object).reshape(placement.shape)
+        coord = placement.coord(rank)
+        sub = make_placement(placement.device_type,
+                             mesh[tuple(coord[a] if a in axes else slice(None) for a in range(placement.ndim))].tolist())
+        rows = next(x for x in leaves if isinstance(x, GlobalTensor) and x.dim() >= 1).shape[0]
+
+        def row_layout(split: bool) -> Layout:  # the row axes' part of a layout; the others whole
+            return Layout(placement, tuple((Split(0) if split else Broadcast()) if a in axes else Broadcast()
+                                           for a in range(placement.ndim)))
+        for i, x in enumerate(leaves):  # a plain tensor is Broadcast: one with the batch's rows is cut to them too
+            if type(x) is torch.Tensor and x.dim() >= 1 and x.shape[0] == rows:
+                leaves[i] = distribute(x, row_layout(False))
+        pieces = []  # (slot in leaves or table, tensor, whether it is a row input)
+        for i, x in enumerate(leaves):
+            if isinstance(x, GlobalTensor):
+                if x.placement != placement:
+                    raise ValueError(f"{where}: input {i} is on {x.placement}, the module's rows on {placement}")
+                row = x.dim() >= 1 and x.shape[0] == rows
+                want = tuple((Split(0) if row else Broadcast()) if a in axes else s for a, s in enumerate(x.sbp))
+                if x.sbp != want:
+                    x = leaves[i] = x.to_global(placement, want)
+                pieces.append((("leaf", i), x, row))
+        for table, name in slots:
+            t = table[name]
+            if isinstance(t, GlobalTensor):
+                if t.placement != placement or any(not isinstance(t.sbp[a], Broadcast) for a in axes):
+                    raise ValueError(f"{where}: {name!r} is laid out {t.sbp} on {t.placement} while the module runs; "
+                                     "a row-local module runs on parameters whole on the row axes of its input's "
+                                     "placement (params=gt.broadcast under ZeRO)")
+                pieces.append((("slot", table, name), t, False))
+        grad = torch.is_grad_enabled()
+        subs = _ToRowGroup.apply(sub, axes, others, rows, tuple((t, r) for _, t, r in pieces), grad,
+                                 *(t for _, t, _ in pieces))
+        swaps = []
+        for (where_, t, _), st in zip(pieces, subs):
+            if where_[0] == "leaf":
+                leaves[where_[1]] = st
+            else:
+                swaps.append(Swap(where_[1], where_[2], t, st))
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, spec)
+        held = row_layout(True).local_shape((rows,), rank)[0]
+        with _rows_of(others):
+            out = call_local(self.module, swaps, call_args, call_kwargs)
+        out_leaves, out_spec = pytree.tree_flatten(out)
+        at = [i for i, o in enumerate(out_leaves) if isinstance(o, GlobalTensor)]
+        if any(type(o) is torch.Tensor for o in out_leaves):
+            raise RuntimeError(f"{where}: an output is a plain tensor; on a row group every output is global")
+        shapes = [self._global_shape(out_leaves[i], rows, held, row_layout(True), rank, where) for i in at]
+        # Broadcast on the sub-mesh: a layout every row group agrees on without asking (each group's program
+        # is its own, its choices its rows'); an output left split there is gathered
+        whole = [out_leaves[i] if all(isinstance(s, Broadcast) for s in out_leaves[i].sbp) else
+                 out_leaves[i].to_global(sub, (Broadcast(),) * sub.ndim) for i in at]
+        back = _FromRowGroup.apply(placement, axes, tuple(shapes), *whole)
+        for i, w in zip(at, back):
+            out_leaves[i] = w
+        return pytree.tree_unflatten(out_leaves, out_spec)
+
     @staticmethod
     def _global_shape(t: torch.Tensor, rows: int, held: int, layout: Layout, rank: int, where: str) -> tuple:
         """The output's global shape: its local rows scaled as the input's were, checked to be this rank's
@@ -546,3 +623,98 @@ def _geometry_like(local: torch.Tensor, shape: tuple) -> Optional[tuple]:
     order = sorted(range(local.dim()), key=lambda d: (-local.stride(d), d))  # outermost dim first
     whole = torch.empty([shape[d] for d in order], device="meta").permute(sorted(range(local.dim()), key=order.index))
     return geometry_of(shape, whole.stride(), 0)
+
+
+class _RowGroupAxes(threading.local):
+    kept: Optional[tuple] = None
+
+
+_ROW_GROUP = _RowGroupAxes()
+
+
+class _rows_of:
+    """While a row-local module runs on a row group: the whole mesh's axes its sub-mesh keeps, so a module plan's
+    hint inside (an nd-SBP of the whole mesh) is read on the sub-mesh's axes (`row_group_axes`)."""
+
+    def __init__(self, kept: tuple) -> None:
+        self.kept, self.outer = kept, None
+
+    def __enter__(self) -> None:
+        self.outer, _ROW_GROUP.kept = _ROW_GROUP.kept, self.kept
+
+    def __exit__(self, *exc: Any) -> None:
+        _ROW_GROUP.kept = self.outer
+
+
+def row_group_axes() -> Optional[tuple]:
+    """The whole mesh's axes a row group's sub-mesh keeps, while a row-local module runs on one (else None)."""
+    return _ROW_GROUP.kept
+
+
+def _to_sub(x: GlobalTensor, sub: Placement, axes: tuple, others: tuple, rows_split: bool) -> GlobalTensor:
+    """x's local shard as a GlobalTensor on the row group's sub-mesh: its global shape this group's rows (a row
+    input) or whole, its layout its own on the kept axes."""
+    whole_rows = Layout(x.placement, tuple((Split(0) if rows_split else Broadcast()) if a in axes else Broadcast()
+                                           for a in range(x.placement.ndim)))
+    shape = whole_rows.local_shape(tuple(x.shape), context.current().rank)
+    return GlobalTensor(_alias(x._local), Layout(sub, tuple(x.sbp[a] for a in others)), shape)
+
+
+class _ToRowGroup(torch.autograd.Function):
+    """Whole-mesh tensors -> the row group's; backward: each sub-mesh gradient as a whole-mesh one, split on
+    the row axes (a row input's) or Partial there (a parameter's, a whole input's: this group's share)."""
+
+    @staticmethod
+    def forward(ctx, sub, axes, others, rows, kinds, grad, *tensors):  # type: ignore[override]
+        ctx.axes, ctx.others = axes, others
+        subs = tuple(_to_sub(t, sub, axes, others, row) for t, (_, row) in zip(tensors, kinds))
+        ctx.kinds = [(t.placement, tuple(t.shape), row, s._layout) for (t, row), s in zip(kinds, subs)]
+        ctx.set_materialize_grads(False)
+        return subs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        out = []
+        for g, (placement, shape, row, sub) in zip(grads, ctx.kinds):
+            if g is None:
+                out.append(None)
+                continue
+            if g._layout != grad_layout(sub):  # each row group's program is its own (its rows' routing): the
+                g = g.to_global(sub.placement, grad_layout(sub).sbp)  # gradient laid out as every group lays it
+            sbp, at = [None] * placement.ndim, iter(g.sbp)
+            for a in range(placement.ndim):
+                sbp[a] = (Split(0) if row else Partial()) if a in ctx.axes else next(at)
+            out.append(GlobalTensor(g._local, Layout(placement, tuple(sbp)), shape))
+        return (None,) * 6 + tuple(out)
+
+
+class _FromRowGroup(torch.autograd.Function):
+    """The row group's outputs -> whole-mesh tensors, rows split on the row axes; backward: each gradient split
+    so on the row axes (its other axes as they arrive), its local shard the sub-mesh gradient's."""
+
+    @staticmethod
+    def forward(ctx, placement, axes, shapes, *outs):  # type: ignore[override]
+        ctx.placement, ctx.axes = placement, axes
+        ctx.subs = [(o.placement, tuple(o.shape)) for o in outs]
+        ctx.set_materialize_grads(False)
+        made = []
+        for o, shape in zip(outs, shapes):
+            at, sbp = iter(o.sbp), []
+            for a in range(placement.ndim):
+                sbp.append(Split(0) if a in axes else next(at))
+            made.append(GlobalTensor(o._local.view_as(o._local), Layout(placement, tuple(sbp)), shape))
+        return tuple(made)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        out = []
+        for g, (sub, shape) in zip(grads, ctx.subs):
+            if g is None:
+                out.append(None)
+                continue
+            want = tuple(Split(0) if a in ctx.axes else s for a, s in enumerate(g.sbp))
+            if g.sbp != want:
+                g = g.to_global(ctx.placement, want)
+            out.append(GlobalTensor(g._local, Layout(sub, tuple(s for a, s in enumerate(g.sbp) if a not in ctx.axes)),
+                                    shape))
+        return (None, None, None) + tuple(out)
