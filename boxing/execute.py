@@ -21,6 +21,7 @@ from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
 from .route import Route, Step
 from .search import route as find_route
+from .strided import ReadingStep, compile_reading
 from .zigzag import COMPILE as _ZIGZAG_COMPILE
 
 
@@ -46,7 +47,8 @@ def execute(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tens
 
 def _compile(route: Route, rank: int) -> tuple[Callable, ...]:
     """This rank's steps as calls with every box, group and shape worked out once (routes are cached)."""
-    program = [_COMPILE[step.primitive](step, route.shape, rank) for step in route.steps]
+    program = [(compile_reading if isinstance(step, ReadingStep) else _COMPILE[step.primitive])(step, route.shape, rank)
+               for step in route.steps]
     if rank not in route.dst.placement:
         program.append(lambda local, comm: local.new_empty((0,)))
     return tuple(p for p in program if p is not None)
