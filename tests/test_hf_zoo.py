@@ -310,13 +310,14 @@ def megatron_bytes(model, tp: int, dp: int = 1, shard_elems: int = 0) -> dict:
 
 def test_mixtral_tensor_parallel_bytes_against_megatron():
     """HF Mixtral (transformers' grouped experts, fp32) under its own TP plan on 2 ranks, one AdamW step: every
-    byte accounted for against `megatron_bytes` (364,544 B; measured 758,016 B, 2.08x). What is beyond it, per
-    step, each derived for this model (T = 256 tokens, H = 32, I = 48, k = 2, 2 layers, fp32):
+    byte accounted for against `megatron_bytes` (364,544 B; measured 561,408 B, 1.54x). The packed gate_up_proj is
+    a strided split (`gt.strided(1, 2)`, transformers' `_StridedShard`): each rank holds its slice of gate and of
+    up, so `gate, up = chunk(2, -1)` and the backward's `cat` move nothing (split contiguously, each recut both
+    halves, T*k*I/2 elements a rank each time: 2 layers * 2 * 512 * 24 * 4 = 196,608 B more, 758,016 in all).
+    What is beyond Megatron, per step, each derived for this model (T = 256 tokens, H = 32, I = 48, k = 2,
+    2 layers, fp32):
     - q, k and v each all-reduce their input's gradient (gt.hf.tp_plan's docstring: a decoder layer calls its
       attention with keyword arguments), two all-reduces of [T, H] more per layer: 2 * 2 * 32,768 = 131,072.
-    - packed_colwise laid out contiguously, not strided: `gate, up = chunk(2, -1)` recuts each half to a split of
-      its own I, rank 0 taking up's first half and rank 1 gate's second (T*k*I/2 elements), in the forward and
-      in the backward's cat: 2 layers * 2 * 512 * 24 * 4 = 196,608.
     - the routing weights' gradient reduce-scattered over the tokens (512 + 1,024 B a layer) instead of
       all-reduced (2,048): -1,024; the residual stream's gradient then arrives split over the tokens, gathered
       at o_proj's output (each layer), the experts' output (but the last layer's) and the embedding's: 4 *
@@ -326,17 +327,18 @@ def test_mixtral_tensor_parallel_bytes_against_megatron():
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2)
     assert want["total"] == 364_544
-    qkv, packed, router = 131_072, 196_608, -1_024 + 65_536 + 1_280
-    assert got["recv_bytes"] == want["total"] + qkv + packed + router == 758_016, got["recv_bytes"]
+    qkv, router = 131_072, -1_024 + 65_536 + 1_280
+    assert got["recv_bytes"] == want["total"] + qkv + router == 561_408, got["recv_bytes"]
 
 
 def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
     """HF Mixtral on 2x2 (data x tensor) from its own plan, one AdamW step: equal to one device with no fallback
     (test_zoo_tensor_parallel_from_the_models_plan), and its bytes counted against Megatron on each data rank's
     128 tokens plus DDP's all-reduce of each rank's 23,968 gradient elements (278,144 B: 182,272 of TP,
-    95,872 of DDP). Measured 1,288,036 B (4.63x): on the tensor axis 575,712 (the pure-TP gaps of
+    95,872 of DDP). Measured 1,189,732 B (4.28x): on the tensor axis 477,408 (the pure-TP gaps of
     test_mixtral_tensor_parallel_bytes_against_megatron, and more: inside the experts the sorted rows are cut
-    over the data axis, so the recut and the products meet Partial rows there), on the data axis 712,324: the
+    over the data axis, so the products meet Partial rows there; gate_up_proj strided, `chunk` and `cat` move
+    nothing, where a contiguous split recut each data rank's rows: 98,304 B more), on the data axis 712,324: the
     gradient buckets 144,832 (DDP's 95,872 of it), the router's and norms' 4,288, and the experts 563,200:
     transformers' experts sort the whole batch's tokens by expert
     (`torch.sort` of every routing choice) and index them back, a program that moves tokens between data ranks
@@ -347,4 +349,4 @@ def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2, dp=2, shard_elems=23_968)
     assert want["total"] == 278_144 and want["ddp"] == 95_872
-    assert got["recv_bytes"] == 1_288_036, got["recv_bytes"]
+    assert got["recv_bytes"] == 1_189_732, got["recv_bytes"]
