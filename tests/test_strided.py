@@ -148,7 +148,7 @@ def test_gated_projection_moves_nothing_and_equals_one_device(mesh, rows, hidden
             assert h.sbp[-1] == gt.split(1)
             loss = h.sum()
             loss.backward()
-        assert isinstance(w.grad, gt.StridedTensor) and w.grad.sbp == w.sbp
+        assert isinstance(w.grad, gt.StridedTensor) and w.grad.sbp[-1] == gt.strided(0, 2)
         tensor_axis = [e for e in log.events if len(e.group) == n and e.group in p.axis_groups(p.ndim - 1)]
         # on the tensor axis: the loss's reduction and x's gradient's only (no recut of gate/up)
         assert all(e.kind in ("all_reduce", "reduce_scatter") for e in tensor_axis), tensor_axis
