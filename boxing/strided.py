@@ -107,18 +107,4 @@ def _reading(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: 
         sub.lower_bound
 
 
-def compile_reading(step: ReadingStep, shape: tuple, rank: int) -> Optional[Callable]:
-    from .execute import _compile  # execute imports this module's COMPILE
-    program = _compile(step.sub, rank)
-    d, g, ndim = step.dim, step.groups, len(shape)
-
-    def run(local: torch.Tensor, comm) -> torch.Tensor:
-        if local.dim() == ndim:
-            local = local.unflatten(d, (g, -1))
-        for p in program:
-            local = p(local, comm)
-        return local.flatten(d, d + 1) if local.dim() == ndim + 1 else local
-    return run
-
-
-__all__ = ["route", "compile_reading", "unflattened", "ReadingStep"]
+__all__ = ["route", "unflattened", "ReadingStep"]
