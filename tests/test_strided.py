@@ -240,3 +240,20 @@ def test_checkpoint_of_a_strided_tensor_loads_into_other_layouts(tmp_path_factor
     chunks = md.state_dict_metadata["t"].chunks
     assert sum(math.prod(c.sizes) for c in chunks) == full.numel()
     assert len(chunks) == 2 * p.shape[axis]  # a chunk per block per rank of the strided axis
+
+
+def test_checkpoint_chunks_follow_ranges_so_a_zigzag_tensor_saves_too(tmp_path):
+    """DCP's chunks are a rank's ranges (chunks.py), not its box: a zigzag shard is its two chunks, and loads
+    into a split and back into a zigzag bitwise."""
+    full = torch.arange(30.0).reshape(10, 3)
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        gtc.save({"t": gt.to_global(full, p, gt.zigzag(0))}, str(tmp_path))
+        y = gt.to_global(torch.zeros_like(full), p, gt.split(1))
+        gtc.load({"t": y}, str(tmp_path))
+        z = gt.to_global(torch.zeros_like(full), p, gt.zigzag(0))
+        gtc.load({"t": z}, str(tmp_path))
+        return torch.equal(y.full_tensor(), full) and torch.equal(z.full_tensor(), full)
+    assert all(gt.launch(body, 2))
+    assert len(gtc.read_metadata(tmp_path).state_dict_metadata["t"].chunks) == 4
