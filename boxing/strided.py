@@ -103,7 +103,9 @@ def _reading(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype, plain: 
     recv = tuple(sub.recv_bytes)
     latency = sum(s.latency for s in sub.steps)
     prims = "+".join(s.primitive for s in sub.steps)
-    return [ReadingStep(f"strided({prims})", src, dst, None, recv, latency, None, sub=sub, dim=d, groups=g)], \
+    axes = {s.axis for s in sub.steps}
+    axis = axes.pop() if len(axes) == 1 else None  # where its collectives run, for explain()
+    return [ReadingStep(f"strided({prims})", src, dst, axis, recv, latency, None, sub=sub, dim=d, groups=g)], \
         sub.lower_bound
 
 
