@@ -13,14 +13,18 @@ the strided axis is strided; one holding d whole is permuted back locally).
 
 The ops that separate the groups (`split`/`chunk`/`narrow`/`slice` of d at block boundaries, as
 `gate, up = proj.chunk(2, -1)`) give each rank its own pieces of those blocks: a plain split of each
-group (or a strided split of several), locally and with no bytes. `cat` of equal plain splits along
-their split dim is the reverse (`cat_of_splits`, from GlobalTensor's dispatch): its result is strided,
-where the dispatcher's cat rule would recut every piece. Every other op (or an uneven layout) gets its
+group (or a strided split of several), locally and with no bytes. Their backward's `cat` of the blocks'
+gradients (plain splits, of the layout and shape the separation gave) is the reverse (`cat_of_splits`,
+from GlobalTensor's dispatch): its result is strided, where the dispatcher's cat rule would recut every
+piece. Only there: a cat of splits whose pieces no strided tensor was separated into in this rank's
+program (a packed weight split contiguously, `ops/view.py`'s recut) keeps the cat rule, since its
+consumers hold the contiguous split and a strided result would move the recut onto the weight's gradient. Every other op (or an uneven layout) gets its
 strided inputs boxed to `Split(d)` first (one exchange each) and runs as usual: correct, not free. An
 in-place op that the reading does not cover is refused on a strided tensor: its result would land in a copy.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import torch
@@ -39,6 +43,19 @@ GROUP_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor
 VALUE_FREE = (aten.new_zeros.default, aten.new_empty.default, aten.new_full.default, aten.new_ones.default,
               aten.new_empty_strided.default)
 SAME = (aten.detach.default, aten.alias.default, aten.clone.default, aten.copy_.default, aten.lift_fresh.default)
+
+
+class _Separated(threading.local):
+    """Per rank (a simulated rank is a thread), the (layout, shape, dim, count) of the plain-split blocks that a
+    strided tensor was separated into so far: the cats that give a strided split back. Per rank, so every
+    rank decides a cat from its own program's past, the same at the same point of the same program."""
+
+    def __init__(self) -> None:
+        self.keys: set = set()
+
+
+_SEPARATED = _Separated()
+MAX_SEPARATED = 4096
 
 
 def _bmm(func, args, kwargs, shapes, ref, d):
@@ -245,12 +262,18 @@ def _separate(func, args, kwargs, plain, x, axis, d, g) -> Any:
         sbp = tuple((Split(d) if k == 1 else Strided(d, k)) if a == axis else t for a, t in enumerate(x._layout.sbp))
         shape = tuple(x.shape[:d]) + (n,) + tuple(x.shape[d + 1:])
         outs.append(plain(local.narrow(d, s // block * here, k * here), Layout(x._layout.placement, sbp), shape))
+    if len(outs) == g:  # every block on its own: their gradients' cat is this layout again
+        keys = _SEPARATED.keys
+        if len(keys) >= MAX_SEPARATED:
+            keys.clear()
+        keys.add((outs[0]._layout, tuple(outs[0].shape), d, g))
     return outs if func in (aten.split.Tensor, aten.split_with_sizes.default) else outs[0]
 
 
 def cat_of_splits(args: tuple, kwargs: dict, plain: type) -> Optional[Any]:
-    """`cat` of tensors that one mesh axis splits along the cat dim, all else alike and of equal length: the
-    strided split of the result (each rank's pieces, concatenated locally; no bytes). None otherwise."""
+    """`cat` of tensors that one mesh axis splits along the cat dim, all else alike and of equal length, as a
+    strided tensor's blocks were separated into earlier in this rank's program (`_SEPARATED`): the strided split
+    of the result (each rank's pieces, concatenated locally; no bytes). None otherwise."""
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if not isinstance(tensors, (list, tuple)) or len(tensors) < 2 or type(tensors[0]) is not plain:
@@ -266,6 +289,8 @@ def cat_of_splits(args: tuple, kwargs: dict, plain: type) -> Optional[Any]:
     if len(axes) != 1 or not isinstance(layout.sbp[axes[0]], Split) or layout.placement.shape[axes[0]] < 2:
         return None
     g = len(tensors)
+    if (layout, shape, dim, g) not in _SEPARATED.keys:
+        return None
     sbp = tuple(Strided(dim, g) if a == axes[0] else s for a, s in enumerate(layout.sbp))
     out_shape = shape[:dim] + (shape[dim] * g,) + shape[dim + 1:]
     return plain(torch.cat([t._local for t in tensors], dim), Layout(layout.placement, sbp), out_shape)
