@@ -166,7 +166,7 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
     axis, d, g = _key(first._layout)
     length = first.shape[d]
     placement = first._layout.placement
-    failed = []
+    failed, direct = [], []
 
     def read(t: Any, i: int) -> Any:
         dim = in_dims[i]
@@ -177,10 +177,13 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
         if t.shape[dim] != length or t._layout.placement != placement:
             failed.append(t)
             return t
+        if isinstance(t, cls):  # strided as the reading is: read it; strided otherwise: its contiguous split first
+            if _key(t._layout) == (axis, dim, g) and t._layout == _with_axis(t._layout, dim, axis, Strided(dim, g)):
+                direct.append(i)
+                return plain(t._local, t._layout.strided_as_split(), tuple(t.shape))
+            t = _as_split(t, plain)
         target = _with_axis(t._layout, dim, axis, Strided(dim, g))
-        if isinstance(t, cls) and t._layout == target:
-            return plain(t._local, target.strided_as_split(), tuple(t.shape))
-        if _cuts(t._layout, dim) or isinstance(t, cls):
+        if _cuts(t._layout, dim):
             t = _box(t, target, plain)
             return plain(t._local, target.strided_as_split(), tuple(t.shape))
         local = t._local
@@ -188,7 +191,7 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
             local = local.index_select(dim, _order(t, target, dim, local.device))
         return plain(local, t._layout, tuple(t.shape))
     new_args, new_kwargs = map_tensors(args, kwargs, read)
-    if failed:
+    if failed or (is_inplace(func) and 0 not in direct):  # a copy written in place would be lost
         return None
     out = dispatch(func, new_args, new_kwargs, plain)
     if is_inplace(func):  # the op wrote the reading of args[0], which shares or replaces its shard

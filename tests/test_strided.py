@@ -259,3 +259,20 @@ def test_checkpoint_chunks_follow_ranges_so_a_zigzag_tensor_saves_too(tmp_path):
         return torch.equal(y.full_tensor(), full) and torch.equal(z.full_tensor(), full)
     assert all(gt.launch(body, 2))
     assert len(gtc.read_metadata(tmp_path).state_dict_metadata["t"].chunks) == 4
+
+
+def test_in_place_on_the_reading_and_refused_off_it():
+    """An in-place pointwise op writes the strided shard itself (AdamW's updates of a strided parameter); one whose
+    other operand is strided otherwise (another groups count) still lands in the shard; one whose shard would be
+    a copy is refused, naming the fix."""
+    full = torch.arange(12.0)
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        x = gt.to_global(full.clone(), p, gt.strided(0, 2))
+        x.mul_(2).add_(gt.to_global(full, p, gt.strided(0, 3)))
+        assert x.sbp == (gt.strided(0, 2),) and torch.equal(x.full_tensor(), 3 * full)
+        x.add_(gt.to_global(full, p, gt.split(0)))
+        assert torch.equal(x.full_tensor(), 4 * full)
+        return True
+    assert all(gt.launch(body, 2))
