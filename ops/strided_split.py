@@ -133,8 +133,14 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, cls: type) -> Any:
             return done
     if func.name().startswith("aten::_foreach_"):  # per tensor, back through here (or its kernel on like shards)
         return dispatch(func, args, kwargs, plain)
-    if func in VALUE_FREE:
-        new_args, new_kwargs = map_tensors(args, kwargs, lambda t, i: _as_split(t, plain) if isinstance(t, cls) else t)
+    if func in VALUE_FREE:  # the values are not read: the reading where it holds the shard as it is
+        def free(t: Any, i: int) -> Any:
+            if not isinstance(t, cls):
+                return t
+            if t._layout.strided_even(tuple(t.shape)):
+                return plain(t._local, t._layout.strided_as_split(), tuple(t.shape))
+            return _as_split(t, plain)
+        new_args, new_kwargs = map_tensors(args, kwargs, free)
         return dispatch(func, new_args, new_kwargs, plain)
     rule = TABLE.get(func)
     if rule is not None and first._layout.strided_even(tuple(first.shape)) and not (

@@ -210,6 +210,9 @@ def test_other_ops_box_to_a_split_first():
         assert torch.equal(x[1:5].full_tensor(), full[1:5])
         with pytest.raises(NotImplementedError, match="in place"):
             x.cumsum_(0)
+        with gt.comm_log() as log:  # the values are not read: nothing moves
+            zeros = x.new_zeros(3, 4)
+        assert log.recv_bytes == 0 and torch.equal(zeros.full_tensor(), torch.zeros(3, 4))
         return True
     assert all(gt.launch(body, 2))
 
