@@ -90,9 +90,59 @@ def _grouped_mm(func, args, kwargs, shapes, ref, d):
     return None
 
 
+def _leading(indices: list) -> Optional[tuple[int, int]]:
+    """(m, k) of advanced indexing by tensors on the leading m dims (k: their broadcast ndim); None otherwise."""
+    at = [i for i, t in enumerate(indices) if t is not None]
+    if at != list(range(len(at))) or not at:
+        return None
+    return len(at), max(t.dim() for t in indices if t is not None)
+
+
+def _index(func, args, kwargs, shapes, ref, d):
+    """`x[idx]` (index.Tensor) with index tensors on leading dims before d (an experts weight's selection):
+    d stays one dim of the result, after the index's dims."""
+    lead = _leading(list(args[1]))
+    if ref != 0 or lead is None or lead[0] > d:
+        return None
+    m, k = lead
+    return [d] + [None] * (len(shapes) - 1), lambda outs: [d - m + k]
+
+
+def _index_put(func, args, kwargs, shapes, ref, d):
+    """index_put(x, idx, values): its backward (`x` zeros, values the selection's gradient), as `_index`."""
+    lead = _leading(list(args[1]))
+    if lead is None:
+        return None
+    m, k = lead
+    full = len(shapes[0]) - m + k  # the selection's ndim, which values broadcast to (right-aligned)
+    at_values = lambda x: x - m + k - (full - len(shapes[-1]))  # noqa: E731
+    if ref == 0:
+        x = d
+    elif ref == len(shapes) - 1:
+        x = d + m - k + (full - len(shapes[-1]))
+    else:
+        return None
+    if x < m or x >= len(shapes[0]):
+        return None
+    v = at_values(x)
+    return [x] + [None] * (len(shapes) - 2) + [v if v >= 0 else None], lambda outs: [x]
+
+
+def _select(func, args, kwargs, shapes, ref, d):
+    """select(x, dim, i) of another dim: d stays (one to the left past dim); select_backward the reverse."""
+    if func is aten.select.int:
+        dim = args[1] % len(shapes[0])
+        return None if dim == d else ([d], lambda outs: [d - (dim < d)])
+    dim = args[2] % len(args[1])  # select_backward(grad, input_sizes, dim, index)
+    return [d], lambda outs: [d + (dim <= d)]
+
+
 TABLE = dict(ALIGN)
 TABLE.update({op: _pointwise for op in SAME})
-TABLE.update({aten.bmm.default: _bmm, aten.mm.default: _mm, aten._grouped_mm.default: _grouped_mm})
+TABLE.update({aten.bmm.default: _bmm, aten.mm.default: _mm, aten._grouped_mm.default: _grouped_mm,
+              aten.index.Tensor: _index, aten.index_put.default: _index_put, aten.index_put_.default: _index_put,
+              aten._index_put_impl_.default: _index_put, aten.select.int: _select,
+              aten.select_backward.default: _select})
 
 
 def _key(layout: Layout) -> tuple[int, int, int]:

@@ -279,3 +279,37 @@ def test_in_place_on_the_reading_and_refused_off_it():
         assert torch.equal(x.full_tensor(), 4 * full)
         return True
     assert all(gt.launch(body, 2))
+
+
+def test_expert_selection_keeps_the_strided_dim():
+    """transformers' eager experts: `w[e]` of a strided [E, 2I, H] weight (index.Tensor with a 0-dim index, and
+    select) is strided [2I, H]; its gradient (index_put into zeros, select_backward) strided again: the loop
+    over experts moves only the reductions of x's gradient and the loss; equal to one device."""
+    torch.manual_seed(1)
+    E, I, H, T = 3, 4, 5, 6
+    W = torch.randn(E, 2 * I, H, dtype=torch.float64, requires_grad=True)
+    X = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w, index):
+        total = 0
+        for e in range(E):
+            we = w[index(e)] if e != 1 else w[e]  # a 0-dim index tensor, and a select
+            total = total + _mlp(x[e:e + 3], we)
+        return total
+    want = f(X, W, lambda e: torch.tensor(e))
+    want.backward()
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        x = gt.to_global(X.detach(), p, gt.broadcast).requires_grad_()
+        w = gt.to_global(W.detach(), p, gt.strided(1, 2)).requires_grad_()
+        with gt.comm_log() as log:
+            loss = f(x, w, lambda e: gt.to_global(torch.tensor(e), p, gt.broadcast))
+            loss.backward()
+        assert w.grad.sbp == (gt.strided(1, 2),)
+        assert {e.kind for e in log.events} <= {"all_reduce", "reduce_scatter"}, log.events  # the loss, x.grad
+        torch.testing.assert_close(loss.full_tensor(), want.detach())
+        torch.testing.assert_close(w.grad.full_tensor(), W.grad)
+        torch.testing.assert_close(x.grad.full_tensor(), X.grad)
+        return True
+    assert all(gt.launch(body, 2))
