@@ -114,7 +114,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       slice of gate and its slice of up. The projection's output is then strided on its last dim, and the
       forward's `gate, up = proj.chunk(2, -1)` gives each rank its own slice of each (two plain splits of I,
       no bytes), as the backward's `cat` of their gradients gives the strided gradient back
-      (`ops/strided_split.py`). A contiguous split would recut both halves each time (a rank's columns would
+      (`ops/strided_split.py`); the grouped experts' `_grouped_mm` and the eager experts' `gate_up_proj[e]`
+      keep it too. A contiguous split would recut both halves each time (a rank's columns would
       be all gate or all up): S*I/2 elements a rank on 2 ranks, with S = tokens x k routed rows.
     - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
       (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
