@@ -193,15 +193,19 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, cls: type) -> Any:
         new_args, new_kwargs = map_tensors(args, kwargs, free)
         return dispatch(func, new_args, new_kwargs, plain)
     rule = TABLE.get(func)
-    if rule is not None and first._layout.strided_even(tuple(first.shape)) and not (
-            is_inplace(func) and not isinstance(args[0], cls)):
-        ref = next(i for i, t in enumerate(tensors) if t is first)
-        alignment = rule(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, d) if rule is not ALIGN.get(
-            aten.view.default) else rule(func, args, kwargs, [tuple(t.shape) for t in tensors], ref, d, lambda n: None)
-        if alignment is not None:
-            done = _on_reading(func, args, kwargs, plain, cls, first, alignment)
-            if done is not None:
-                return done
+    if rule is not None and not (is_inplace(func) and not isinstance(args[0], cls)):
+        shapes = [tuple(t.shape) for t in tensors]
+        for ref, t in enumerate(tensors):  # each strided operand in turn (a bias is never a product's reference)
+            if not isinstance(t, cls) or not t._layout.strided_even(tuple(t.shape)):
+                continue
+            dim = t._layout.sbp[axis].dim
+            alignment = rule(func, args, kwargs, shapes, ref, dim) if rule is not ALIGN.get(aten.view.default) \
+                else rule(func, args, kwargs, shapes, ref, dim, lambda n: None)
+            if alignment is not None:
+                done = _on_reading(func, args, kwargs, plain, cls, t, alignment)
+                if done is not None:
+                    return done
+                break
     if is_inplace(func) and isinstance(args[0], cls):
         raise NotImplementedError(
             f"{func}: writes a strided tensor ({args[0].sbp}) in place, which only ops on its strided reading do; "

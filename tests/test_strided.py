@@ -313,3 +313,32 @@ def test_expert_selection_keeps_the_strided_dim():
         torch.testing.assert_close(x.grad.full_tensor(), X.grad)
         return True
     assert all(gt.launch(body, 2))
+
+
+def test_linear_with_a_strided_bias_on_3d_input():
+    """`F.linear(x, w, b)` on [batch, seq, hidden] with w and its bias strided (a packed Linear's "packed_colwise"):
+    addmm takes the weight as its reference (the bias is broadcast over the rows), the result is strided on its
+    last dim, and nothing moves, forward or backward; equal to one device."""
+    torch.manual_seed(2)
+    W, b, X = (torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((8, 5), (8,), (2, 3, 5)))
+
+    def f(x, w, bias):
+        g, u = F.linear(x, w, bias).chunk(2, -1)
+        return (F.gelu(g) * u).sum()
+    want = f(X, W, b)
+    want.backward()
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        x = gt.to_global(X.detach(), p, gt.broadcast).requires_grad_()
+        w, bias = (gt.to_global(t.detach(), p, gt.strided(0, 2)).requires_grad_() for t in (W, b))
+        with gt.comm_log() as log:
+            assert F.linear(x, w, bias).sbp == (gt.strided(2, 2),)
+            loss = f(x, w, bias)
+            loss.backward()
+        assert {e.kind for e in log.events} <= {"all_reduce"}, log.events  # x's gradient, the loss
+        torch.testing.assert_close(loss.full_tensor(), want.detach())
+        for got, ref in ((w.grad, W), (bias.grad, b), (x.grad, X)):
+            torch.testing.assert_close(got.full_tensor(), ref.grad)
+        return True
+    assert all(gt.launch(body, 2))
