@@ -342,3 +342,16 @@ def test_linear_with_a_strided_bias_on_3d_input():
             torch.testing.assert_close(got.full_tensor(), ref.grad)
         return True
     assert all(gt.launch(body, 2))
+
+
+def test_torch_save_and_load_keep_the_strided_tensor(tmp_path):
+    full = torch.arange(12.0).reshape(6, 2)
+    p = gt.placement("cpu", [0, 1])
+
+    def body():
+        x = gt.to_global(full, p, gt.strided(0, 3))
+        path = tmp_path / f"x{gt.rank()}.pt"
+        torch.save(x, path)
+        y = torch.load(path, weights_only=True)
+        return isinstance(y, gt.StridedTensor) and y.sbp == x.sbp and torch.equal(y.full_tensor(), full)
+    assert all(gt.launch(body, 2))
