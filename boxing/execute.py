@@ -21,6 +21,7 @@ from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
 from .route import Route, Step
 from .search import route as find_route
+from .strided import ReadingStep
 from .zigzag import COMPILE as _ZIGZAG_COMPILE
 
 
@@ -46,10 +47,26 @@ def execute(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tens
 
 def _compile(route: Route, rank: int) -> tuple[Callable, ...]:
     """This rank's steps as calls with every box, group and shape worked out once (routes are cached)."""
-    program = [_COMPILE[step.primitive](step, route.shape, rank) for step in route.steps]
+    program = [(_reading if isinstance(step, ReadingStep) else _COMPILE[step.primitive])(step, route.shape, rank)
+               for step in route.steps]
     if rank not in route.dst.placement:
         program.append(lambda local, comm: local.new_empty((0,)))
     return tuple(p for p in program if p is not None)
+
+
+def _reading(step: ReadingStep, shape: tuple, rank: int) -> Callable:
+    """A route run on the unflattened reading of a strided dim (`boxing/strided.py`): the local shard
+    unflattened into (groups, piece), the sub-route's steps, and flattened back."""
+    program = _compile(step.sub, rank)
+    d, g, ndim = step.dim, step.groups, len(shape)
+
+    def run(local: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        if local.dim() == ndim:
+            local = local.unflatten(d, (g, -1))
+        for p in program:
+            local = p(local, comm)
+        return local.flatten(d, d + 1) if local.dim() == ndim + 1 else local
+    return run
 
 
 def _check_world(route: Route, comm: Communicator) -> None:

@@ -19,7 +19,7 @@ import torch
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Split
 from . import cost as C
-from . import zigzag
+from . import strided, zigzag
 from .exchange import direct, relocate
 from .route import Route, Step
 from .transitions import transition
@@ -53,6 +53,8 @@ def route(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) ->
 @lru_cache(maxsize=4096)
 def _route(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Route:
     check(src, dst, shape)
+    if src.strided_axes or dst.strided_axes:  # an ordinary route on the unflattened reading, or an exchange
+        return strided.route(src, dst, shape, dtype, _route)
     if src.zigzag_axes or dst.zigzag_axes:  # an ordinary route on the zigzag reading, or a recut
         return zigzag.route(src, dst, shape, dtype, _route)
     world = max(src.placement.flat_ranks + dst.placement.flat_ranks) + 1

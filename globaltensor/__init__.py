@@ -10,10 +10,10 @@ from .layout import Layout
 from .parallel.module import ModuleLayout
 from .placement import Placement, node_mesh, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
-from .sbp import SBP, SbpLike, Broadcast, Partial, Ragged, Split, Zigzag, broadcast, partial, partial_sum, ragged, split, zigzag
+from .sbp import SBP, SbpLike, Broadcast, Partial, Ragged, Split, Strided, Zigzag, broadcast, partial, partial_sum, ragged, split, strided, zigzag
 from .raggedtensor.ops import RaggedTensor
 from .raggedtensor.grouped import Routing, by_expert, by_group, grouped_linear
-from .tensor import GlobalTensor, ZigzagTensor
+from .tensor import GlobalTensor, StridedTensor, ZigzagTensor
 from .factory import empty, ones, rand, randn, zeros
 from .parallel.pipeline import Pipeline
 from .parallel import zero
@@ -33,7 +33,7 @@ except _metadata.PackageNotFoundError:  # a source tree on sys.path, not install
 __all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLayout", "Pipeline", "Placement", "placement", "node_mesh", "CollectiveError", "RankError",
            "comm_log", "launch", "rank", "world_size", "SBP", "Broadcast", "Partial", "Split", "broadcast",
            "partial", "partial_sum", "split", "Ragged", "ragged", "RaggedTensor",
-           "Zigzag", "zigzag", "ZigzagTensor",
+           "Zigzag", "zigzag", "ZigzagTensor", "Strided", "strided", "StridedTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
            "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data"]

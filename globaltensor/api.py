@@ -9,7 +9,7 @@ from .layout import Layout, normalize_sbp
 from .parallel.module import PlanLike, module_to_global
 from .placement import Placement
 from .runtime import context
-from .sbp import SbpLike, Split, Zigzag
+from .sbp import SbpLike, Split, Strided, Zigzag
 from .raggedtensor import ops as _ragged
 from .tensor import GlobalTensor, FromLocal, device_for, distribute
 
@@ -98,11 +98,11 @@ def _discover_shape(local: torch.Tensor, layout: Layout) -> tuple[int, ...]:
     layout.check_shape((0,) * ndim, "from_local(sbp)")
     shape = []
     for d in range(ndim):
-        axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag)) and s.dim == d}
+        axes = {a for a, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag, Strided)) and s.dim == d}
         shape.append(sum(by_rank[r][d] for r in p.flat_ranks
                          if all(c == 0 for a, c in enumerate(p.coord(r)) if a not in axes)))
     bad = {r: s for r, s in by_rank.items() if layout.local_shape(shape, r) != s}
-    if bad and not any(isinstance(s, (Split, Zigzag)) for s in layout.sbp):
+    if bad and not any(isinstance(s, (Split, Zigzag, Strided)) for s in layout.sbp):
         held: dict = {}
         for r, s in by_rank.items():
             held.setdefault(s, []).append(r)

@@ -3,7 +3,9 @@
 DCP asks each tensor of a state dict three things (its `_Checkpointable` protocol, the one
 DTensor implements): which chunks this rank writes (`write_items`), which chunks this rank
 holds and wants filled on load (`chunk_list`), and the local tensor behind a chunk
-(`tensor_shard`). A chunk is a box of the global tensor: `Layout.shard` gives it.
+(`tensor_shard`). A chunk is a box of the global tensor: `Layout.shard` gives it, or, where a
+rank holds several ranges of a dim (a strided split: one per block; a zigzag: two), `Layout.ranges`
+gives one chunk per combination of ranges, each a view of its place in the local shard.
 
 Every element is written exactly once, decided here, on each rank, with no communication:
 
@@ -40,7 +42,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, slice_box
 from .runtime import context
 from .sbp import Broadcast
 
@@ -106,44 +108,68 @@ def _check_coordinated() -> None:
             "storage_writer=globaltensor.checkpoint.FileSystemWriter(path) to dcp.save")
 
 
+def _pieces(layout: Layout, shape: tuple[int, ...], rank: int) -> list[tuple[tuple, tuple]] | None:
+    """(box of the global tensor, box of the local shard) of every chunk `rank` holds, None outside the
+    placement: one per combination of each dim's ranges (`Layout.ranges`), in the order the shard holds them."""
+    ranges = layout.ranges(shape, rank)
+    if ranges is None:
+        return None
+    out: list[tuple[tuple, tuple]] = [((), ())]
+    for rs in ranges:
+        options, at = [], 0
+        for start, n in rs:
+            options.append(((start, n), (at, n)))
+            at += n
+        out = [(g + (o[0],), l + (o[1],)) for g, l in out for o in options]
+    return out
+
+
 def write_items(fqn: str, local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> list:
-    """DCP's WriteItems for this rank: its chunk if it is that chunk's writer, else none."""
+    """DCP's WriteItems for this rank: each of its chunks of which it is the writer."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
     _refuse_partial(layout, f"dcp.save of {fqn!r}")
     _check_coordinated()
     rank = context.current().rank
-    box = layout.shard(shape, rank)
-    if box is None:
+    pieces = _pieces(layout, shape, rank)
+    if pieces is None:
         return []
-    if _has_no_elements(shape):  # written once, by the placement's first rank, for its key and shape
-        if rank != layout.placement.flat_ranks[0]:
-            return []
-    elif any(size == 0 for _, size in box) or not _writes(fqn, layout, rank, box):
-        return []
-    chunk = _chunk(box)
-    return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(local),
-                                                  size=torch.Size(shape)))]
+    items = []
+    for i, (box, _) in enumerate(pieces):
+        if _has_no_elements(shape):  # written once, by the placement's first rank, for its key and shape
+            if rank != layout.placement.flat_ranks[0] or i:
+                continue
+        elif any(size == 0 for _, size in box) or not _writes(fqn, layout, rank, box):
+            continue
+        chunk = _chunk(box)
+        items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                               tensor_data=TensorWriteData(chunk=chunk,
+                                                           properties=TensorProperties.create_from_tensor(local),
+                                                           size=torch.Size(shape))))
+    return items
 
 
 def chunk_list(local: torch.Tensor, layout: Layout, shape: tuple[int, ...]) -> list:
-    """The chunk this rank holds (to be filled on load); none when it holds no element."""
+    """The chunks this rank holds (to be filled on load); none when it holds no element."""
     _refuse_partial(layout, "dcp.load")
-    box = layout.shard(shape, context.current().rank)
-    if box is None or any(size == 0 for _, size in box):
-        return []
-    return [_chunk(box)]
+    pieces = _pieces(layout, shape, context.current().rank) or []
+    return [_chunk(box) for box, _ in pieces if all(size for _, size in box)]
 
 
 def tensor_shard(local: torch.Tensor, layout: Layout, shape: tuple[int, ...], index: Any) -> torch.Tensor:
-    """The local tensor behind the chunk DCP names by `index` (written from, or read into in place)."""
+    """The local tensor behind the chunk DCP names by `index` (written from, or read into in place): the
+    whole shard where it is one chunk, else a view of the chunk's place in it."""
     _refuse_partial(layout, f"dcp of {index.fqn!r}")
-    box = layout.shard(shape, context.current().rank)
-    if box is None or (index.offset is not None and tuple(index.offset) != tuple(s for s, _ in box)):
-        raise ValueError(f"dcp: rank {context.current().rank} holds no chunk of {index.fqn!r} at offset "
-                         f"{None if index.offset is None else tuple(index.offset)} (it holds {box} of {layout})")
-    return local
+    pieces = _pieces(layout, shape, context.current().rank)
+    if pieces is not None and len(pieces) == 1 and (index.offset is None or tuple(index.offset) == tuple(
+            s for s, _ in pieces[0][0])):
+        return local
+    for box, at in pieces or ():
+        if index.offset is not None and tuple(index.offset) == tuple(s for s, _ in box):
+            return slice_box(local, at)
+    raise ValueError(f"dcp: rank {context.current().rank} holds no chunk of {index.fqn!r} at offset "
+                     f"{None if index.offset is None else tuple(index.offset)} (it holds "
+                     f"{None if pieces is None else [b for b, _ in pieces]} of {layout})")
 
 
 __all__ = ["coordinated", "write_items", "chunk_list", "tensor_shard"]

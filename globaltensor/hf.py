@@ -26,7 +26,7 @@ import torch
 from .layout import Layout, normalize_sbp
 from .parallel.module import ModuleLayout
 from .placement import Placement
-from .sbp import Broadcast, Ragged, SbpLike, Split
+from .sbp import Broadcast, Ragged, SbpLike, Split, Strided
 
 __all__ = ["tp_plan", "ep_plan", "pp_plan", "model_tp_plan", "model_ep_plan", "generic_name", "BASE_TP_PLANS"]
 
@@ -62,6 +62,7 @@ _PARAM_DIM = {
     "rowwise": lambda nd: nd - 1,
     "packed_rowwise": lambda nd: nd - 1 if nd > 1 else None,
 }
+_PACKED = {"packed_colwise", "packed_rowwise"}  # two projections packed on the dim: strided, each rank a slice of both
 
 
 def generic_name(name: str) -> str:
@@ -115,16 +116,15 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     [experts, out, in], which the plan names as parameters):
     - "colwise" / "rowwise" of a parameter: split on its dim -2 / -1 (the expert's out / in), as transformers
       shards a parameter.
-    - "packed_colwise" (gate_up_proj [experts, 2I, hidden]: gate and up packed on dim -2; a Linear's weight on
-      dim 0) and "packed_rowwise" (Llama 4's [experts, hidden, 2I], packed on dim -1): split on the packed dim,
-      one contiguous range per rank. transformers splits it strided instead (`_StridedShard`: each rank its
-      slice of gate and its slice of up), which an SBP has no word for. Exact either way; the difference is
-      bytes, at the forward's `gate, up = proj.chunk(2, -1)`: a rank's columns are gate's or up's, so each
-      half is recut to a split of its own I, each rank receiving the rows it lacks (`ops/view.py`), and again
-      at the backward's `cat`; the strided layout moves nothing there. With S = tokens x k routed rows, a rank
-      receives S*I/2 elements each time on 2 ranks (the other half is its own) and up to 2*S*I/n on n ranks:
-      against Megatron's all-reduce of the [T, hidden] activation, 2(n-1)/n*T*H, that adds about
-      k*I / ((n-1)*H) of it (half that on 2 ranks; Mixtral 8x7B on 8 ranks: 1.0x).
+    - "packed_colwise" (gate_up_proj [experts, 2I, hidden]: gate and up packed on dim -2; a Linear's weight and
+      bias on dim 0) and "packed_rowwise" (Llama 4's [experts, hidden, 2I], packed on dim -1): a strided split
+      of the packed dim in two groups (`gt.strided(d, 2)`, transformers' `_StridedShard`): each rank holds its
+      slice of gate and its slice of up. The projection's output is then strided on its last dim, and the
+      forward's `gate, up = proj.chunk(2, -1)` gives each rank its own slice of each (two plain splits of I,
+      no bytes), as the backward's `cat` of their gradients gives the strided gradient back
+      (`ops/strided_split.py`); the grouped experts' `_grouped_mm` and the eager experts' `gate_up_proj[e]`
+      keep it too. A contiguous split would recut both halves each time (a rank's columns would
+      be all gate or all up): S*I/2 elements a rank on 2 ranks, with S = tokens x k routed rows.
     - "moe_tp_experts" (the experts module): input whole (`input=B`) and its gradient all-reduced
       (`input_grad=B`), the output (Partial: each rank summed its slice of every expert's intermediate dim)
       all-reduced, as transformers' `MoeExpertsParallel`; on the other mesh axes the output's rows go back to
@@ -178,7 +178,8 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
                         raise NotImplementedError(f"gt.hf.tp_plan: style {style!r} of parameter pattern {key!r} is "
                                                   f"not mapped for a parameter (mapped: {sorted(_PARAM_DIM)})")
                     split = dim(params[n].dim())
-                    out[n] = on_axis(Split(split)) if split is not None else on_axis(Broadcast())
+                    cut = Split(split) if style not in _PACKED or split is None else Strided(split, 2)
+                    out[n] = on_axis(cut) if split is not None else on_axis(Broadcast())
             continue  # transformers also skips keys naming no module of this model
         # an fnmatch "*" also crosses dots: where the glob would reach other modules than transformers' rule
         # does (a key "model.layers.*" is the layers, not also their children), name the modules themselves
@@ -197,7 +198,7 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
             layout = ModuleLayout(input=B, input_grad=B,
                                   output=tuple(Broadcast() if a == axis else Ragged(0) for a in range(ndim)))
         elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
-            weight, bias = col, col
+            weight, bias = (col, col) if style != "packed_colwise" else (on_axis(Strided(0, 2)),) * 2
             layout = ModuleLayout(input_grad=B, output=B if style != "colwise" else None)
         elif style in ("rowwise", "rowwise_rep", "rowwise_split_input"):
             weight = row

@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from .placement import Placement
-from .sbp import (LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, Zigzag, split_range, split_sizes,
-                  zigzag_order_of, zigzag_ranges)
+from .sbp import (LAYOUT_TYPES, SBP, Broadcast, Partial, Ragged, Split, Strided, Zigzag, split_range, split_sizes,
+                  strided_order, strided_ranges, zigzag_order_of, zigzag_ranges)
 
 
 def normalize_sbp(sbp: object, ndim: int, arg: str = "sbp") -> tuple[SBP, ...]:
@@ -52,10 +52,12 @@ class Layout:
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "sbp", normalize_sbp(sbp, placement.ndim))
         _check_zigzag(self.sbp)
+        _check_strided(self.sbp)
         object.__setattr__(self, "_hash", hash((placement, self.sbp)))
         # read on every wrap and in-place layout change: worked out once
         object.__setattr__(self, "_zigzag_axes", tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Zigzag)))
         object.__setattr__(self, "_has_partial", any(isinstance(s, Partial) for s in self.sbp))
+        object.__setattr__(self, "_strided_axes", tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Strided)))
 
     # layouts key every cache (routes, dispatch decisions): hash once, compare identical objects at once
     def __hash__(self) -> int:
@@ -89,6 +91,30 @@ class Layout:
     def zigzag_axes(self) -> tuple[int, ...]:
         return self._zigzag_axes
 
+    @property
+    def strided_axes(self) -> tuple[int, ...]:
+        return self._strided_axes
+
+    def strided_as_split(self) -> "Layout":
+        """The same shards read as `Split`: the layout of the tensor with its strided dim in the order the
+        ranks hold its rows (`sbp.strided_order`); the same local shapes only where every block divides
+        evenly by its axis (`strided_even`)."""
+        if not self.strided_axes:
+            return self
+        return Layout(self.placement, tuple(Split(s.dim) if isinstance(s, Strided) else s for s in self.sbp))
+
+    def strided_even(self, shape: Sequence[int]) -> bool:
+        """Whether every rank's strided piece is as long as its `Split` piece would be (each block divides
+        by the axis size): then `strided_as_split` holds the same shards, of the permuted tensor."""
+        return all(shape[s.dim] // s.groups % self.placement.shape[a] == 0
+                   for a, s in enumerate(self.sbp) if isinstance(s, Strided))
+
+    def strided_order(self, shape: Sequence[int]) -> list[int]:
+        """The global rows of the strided dim in the order of the reading (`strided_as_split`)."""
+        a = self.strided_axes[0]
+        s = self.sbp[a]
+        return strided_order(shape[s.dim], s.groups, self.placement.shape[a])
+
     def zigzag_as_split(self) -> "Layout":
         """The same shards read as `Split`: the layout of the tensor with its zigzag dim in zigzag order
         (`sbp.zigzag_order`). Boxing and the ring work on that reading; the rows' global places come
@@ -106,6 +132,9 @@ class Layout:
             return None
         box = _shard(self.zigzag_as_split().sbp, self.placement.shape, tuple(shape), coord)
         out = [((start, size),) for start, size in box]
+        for axis, s in enumerate(self.sbp):
+            if isinstance(s, Strided):  # no other axis cuts its dim (_check_strided): blocks of the whole dim
+                out[s.dim] = strided_ranges(shape[s.dim], s.groups, self.placement.shape[axis], coord[axis])
         for axis, s in enumerate(self.sbp):
             if isinstance(s, Zigzag):  # the piece the earlier axes cut, then its two chunks
                 start, size = _shard(self._without_zigzag, self.placement.shape, tuple(shape), coord)[s.dim]
@@ -133,15 +162,21 @@ class Layout:
 
     def check_shape(self, shape: Sequence[int], arg: str = "sbp") -> None:
         for s in self.sbp:
-            if isinstance(s, (Split, Ragged, Zigzag)) and s.dim >= len(shape):
+            if isinstance(s, (Split, Ragged, Zigzag, Strided)) and s.dim >= len(shape):
                 raise ValueError(f"{arg}: {s!r} splits dim {s.dim} but the tensor has {len(shape)} dims "
                                  f"(shape {tuple(shape)}); pick a dim below {len(shape)}")
+            if isinstance(s, Strided) and shape[s.dim] % s.groups:
+                raise ValueError(f"{arg}: {s!r} views dim {s.dim} of length {shape[s.dim]} as {s.groups} equal "
+                                 f"blocks, which {shape[s.dim]} does not divide into; pick groups dividing it")
 
     def shard(self, shape: Sequence[int], rank: int) -> tuple[tuple[int, int], ...] | None:
         """Per dim (start, size) of the block `rank` holds, or None outside the placement."""
         if self.zigzag_axes:  # two ranges, not a box: a caller that reads a box would take the wrong rows
             raise TypeError(f"Layout.shard: {self.sbp} holds two ranges of its zigzag dim, not a box; use "
                             "Layout.ranges (or box the tensor to gt.split(d) first)")
+        if self.strided_axes:
+            raise TypeError(f"Layout.shard: {self.sbp} holds one range per block of its strided dim, not a box; "
+                            "use Layout.ranges (or box the tensor to gt.split(d) first)")
         coord = self.placement.coord(rank)
         if coord is None:
             return None
@@ -150,6 +185,9 @@ class Layout:
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
         if self.zigzag_axes:
             return self.zigzag_as_split().local_shape(shape, rank)
+        if self.strided_axes:
+            ranges = self.ranges(shape, rank)
+            return (0,) if ranges is None else tuple(sum(n for _, n in rs) for rs in ranges)
         box = self.shard(shape, rank)
         return (0,) if box is None else tuple(size for _, size in box)
 
@@ -173,6 +211,8 @@ def _shard(sbp: tuple[SBP, ...], mesh: tuple[int, ...], shape: tuple[int, ...],
 @lru_cache(maxsize=4096)
 def _local_shapes(layout: Layout, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     p = layout.placement
+    if layout.strided_axes:
+        return tuple(layout.local_shape(shape, r) for r in p.flat_ranks)
     cuts = [(axis, s.dim, p.shape[axis]) for axis, s in enumerate(layout.sbp) if isinstance(s, (Split, Zigzag))]
     if not cuts:
         return (shape,) * p.size
@@ -200,6 +240,19 @@ def _check_zigzag(sbp: tuple) -> None:
                 raise ValueError(f"sbp: {sbp} cuts dim {z.dim} on mesh axis {b} after its zigzag on mesh axis {a}; "
                                  f"a zigzag cuts the pieces earlier axes' splits leave, and no axis cuts its chunks "
                                  f"(split another dim on axis {b}, or split dim {z.dim} on an axis before {a})")
+
+
+def _check_strided(sbp: tuple) -> None:
+    """One mesh axis at most is strided, and no other axis cuts its dim: its pieces are ranges of blocks of
+    the whole dim, which every reading of it (`ranges`, `strided_as_split`, boxing's unflattened view) assumes."""
+    st = [(a, s) for a, s in enumerate(sbp) if isinstance(s, Strided)]
+    if len(st) > 1:
+        raise ValueError(f"sbp: {sbp} has {len(st)} strided axes; one mesh axis may be gt.strided(d, groups)")
+    for a, z in st:
+        for b, s in enumerate(sbp):
+            if b != a and isinstance(s, (Split, Ragged, Zigzag)) and s.dim == z.dim:
+                raise ValueError(f"sbp: {sbp} cuts dim {z.dim} on mesh axis {b} as well as strided on mesh axis {a}; "
+                                 f"a strided split cuts the whole dim (split another dim on axis {b})")
 
 
 def take_ranges(t, ranges: tuple[tuple[tuple[int, int], ...], ...]):

@@ -104,11 +104,39 @@ class Zigzag:
         return (Zigzag, (self.dim,))
 
 
-SBP = Union[Split, Broadcast, Partial, Ragged, Zigzag]
+@dataclass(frozen=True, slots=True)
+class Strided:
+    """A Split of `dim` viewed as `groups` contiguous blocks, each block split over the mesh axis: rank i
+    holds piece i of every block, the blocks in order (DTensor's `_StridedShard`; transformers'
+    "packed_colwise": a fused gate_up projection [2I, hidden] whose rank holds its slice of gate AND of up).
+
+    Its own type, not a flag on `Split`, for the reason `Zigzag` is: every `isinstance(s, Split)` means one
+    contiguous range, which a strided piece is not (it is `groups` ranges); code that does not know it
+    refuses, or the tensor's ops (`ops/strided_split.py`) box it to `Split(dim)` first. `groups=1` is
+    `Split(dim)`: build it with `gt.strided`, which returns that.
+    """
+    dim: int
+    groups: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+            raise ValueError(f"strided(dim, groups): dim must be an int >= 0, got {self.dim!r}")
+        if not isinstance(self.groups, int) or isinstance(self.groups, bool) or self.groups < 2:
+            raise ValueError(f"strided(dim, groups): groups must be an int >= 2 (1 is gt.split(dim)), "
+                             f"got {self.groups!r}")
+
+    def __repr__(self) -> str:
+        return f"S({self.dim}, groups={self.groups})"
+
+    def __reduce__(self):
+        return (Strided, (self.dim, self.groups))
+
+
+SBP = Union[Split, Broadcast, Partial, Ragged, Zigzag, Strided]
 # What an `sbp` argument accepts: one SBP (a 1-D placement) or one per mesh axis, in mesh-axis order.
 SbpLike = Union[SBP, Sequence[SBP]]
 SBP_TYPES = (Split, Broadcast, Partial)   # what a plan, a factory or an op may name
-LAYOUT_TYPES = SBP_TYPES + (Ragged, Zigzag)  # what a Layout may hold: ragged and zigzag tensors' too
+LAYOUT_TYPES = SBP_TYPES + (Ragged, Zigzag, Strided)  # what a Layout may hold: ragged, zigzag, strided tensors' too
 
 
 def split(dim: int) -> Split:
@@ -124,6 +152,29 @@ def ragged(dim: int) -> Ragged:
 def zigzag(dim: int) -> Zigzag:
     """`Z(dim)`, causal attention's load-balanced split: rank i of n holds chunks i and 2n-1-i of 2n."""
     return Zigzag(dim)
+
+
+def strided(dim: int, groups: int) -> Union[Split, Strided]:
+    """`S(dim, groups=g)`: dim viewed as `groups` equal contiguous blocks, each split over the mesh axis
+    (rank i holds piece i of every block); `groups=1` is `Split(dim)`."""
+    if groups == 1:
+        return Split(dim)
+    return Strided(dim, groups)
+
+
+def strided_ranges(length: int, groups: int, parts: int, index: int) -> tuple[tuple[int, int], ...]:
+    """The (start, size) ranges piece `index` of `parts` holds of a dim of `length` cut strided into
+    `groups` blocks: `split_range` of each block, in block order."""
+    block = length // groups
+    return tuple((g * block + start, size) for g in range(groups)
+                 for start, size in (split_range(block, parts, index),))
+
+
+def strided_order(length: int, groups: int, parts: int) -> list[int]:
+    """The global rows in the order the ranks hold them (rank 0's ranges, then rank 1's, ...): `x[order]`
+    laid out as `Split` is `x` laid out as `Strided` where every block divides evenly by `parts`."""
+    return [start + k for i in range(parts) for start, size in strided_ranges(length, groups, parts, i)
+            for k in range(size)]
 
 
 def partial(op: str = "sum") -> Partial:

@@ -12,13 +12,15 @@ from .placement import Placement, load_placement
 from . import boxing
 from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
+from .ops import strided_split as _ops_strided
 from .ops import zigzag as _ops_zigzag
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
-from .sbp import Broadcast, Partial, SbpLike, Split, Zigzag
+from .sbp import Broadcast, Partial, SbpLike, Split, Strided, Zigzag
 
 _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
+_CAT = torch.ops.aten.cat.default
 _TENSOR_DATA = torch.Tensor.data  # torch's descriptor, which GlobalTensor.data wraps
 
 
@@ -95,8 +97,8 @@ class GlobalTensor(torch.Tensor):
         """`geometry`: the wrapper's (strides, storage offset) as `ops.keys.geometry_of` gives them, where the
         tensor stands for one device's that is not contiguous (None: contiguous at offset 0)."""
         shape = tuple(shape)
-        if layout.zigzag_axes and cls is GlobalTensor:
-            cls = ZigzagTensor
+        if cls is GlobalTensor and (layout.zigzag_axes or layout.strided_axes):
+            cls = _class_for(layout)
         return _wrap(cls, local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry), requires_grad)
 
     @classmethod
@@ -118,9 +120,9 @@ class GlobalTensor(torch.Tensor):
 
     def _set_layout(self, local: torch.Tensor, layout: Layout) -> None:
         """Replace shard and layout in place (same global shape and dtype)."""
-        if bool(layout.zigzag_axes) != isinstance(self, ZigzagTensor):
+        if _class_for(layout) is not type(self) and type(self) in (GlobalTensor, ZigzagTensor, StridedTensor):
             raise ValueError(f"a GlobalTensor laid out as {self._layout.sbp} cannot take the layout {layout.sbp} "
-                             "in place (zigzag and other layouts are different tensor classes); use "
+                             "in place (zigzag, strided and other layouts are different tensor classes); use "
                              "x.to_global(placement, sbp), which returns a new tensor")
         self._local = local
         self._layout = layout
@@ -131,7 +133,13 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`)."""
+        """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`); a cat
+        of like splits along their dim is a strided split (`ops/strided_split.cat_of_splits`), which the
+        dispatcher's rules, reading one box per shard, have no word for."""
+        if func is _CAT:
+            out = _ops_strided.cat_of_splits(args, kwargs or {}, GlobalTensor)
+            if out is not None:
+                return out
         return _run(func, args, kwargs, GlobalTensor)
 
     # -- the layout ----------------------------------------------------------
@@ -298,13 +306,29 @@ class ZigzagTensor(GlobalTensor):
         return _ops_zigzag.run(func, args, kwargs or {}, GlobalTensor, ZigzagTensor)
 
 
+class StridedTensor(GlobalTensor):
+    """A GlobalTensor with a strided axis (`gt.strided(d, groups)`): its ops go to `ops/strided_split.py`
+    first, which runs them on the strided reading where that is exact (pointwise ops, products with the
+    strided dim kept, the views and slices that separate its groups) and otherwise boxes the tensor to
+    `gt.split(d)` before the dispatcher sees it (its rules read a shard as one box)."""
+
+    __slots__ = ()
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _ops_strided.run(func, args, kwargs or {}, GlobalTensor, StridedTensor)
+
+
 def _class_for(layout: Layout) -> type:
+    if layout.strided_axes:
+        return StridedTensor
     return ZigzagTensor if layout.zigzag_axes else GlobalTensor
 
 
 def _take(full: torch.Tensor, layout: Layout, shape: tuple, rank: int) -> torch.Tensor | None:
     """`rank`'s shard of `full` (a view where it is one box), or None outside the placement."""
-    if layout.zigzag_axes:
+    if layout.zigzag_axes or layout.strided_axes:
         ranges = layout.ranges(shape, rank)
         return None if ranges is None else take_ranges(full, ranges)
     box = layout.shard(shape, rank)
@@ -347,7 +371,7 @@ def _rebuild_from_shard(local: torch.Tensor, layout: Layout, shape: tuple, requi
 
 # torch.load(weights_only=True) may rebuild what a saved GlobalTensor names, with nothing for users to allow
 torch.serialization.add_safe_globals([GlobalTensor, _rebuild_from_shard, Layout, Placement, load_placement, Split,
-                                      Broadcast, Partial, ZigzagTensor, Zigzag])
+                                      Broadcast, Partial, ZigzagTensor, Zigzag, StridedTensor, Strided])
 
 
 class _Target(NamedTuple):

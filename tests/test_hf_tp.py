@@ -194,13 +194,14 @@ def test_unmapped_styles_are_named(style):
 
 def test_expert_styles_split_the_experts_weights_and_reduce_at_the_experts_boundary():
     """Mixtral's plan names the experts' 3-D weights as parameters: gate_up_proj [E, 2I, H] "packed_colwise" splits
-    dim 1 (contiguously: the recut at its chunk pays for it, ops/view.py), down_proj [E, H, I] "rowwise" dim 2;
+    dim 1 strided in two groups (each rank its slice of gate and of up: `chunk` moves nothing), down_proj
+    [E, H, I] "rowwise" dim 2;
     the experts module takes its input whole, and all-reduces its output and its input's gradient on the tensor
     axis (on the data axis its output's rows go back to the tokens' cut)."""
     config = transformers.MixtralConfig(**CFG, num_local_experts=4, num_experts_per_tok=2)
     plan = gt.hf.tp_plan(transformers.MixtralForCausalLM(config), axis=1, ndim=2)
     for i in range(2):
-        assert plan[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (gt.broadcast, gt.split(1))
+        assert plan[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (gt.broadcast, gt.strided(1, 2))
         assert plan[f"model.layers.{i}.mlp.experts.down_proj"] == (gt.broadcast, gt.split(2))
     B = (None, gt.broadcast)
     assert plan["model.layers.*.mlp.experts"] == gt.ModuleLayout(input=B, input_grad=B,

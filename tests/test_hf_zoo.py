@@ -309,13 +309,14 @@ def megatron_bytes(model, tp: int, dp: int = 1, shard_elems: int = 0) -> dict:
 
 def test_mixtral_tensor_parallel_bytes_against_megatron():
     """HF Mixtral (transformers' grouped experts, fp32) under its own TP plan on 2 ranks, one AdamW step: every
-    byte accounted for against `megatron_bytes` (364,544 B; measured 758,016 B, 2.08x). What is beyond it, per
-    step, each derived for this model (T = 256 tokens, H = 32, I = 48, k = 2, 2 layers, fp32):
+    byte accounted for against `megatron_bytes` (364,544 B; measured 561,408 B, 1.54x). The packed gate_up_proj is
+    a strided split (`gt.strided(1, 2)`, transformers' `_StridedShard`): each rank holds its slice of gate and of
+    up, so `gate, up = chunk(2, -1)` and the backward's `cat` move nothing (split contiguously, each recut both
+    halves, T*k*I/2 elements a rank each time: 2 layers * 2 * 512 * 24 * 4 = 196,608 B more, 758,016 in all).
+    What is beyond Megatron, per step, each derived for this model (T = 256 tokens, H = 32, I = 48, k = 2,
+    2 layers, fp32):
     - q, k and v each all-reduce their input's gradient (gt.hf.tp_plan's docstring: a decoder layer calls its
       attention with keyword arguments), two all-reduces of [T, H] more per layer: 2 * 2 * 32,768 = 131,072.
-    - packed_colwise laid out contiguously, not strided: `gate, up = chunk(2, -1)` recuts each half to a split of
-      its own I, rank 0 taking up's first half and rank 1 gate's second (T*k*I/2 elements), in the forward and
-      in the backward's cat: 2 layers * 2 * 512 * 24 * 4 = 196,608.
     - the routing weights' gradient reduce-scattered over the tokens (512 + 1,024 B a layer) instead of
       all-reduced (2,048): -1,024; the residual stream's gradient then arrives split over the tokens, gathered
       at o_proj's output (each layer), the experts' output (but the last layer's) and the embedding's: 4 *
@@ -325,8 +326,8 @@ def test_mixtral_tensor_parallel_bytes_against_megatron():
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2)
     assert want["total"] == 364_544
-    qkv, packed, router = 131_072, 196_608, -1_024 + 65_536 + 1_280
-    assert got["recv_bytes"] == want["total"] + qkv + packed + router == 758_016, got["recv_bytes"]
+    qkv, router = 131_072, -1_024 + 65_536 + 1_280
+    assert got["recv_bytes"] == want["total"] + qkv + router == 561_408, got["recv_bytes"]
 
 
 def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
@@ -336,10 +337,10 @@ def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
     gradient elements (278,144 B: 182,272 of TP, 95,872 of DDP). A row-local block whose experts are split on the
     tensor axis runs on each data rank's tokens as a global program over its tensor group (`RowLocal`'s row
     groups): no token crosses a data rank, as in Megatron, where the global program sorted the whole batch's
-    tokens by expert and moved them between data ranks (1,288,036 B before, 4.63x). Beyond Megatron now, on the
-    tensor axis: q, k and v each all-reduce their input's gradient (2 layers * 2 * 16,384 = 65,536);
-    packed_colwise's contiguous halves recut at `chunk` and `cat` (2 layers * 2 * 128 * 2 * 24 * 4 = 98,304); the
-    routing weights' gradient reduce-scattered over the tokens (768 B a layer, not 1,024: -512), so the block's
+    tokens by expert and moved them between data ranks (1,288,036 B before, 4.63x); gate_up_proj is split strided
+    (`gt.strided(1, 2)`), so `chunk` and `cat` move nothing (split contiguously, they recut each data rank's rows:
+    98,304 B). Beyond Megatron now (360,740 B, 1.30x), on the tensor axis: q, k and v each all-reduce their
+    input's gradient (2 layers * 2 * 16,384 = 65,536); the routing weights' gradient reduce-scattered over the tokens (768 B a layer, not 1,024: -512), so the block's
     input gradient arrives split and is gathered as it leaves the row group (16,384 for the two blocks) and the
     router's weight gradient is Partial there and all-reduced (1,024). On the data axis, 164 B: the loss's 4, the
     norms' gradients reduce-scattered at their views (320), so the bucket reduces 160 B less than DDP."""
@@ -347,5 +348,5 @@ def test_mixtral_dp_tp_bytes_against_megatron_and_ddp():
     assert not got["fallback"]
     want = megatron_bytes(hf_zoo.ZOO["mixtral"].build(), tp=2, dp=2, shard_elems=23_968)
     assert want["total"] == 278_144 and want["ddp"] == 95_872
-    qkv, packed, router, data = 65_536, 98_304, 16_384 + 1_024 - 512, 4 + 320 - 160
-    assert got["recv_bytes"] == want["total"] + qkv + packed + router + data == 459_044, got["recv_bytes"]
+    qkv, router, data = 65_536, 16_384 + 1_024 - 512, 4 + 320 - 160
+    assert got["recv_bytes"] == want["total"] + qkv + router + data == 360_740, got["recv_bytes"]
