@@ -63,10 +63,16 @@ def enter_named(shapes: Optional[Iterable] = None) -> None:
     _rekey(_SCOPE.__dict__)
 
 
-def leave_named() -> None:
-    if _SCOPE.entries:
-        _SCOPE.entries.pop()
-        _rekey(_SCOPE.__dict__)
+def leave_named(shapes: Optional[Iterable] = None) -> None:
+    """Leave one scope entered with `shapes` (the innermost such): scopes are not left in the order they were
+    entered (a backward leaves a module's where its input's gradient arrives, a ZeRO module's when its
+    reduce-scatter starts), so another scope's entry is never the one taken."""
+    entries, entry = _SCOPE.entries, _shapes(shapes)
+    for i in range(len(entries) - 1, -1, -1):
+        if entries[i] == entry:
+            del entries[i]
+            _rekey(_SCOPE.__dict__)
+            return
 
 
 def in_named() -> bool:

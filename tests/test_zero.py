@@ -840,3 +840,21 @@ def test_zero3_adds_only_parameter_traffic_to_a_batch_norm_networks_collectives(
                   [("backward", "all_gather", s * 3 // 4) for s in size] +
                   [("backward", "reduce_scatter", (s - a) * 3 // 4) for s, a in zip(size, affine)])
     assert ours == want, (ours, want)
+
+
+def test_scopes_are_left_by_their_own_entries_in_any_order():
+    """A module's named scope and a ZeRO module's (its parameters' shapes) open together are left in whatever order
+    the backward reaches them: each leave takes its own entry, and what is excused follows (ops/scope.py)."""
+    from globaltensor.ops.scope import enter_named, enter_named_here, excused, in_named, leave_named
+    enter_named()
+    leave_zero = enter_named_here([(4, 3)])
+    leave_named()  # the module's, left first
+    assert in_named() and excused((4, 3)) and not excused((3, 4))
+    leave_zero()
+    assert not in_named() and not excused((4, 3))
+    leave_zero = enter_named_here([(4, 3)])
+    enter_named()
+    leave_zero()  # the ZeRO module's, left first
+    assert in_named() and excused((3, 4))
+    leave_named()
+    assert not in_named()
