@@ -134,6 +134,43 @@ class GlobalTensor(torch.Tensor):
         """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`)."""
         return _run(func, args, kwargs, GlobalTensor)
 
+    # -- torch.compile: a traceable wrapper subclass (as DTensor) -------------
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        """The shard is the one inner tensor; the layout, the global shape and geometry are constant metadata.
+
+        Dynamo guards on the metadata (compared with `==`), so a compiled program is reused only for inputs
+        laid out as the ones it was traced with; the rank is part of it (see `__tensor_unflatten__`)."""
+        return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "GlobalTensor":
+        layout, shape, geometry, _rank = meta
+        local = inner["_local"]
+        return _wrap(_class_for(layout), local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry))
+
+    def __coerce_same_metadata_as_tangent__(self, expected: tuple, expected_type: type | None = None
+                                            ) -> "GlobalTensor | None":
+        """A gradient flowing into a compiled backward, laid out as the one the graph was traced with.
+
+        AOTAutograd traces the backward guessing that each output's gradient has the output's metadata; at
+        run time it may not (the gradient of a Partial loss comes in Broadcast, `sum`'s backward is an
+        expanded view): the value is boxed to the traced layout (Broadcast -> Partial and Broadcast -> Split
+        move nothing) and made contiguous, as DTensor redistributes its tangents."""
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        layout, shape, geometry, rank = expected
+        if shape != self._key.shape or rank != _compile_rank():
+            return None
+        x = self
+        if x._layout != layout:
+            with torch.no_grad():
+                x = x.to_global(layout.placement, layout.sbp)
+        if x._key.geometry != geometry:
+            if geometry is not None:
+                return None
+            x = x.contiguous()
+        return x
+
     # -- the layout ----------------------------------------------------------
     @property
     def global_layout(self) -> Layout:
@@ -296,6 +333,12 @@ class ZigzagTensor(GlobalTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _ops_zigzag.run(func, args, kwargs or {}, GlobalTensor, ZigzagTensor)
+
+
+def _compile_rank() -> int:
+    """The rank a compiled program is traced for: its graph holds the rank's own slices and groups, so a simulated
+    rank (a thread of the same process) must not reuse another rank's program."""
+    return context.current().rank
 
 
 def _class_for(layout: Layout) -> type:

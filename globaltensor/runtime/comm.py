@@ -17,6 +17,7 @@ from typing import Callable, Any, Sequence
 import torch
 
 from ..sbp import split_sizes
+from . import graph_ops
 from .topology import ONE_NODE
 from .trace import FLAGS as _TRACING, STATE as _TRACE
 
@@ -145,6 +146,8 @@ class Communicator:
         shapes = [tuple(t.shape)] * len(group) if shapes is None else [tuple(s) for s in shapes]
         if shapes[i] != tuple(t.shape):
             raise ValueError(f"all_gather: shapes[{i}]={shapes[i]} but this rank's tensor is {tuple(t.shape)}")
+        if graph_ops.traced(t):  # torch.compile is tracing: recorded as a graph op, run by this method later
+            return graph_ops.gather(t.contiguous(), group, shapes)
         out = self._all_gather(t.contiguous(), group, shapes)
         if self._logs:  # the byte count is only worked out for a log
             self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
@@ -156,7 +159,7 @@ class Communicator:
         move the data while this rank computes; gloo does, the simulator finishes at once)."""
         i = self._index(group, "all_gather")
         shapes = [tuple(s) for s in shapes]
-        if len(group) == 1 or not self._async_gather:
+        if len(group) == 1 or not self._async_gather or graph_ops.traced(t):
             out = self.all_gather(t, group, shapes)
             return lambda: out
         finish = self._all_gather_start(t.contiguous(), group, shapes)
@@ -172,7 +175,7 @@ class Communicator:
         this rank computes, where the chunks are one buffer of equal pieces; else done at once)."""
         i = self._index(group, "reduce_scatter")
         finish = None
-        if len(group) > 1 and self._async_gather and len(chunks) == len(group):
+        if len(group) > 1 and self._async_gather and len(chunks) == len(group) and not graph_ops.traced(chunks[i]):
             finish = self._reduce_scatter_start([c.contiguous() for c in chunks], group, op)
         if finish is None:
             out = self.reduce_scatter(chunks, group, op)
@@ -188,6 +191,8 @@ class Communicator:
             raise ValueError(f"reduce_scatter: {len(chunks)} chunks for a group of {len(group)}")
         if len(group) == 1:
             return chunks[0]
+        if graph_ops.traced(chunks[i]):
+            return graph_ops.scatter_reduce(chunks, group, op, i)
         out = self._reduce_scatter([c.contiguous() for c in chunks], group, op)
         if self._logs:
             self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
@@ -197,6 +202,8 @@ class Communicator:
         i = self._index(group, "all_reduce")
         if len(group) == 1:
             return t
+        if graph_ops.traced(t):
+            return graph_ops.reduce(t, group, op)
         out = self._all_reduce(t.contiguous(), group, op)
         if self._logs:
             self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
@@ -231,6 +238,8 @@ class Communicator:
                              f"buffers' {send.numel()} / {recv.numel()} elements")
         if len(group) == 1:
             return recv.copy_(send)
+        if graph_ops.traced(send):
+            return recv.copy_(graph_ops.to_all(send, send_splits, recv_splits, group))
         self._all_to_all_into(send, send_splits, recv, recv_splits, group)
         if self._logs:
             self._record("all_to_all", group, (recv.numel() - recv_splits[i]) * recv.element_size())
@@ -277,6 +286,8 @@ class Communicator:
         if not sends and not recvs:
             self._receive_buffers("exchange", sends, recvs, into, device)  # checks the peers
             return {}
+        if any(graph_ops.traced(t) for t in sends.values()) or graph_ops.traced(next(iter((into or {}).values()), None)):
+            raise graph_ops.untraceable("a point-to-point exchange")
         _COUNT.n += 1
         tag = self._tag(key)
         posted = self._claim(recvs, tag) if self._posted else None
@@ -361,6 +372,8 @@ class Communicator:
         bufs = self._receive_buffers("send_recv_start", sends, recvs, None, device)
         if not sends and not recvs:
             return lambda: {}
+        if any(graph_ops.traced(t) for t in sends.values()):
+            raise graph_ops.untraceable("a point-to-point exchange")
         _COUNT.n += 1
         finish = self._exchange_start({r: t.contiguous() for r, t in sends.items()}, bufs, self._tag(key))
         self._record_send_recv(sends, recvs)
@@ -398,6 +411,8 @@ class Communicator:
             raise ValueError(f"broadcast: src rank {src} is not in group {group}")
         if len(group) == 1:
             return t
+        if graph_ops.traced(t):
+            raise graph_ops.untraceable("a broadcast")
         out = self._broadcast(t.contiguous() if self.rank == src else None, group, src, tuple(shape), dtype)
         if self._logs:
             self._record("broadcast", group, 0 if self.rank == src else nbytes(shape, dtype))
@@ -408,6 +423,8 @@ class Communicator:
         self._index(group, "all_gather_object")
         if len(group) == 1:
             return [obj]
+        if graph_ops.tracing_now():
+            raise graph_ops.untraceable("an all-gather of Python objects (shapes only the run can tell)")
         out = self._all_gather_object(obj, group)
         self._record("all_gather_object", group, 0)
         return out
