@@ -148,6 +148,17 @@ class GlobalTensor(torch.Tensor):
         local = inner["_local"]
         return _wrap(_class_for(layout), local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry))
 
+    def __coerce_tangent_metadata__(self) -> "GlobalTensor":
+        """The layout AOTAutograd traces an output's gradient in: the dual of the output's (Partial's is
+        Broadcast), as eager autograd hands it (`ones_like` of a Partial loss is Broadcast). Tracing the
+        backward for a Partial gradient instead would coerce every Broadcast one to Partial at run time and
+        all-reduce it again inside the graph."""
+        want = grad_layout(self._layout)
+        if want == self._layout:
+            return self
+        with torch.no_grad():
+            return self.to_global(want.placement, want.sbp)
+
     def __coerce_same_metadata_as_tangent__(self, expected: tuple, expected_type: type | None = None
                                             ) -> "GlobalTensor | None":
         """A gradient flowing into a compiled backward, laid out as the one the graph was traced with.

@@ -180,3 +180,117 @@ def test_collectives_are_graph_ops_priced_as_textbook():
            for r in (0, 1)]
     assert idx == [[0], [1]]
     assert dict(counters["graph_break"]) == {}
+
+
+def _plain_grads(X, Ws, f):
+    ws = [w.clone().requires_grad_(True) for w in Ws]
+    loss = f(X, *ws)
+    loss.backward()
+    return loss.detach(), [w.grad for w in ws]
+
+
+def test_dp_forward_backward_all_reduces_gradients_in_the_graph():
+    """DP: the batch split on 2 ranks, the weights whole. A weight used as `w.to_global(grad_sbp=broadcast)`
+    has its Partial gradient all-reduced in the compiled backward (the textbook 2(n-1)/n |W| per weight:
+    4*6 and 6*3 floats, so 24 + 18 floats received on 2 ranks), and the loss (Partial: the sum of each
+    rank's rows) needs nothing forward. Two steps: the second compiles nothing."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 3)
+
+    def loss_of(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).square().sum()
+
+    want_loss, want_grads = _plain_grads(X, [W1, W2], loss_of)
+    cap = Capture()
+
+    def f(x, w1, w2):
+        w1, w2 = w1.to_global(grad_sbp=gt.broadcast), w2.to_global(grad_sbp=gt.broadcast)
+        return loss_of(x, w1, w2)
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        out = {}
+        for mode in ("eager", "compiled"):
+            x = gt.to_global(X, p, gt.split(0))
+            ws = [gt.to_global(W, p, gt.broadcast).requires_grad_(True) for W in (W1, W2)]
+            fn = f if mode == "eager" else torch.compile(f, backend=cap.backend, fullgraph=True)
+            steps = []
+            for _ in range(2):
+                for w in ws:
+                    w.grad = None
+                with gt.comm_log() as log:
+                    loss = fn(x, *ws)
+                    loss.backward()
+                    grads = [w.grad.sbp for w in ws]
+                steps.append((_full(loss), [_full(w.grad) for w in ws], grads, log.summary()))
+            out[mode] = steps
+        return out
+
+    want_bytes = all_reduce_recv_bytes(4 * 6, F32, 2, 0) + all_reduce_recv_bytes(6 * 3, F32, 2, 0)
+    assert want_bytes == (24 + 18) * F32
+    for rank, out in enumerate(gt.launch(body, 2)):
+        for (loss, grads, sbps, log), (eloss, egrads, esbps, elog) in zip(out["compiled"], out["eager"]):
+            _close(loss, want_loss), _close(loss, eloss)
+            for g, eg, w in zip(grads, egrads, want_grads):
+                _close(g, w), _close(g, eg)
+            assert sbps == esbps == [(gt.broadcast,)] * 2
+            assert log == elog == {"all_reduce": want_bytes}
+        assert cap.collectives(rank, "fw") == []
+        bw = cap.collectives(rank, "bw")
+        assert sorted(b for _, _, b in bw) == sorted([24 * F32, 18 * F32])
+        assert {k for k, _, _ in bw} == {"all_reduce"}
+        assert cap.compiles(rank) == 1
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_megatron_tp_pair_compiles():
+    """Megatron's MLP on 2 ranks: column-parallel w1 (split on its output), row-parallel w2 (split on its
+    input). Forward: one all-reduce of the [8, 4] output (the f/g pair's g); backward: one all-reduce of the
+    input's [8, 4] gradient (f's dual, asked for with grad_sbp). 2(n-1)/n * 32 floats each way."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+
+    def mlp(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    xr = X.clone().requires_grad_(True)
+    w1r, w2r = W1.clone().requires_grad_(True), W2.clone().requires_grad_(True)
+    want = mlp(xr, w1r, w2r)
+    want.square().sum().backward()
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+
+        def f(x, w1, w2):
+            return mlp(x.to_global(grad_sbp=gt.broadcast), w1, w2).to_global(p, gt.broadcast)
+
+        out = {}
+        for mode in ("eager", "compiled"):
+            x = gt.to_global(X, p, gt.broadcast).requires_grad_(True)
+            w1 = gt.to_global(W1, p, gt.split(1)).requires_grad_(True)
+            w2 = gt.to_global(W2, p, gt.split(0)).requires_grad_(True)
+            fn = f if mode == "eager" else torch.compile(f, backend=cap.backend, fullgraph=True)
+            with gt.comm_log() as fw:
+                y = fn(x, w1, w2)
+            with gt.comm_log() as bw:
+                y.square().sum().backward()
+            out[mode] = (_full(y), y.sbp, [_full(t.grad) for t in (x, w1, w2)], x.grad.sbp, fw.summary(),
+                         bw.summary())
+        return out
+
+    each = all_reduce_recv_bytes(8 * 4, F32, 2, 0)
+    for rank, out in enumerate(gt.launch(body, 2)):
+        (y, sbp, grads, xsbp, fw, bw), (ey, esbp, egrads, exsbp, efw, ebw) = out["compiled"], out["eager"]
+        _close(y, want.detach()), _close(y, ey)
+        assert sbp == esbp == (gt.broadcast,) and xsbp == exsbp == (gt.broadcast,)
+        for g, eg, w in zip(grads, egrads, (xr.grad, w1r.grad, w2r.grad)):
+            _close(g, w), _close(g, eg)
+        assert cap.collectives(rank, "fw") == [("all_reduce", (0, 1), each)]
+        assert cap.collectives(rank, "bw") == [("all_reduce", (0, 1), each)]
+        assert fw == efw == {"all_reduce": each}
+        # the loss's square().sum() runs eagerly outside the compiled region: nothing else moves
+        assert bw == ebw == {"all_reduce": each}
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
