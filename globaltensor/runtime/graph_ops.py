@@ -16,7 +16,7 @@ break (or, with `fullgraph=True`, raises it), never as a silently different valu
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -43,9 +43,18 @@ def untraceable(kind: str) -> RuntimeError:
         "of data-dependent ops have none): run this part eagerly (torch.compiler.disable) or without compile")
 
 
-def _comm():
-    from . import context  # context imports the communicators, which import this module
-    return context.current()
+class _Current:
+    """Where the running rank's communicator is found: `context.current`, set by `runtime/context.py` (which
+    imports the communicators, which import this module, so it is handed over rather than imported)."""
+
+    find: Callable[[], Any] | None = None
+
+
+CURRENT = _Current()
+
+
+def _comm() -> Any:
+    return CURRENT.find()
 
 
 def _unaliased(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
