@@ -294,3 +294,58 @@ def test_megatron_tp_pair_compiles():
         assert bw == ebw == {"all_reduce": each}
         assert cap.aten_only(rank)
     assert dict(counters["graph_break"]) == {}
+
+
+def test_gpt_dp_forward_backward_compiles_with_no_graph_break_nor_recompile():
+    """The GPT (models/gpt.py) under DP on 2 simulated ranks, `torch.compile(fullgraph=True)` over its loss:
+    two steps of forward + backward equal eager globaltensor and one device; one graph per rank (traced on
+    the first step, reused on the second); the collectives the graphs hold are exactly what `gt.comm_log()`
+    counts for the step, and what eager moves. The gradients stay Partial, as in eager DP, and are reduced
+    when the optimizer reads them (outside the graph)."""
+    from globaltensor.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    g = torch.Generator().manual_seed(1)
+    IDX, TGT = (torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    want_loss = ref(IDX, TGT)[1]
+    want_loss.backward()
+    want_grads = {n: q.grad for n, q in ref.named_parameters()}
+    cap = Capture()
+
+    def body():
+        out = {}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            p = gt.placement("cpu", [0, 1])
+            gt.to_global(model, p)
+            idx, tgt = gt.to_global(IDX, p, gt.split(0)), gt.to_global(TGT, p, gt.split(0))
+
+            def step(idx, tgt):
+                return model(idx, tgt)[1]
+            fn = step if mode == "eager" else torch.compile(step, backend=cap.backend, fullgraph=True)
+            steps = []
+            for _ in range(2):
+                model.zero_grad()
+                with gt.comm_log() as log:
+                    loss = fn(idx, tgt)
+                    loss.backward()
+                steps.append((_full(loss), {n: _full(q.grad) for n, q in model.named_parameters()}, log.summary(),
+                              log.recv_bytes))
+            out[mode] = steps
+        return out
+
+    for rank, out in enumerate(gt.launch(body, 2)):
+        for (loss, grads, log, nbytes), (eloss, egrads, elog, _) in zip(out["compiled"], out["eager"]):
+            _close(loss, want_loss.detach()), _close(loss, eloss)
+            for n, gr in grads.items():
+                torch.testing.assert_close(gr, want_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+                _close(gr, egrads[n])
+            assert log == elog
+            graph = cap.collectives(rank, "fw") + cap.collectives(rank, "bw")
+            assert sum(b for _, _, b in graph) == nbytes
+        assert cap.compiles(rank) == 1 and len(cap.graphs[rank]["bw"]) == 1  # step 2 compiled nothing
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}

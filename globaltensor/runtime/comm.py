@@ -264,6 +264,8 @@ class Communicator:
         Collectives complete before returning (on nccl, in stream order), so the next call may
         overwrite it; reuse spares a fresh allocation, and its page faults, each call.
         """
+        if graph_ops.tracing_now():  # torch.compile: a fresh buffer of the graph's, never the process's reused one
+            return torch.empty(numel, dtype=dtype, device=device or self.device)
         key = (dtype, device)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
