@@ -630,3 +630,7 @@ def _register_for_foreach() -> None:
 
 
 _register_for_foreach()
+# layouts, placements and SBPs are constants to torch.compile (hashable, guarded by equality): dynamo hands them
+# to what it leaves opaque (`torch._dynamo.nonstrict_trace`, the module plan's boundary hooks) as they are
+for _constant in (Layout, Placement, Split, Broadcast, Partial, Zigzag):
+    torch.utils._pytree.register_constant(_constant)
