@@ -362,3 +362,54 @@ def test_gpt_forward_backward_compiles_with_no_graph_break_nor_recompile(plan):
         assert cap.compiles(rank) == 1 and len(cap.graphs[rank]["bw"]) == 1  # step 2 compiled nothing
         assert cap.aten_only(rank)
     assert dict(counters["graph_break"]) == {}
+
+
+def _gloo_programs():
+    """On one gloo rank: the Megatron pair and the reduce-scatter program compiled; (graphs' collectives,
+    values, comm_log bytes)."""
+    graphs = []
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs.append((kind, [str(n.target) for n in gm.graph.nodes
+                                  if n.op == "call_function" and not str(n.target).startswith("aten.")
+                                  and "getitem" not in str(n.target)]))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    p = gt.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+    x = gt.to_global(X, p, gt.broadcast).requires_grad_(True)
+    w1 = gt.to_global(W1, p, gt.split(1)).requires_grad_(True)
+    w2 = gt.to_global(W2, p, gt.split(0)).requires_grad_(True)
+
+    def pair(x, w1, w2):
+        return (torch.relu(x.to_global(grad_sbp=gt.broadcast) @ w1) @ w2).to_global(p, gt.broadcast)
+
+    with gt.comm_log() as log:
+        y = torch.compile(pair, backend=backend, fullgraph=True)(x, w1, w2)
+        y.square().sum().backward()
+    return (graphs, _full(y), _full(x.grad), _full(w1.grad), _full(w2.grad), log.recv_bytes,
+            dict(counters["graph_break"]))
+
+
+@pytest.mark.gloo
+def test_gloo_collectives_are_torch_functional_collectives():
+    """On torch.distributed (2 gloo processes) the traced collectives are torch's own functional collectives
+    (`_c10d_functional.all_reduce` + `wait_tensor`), which inductor knows how to schedule; the values equal
+    the simulator's and one device's. They run on torch.distributed's process groups, not through the
+    communicator, so `gt.comm_log()` counts nothing for them: the graph is where they are counted."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+    xr, w1r, w2r = (t.clone().requires_grad_(True) for t in (X, W1, W2))
+    want = torch.relu(xr @ w1r) @ w2r
+    want.square().sum().backward()
+    pair = ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"]
+    for graphs, y, gx, g1, g2, nbytes, breaks in gt.launch(_gloo_programs, 2, backend="gloo"):
+        assert graphs == [("fw", pair), ("bw", pair)]
+        _close(y, want.detach())
+        for g, w in zip((gx, g1, g2), (xr.grad, w1r.grad, w2r.grad)):
+            _close(g, w)
+        assert nbytes == 0 and breaks == {}

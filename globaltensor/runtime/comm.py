@@ -147,7 +147,7 @@ class Communicator:
         if shapes[i] != tuple(t.shape):
             raise ValueError(f"all_gather: shapes[{i}]={shapes[i]} but this rank's tensor is {tuple(t.shape)}")
         if graph_ops.traced(t):  # torch.compile is tracing: recorded as a graph op, run by this method later
-            return graph_ops.gather(t.contiguous(), group, shapes)
+            return self._traced_all_gather(t.contiguous(), group, shapes)
         out = self._all_gather(t.contiguous(), group, shapes)
         if self._logs:  # the byte count is only worked out for a log
             self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
@@ -192,7 +192,7 @@ class Communicator:
         if len(group) == 1:
             return chunks[0]
         if graph_ops.traced(chunks[i]):
-            return graph_ops.scatter_reduce(chunks, group, op, i)
+            return self._traced_reduce_scatter(chunks, group, op, i)
         out = self._reduce_scatter([c.contiguous() for c in chunks], group, op)
         if self._logs:
             self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
@@ -203,7 +203,7 @@ class Communicator:
         if len(group) == 1:
             return t
         if graph_ops.traced(t):
-            return graph_ops.reduce(t, group, op)
+            return self._traced_all_reduce(t, group, op)
         out = self._all_reduce(t.contiguous(), group, op)
         if self._logs:
             self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
@@ -239,7 +239,7 @@ class Communicator:
         if len(group) == 1:
             return recv.copy_(send)
         if graph_ops.traced(send):
-            return recv.copy_(graph_ops.to_all(send, send_splits, recv_splits, group))
+            return recv.copy_(self._traced_all_to_all(send, send_splits, recv_splits, group))
         self._all_to_all_into(send, send_splits, recv, recv_splits, group)
         if self._logs:
             self._record("all_to_all", group, (recv.numel() - recv_splits[i]) * recv.element_size())
@@ -433,6 +433,22 @@ class Communicator:
 
     def barrier(self, group: Group | None = None) -> None:
         self.all_gather_object(None, tuple(range(self.world_size)) if group is None else group)
+
+    # -- under torch.compile: the collectives as graph ops (runtime/graph_ops.py) -----------------
+    # a backend whose collectives torch can trace itself (torch.distributed's functional collectives) overrides
+    # these; the default records ops of our own that call this rank's communicator when the graph runs
+    def _traced_all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        return graph_ops.gather(t, group, shapes)
+
+    def _traced_reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str, i: int) -> torch.Tensor:
+        return graph_ops.scatter_reduce(chunks, group, op, i)
+
+    def _traced_all_reduce(self, t: torch.Tensor, group: Group, op: str) -> torch.Tensor:
+        return graph_ops.reduce(t, group, op)
+
+    def _traced_all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                           group: Group) -> torch.Tensor:
+        return graph_ops.to_all(send, send_splits, recv_splits, group)
 
     # -- backend hooks ----------------------------------------------------
     def _all_gather(self, t, group, shapes):  # pragma: no cover - interface
