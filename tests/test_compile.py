@@ -413,3 +413,26 @@ def test_gloo_collectives_are_torch_functional_collectives():
         for g, w in zip((gx, g1, g2), (xr.grad, w1r.grad, w2r.grad)):
             _close(g, w)
         assert nbytes == 0 and breaks == {}
+
+
+def test_what_has_no_graph_op_raises_at_trace_time():
+    """Point-to-point exchanges (pipelines, ring attention), broadcasts and the object all-gathers of
+    data-dependent shapes have no graph op: met while tracing (fake shards) they raise, naming the way out,
+    instead of communicating fake values or waiting for peers that are not tracing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from globaltensor.runtime import context
+
+    def body():
+        comm = context.current()
+        peer = 1 - comm.rank
+        with FakeTensorMode():
+            t = torch.ones(2)
+            with pytest.raises(RuntimeError, match="point-to-point exchange cannot be captured"):
+                comm.exchange({peer: t}, {peer: ((2,), torch.float32)})
+            with pytest.raises(RuntimeError, match="broadcast cannot be captured"):
+                comm.broadcast(t, (0, 1), 0, (2,), torch.float32)
+            with pytest.raises(RuntimeError, match="Python objects .* cannot be captured"):
+                comm.all_gather_object((2,), (0, 1))
+        return True
+
+    assert all(gt.launch(body, 2))

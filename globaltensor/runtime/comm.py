@@ -425,7 +425,7 @@ class Communicator:
         self._index(group, "all_gather_object")
         if len(group) == 1:
             return [obj]
-        if graph_ops.tracing_now():
+        if graph_ops.compiling():
             raise graph_ops.untraceable("an all-gather of Python objects (shapes only the run can tell)")
         out = self._all_gather_object(obj, group)
         self._record("all_gather_object", group, 0)

@@ -30,10 +30,19 @@ def traced(t: object) -> bool:
     return isinstance(t, _TRACED)
 
 
+_FAKE_MODE = torch._C._TorchDispatchModeKey.FAKE
+_get_mode = torch._C._get_dispatch_mode
+
+
 def tracing_now() -> bool:
-    """Whether torch.compile is tracing on this thread (for calls handed no tensor to tell by)."""
-    return (torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-            or torch._guards.TracingContext.try_get() is not None)
+    """Whether torch.compile is tracing on this thread (for calls handed no tensor to tell by): dynamo's and
+    AOTAutograd's tracing both run under a fake tensor mode. One C call: `send_buffer` asks on every call."""
+    return _get_mode(_FAKE_MODE) is not None
+
+
+def compiling() -> bool:
+    """`tracing_now`, or dynamo is compiling a frame on this thread (for rare calls: a dict lookup more)."""
+    return tracing_now() or torch._guards.TracingContext.try_get() is not None
 
 
 def untraceable(kind: str) -> RuntimeError:
