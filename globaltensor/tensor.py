@@ -172,7 +172,12 @@ class GlobalTensor(torch.Tensor):
         """The shard is the one inner tensor; the layout, the global shape and geometry are constant metadata.
 
         Dynamo guards on the metadata (compared with `==`), so a compiled program is reused only for inputs
-        laid out as the ones it was traced with; the rank is part of it (see `__tensor_unflatten__`)."""
+        laid out as the ones it was traced with; the rank is part of it (`_compile_rank`). A subclass that
+        holds more than shard and layout (a RaggedTensor's sizes) cannot be rebuilt from these: it raises."""
+        if type(self) not in (GlobalTensor, ZigzagTensor):
+            raise TypeError(f"torch.compile: a {type(self).__name__} holds more than its shard and layout (its "
+                            "split sizes are data) and cannot be traced; run the part that uses it eagerly "
+                            "(torch.compiler.disable)")
         return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
 
     __tensor_flatten__ = _NotForModuleApply(_flatten)
@@ -665,7 +670,3 @@ def _register_for_foreach() -> None:
 
 
 _register_for_foreach()
-# layouts, placements and SBPs are constants to torch.compile (hashable, guarded by equality): dynamo hands them
-# to what it leaves opaque (`torch._dynamo.nonstrict_trace`, the module plan's boundary hooks) as they are
-for _constant in (Layout, Placement, Split, Broadcast, Partial, Zigzag):
-    torch.utils._pytree.register_constant(_constant)
