@@ -436,3 +436,26 @@ def test_what_has_no_graph_op_raises_at_trace_time():
         return True
 
     assert all(gt.launch(body, 2))
+
+
+@pytest.mark.slow
+def test_issue_example_compiles_with_inductor():
+    """The issue's program, `torch.relu(x @ w).sum()` with x S(1) and w S(0) on 2 simulated ranks, under the
+    default backend (inductor: C++ kernels around our collective ops), forward and backward: equal to one
+    device, no graph break. Slow only for inductor's C++ compile."""
+    torch.manual_seed(0)
+    X, W = torch.randn(8, 4), torch.randn(4, 3)
+    Wr = W.clone().requires_grad_(True)
+    want = torch.relu(X @ Wr).sum()
+    want.backward()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x, w = gt.to_global(X, p, gt.split(1)), gt.to_global(W, p, gt.split(0)).requires_grad_(True)
+        y = torch.compile(lambda x, w: torch.relu(x @ w).sum(), fullgraph=True)(x, w)
+        y.backward()
+        return _full(y), _full(w.grad)
+
+    for y, g in gt.launch(body, 2):
+        _close(y, want.detach()), _close(g, Wr.grad)
+    assert dict(counters["graph_break"]) == {}
