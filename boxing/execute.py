@@ -16,6 +16,7 @@ import torch
 
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
+from ..runtime.graph_ops import traced as _traced
 from ..runtime.trace import FLAGS as _TRACING, pop_route, push_route
 from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
@@ -345,6 +346,8 @@ def _cat(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
     if len(pieces) == 1:
         return pieces[0]
     first = pieces[0]
+    if _traced(first):  # torch.compile is tracing: no storages to read, and the graph's cat is what runs
+        return torch.cat(pieces, dim=dim)
     if all(s == 1 for s in first.shape[:dim]) and all(p.is_contiguous() for p in pieces):
         storage, size = first.untyped_storage().data_ptr(), first.element_size()
         end = first.data_ptr()

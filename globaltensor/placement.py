@@ -1,7 +1,7 @@
 """Placement: a device type and the ranks a tensor spans, arranged as an n-d mesh."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .runtime.context import current_or_none
@@ -48,9 +48,9 @@ class Placement:
     # which of the job's ranks share a node (runtime/topology.py): the job's, taken when the placement is made;
     # part of its identity, so every cache keyed by placements (routes, decisions) is keyed by it too
     topology: Topology = ONE_NODE
-    _coords: dict = field(init=False, repr=False, compare=False, hash=False)
-    _groups: tuple = field(init=False, repr=False, compare=False, hash=False)
-    _hash: int = field(init=False, repr=False, compare=False, hash=False)
+    # set in __post_init__, and not dataclass fields: a placement's fields are its constructor's arguments, so
+    # torch.compile can rebuild one it meets as a constant of the graph (`to_global(placement, sbp)`)
+    # _coords: dict, rank -> mesh coordinate;  _groups: per mesh axis, rank -> its group;  _hash: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.device_type, self.shape, self.flat_ranks, self.topology)))

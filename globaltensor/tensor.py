@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
+from torch.utils import _python_dispatch
 
 from .layout import Layout, normalize_sbp, slice_box, take_ranges
 from .placement import Placement, load_placement
@@ -63,6 +65,37 @@ def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any
     r._layout = layout
     r._key = key
     return r
+
+
+class _NotForModuleApply:
+    """`__tensor_flatten__`, except where `nn.Module._apply` asks whether a converted parameter is a traceable
+    subclass (`is_traceable_wrapper_subclass`).
+
+    For such subclasses `_apply` (`m.double()`, `m.to(...)`) swaps tensors (`torch.utils.swap_tensors`), which
+    refuses a tensor with weak references: a gradient waiting for its bucketed reduction has them (the
+    dispatcher's pending list, `ops/inputs.py`), so `m.double()` after a backward would raise. There
+    GlobalTensor keeps torch's `.data` path, whose setter swaps shard and layout (`GlobalTensor.data`); dynamo,
+    AOTAutograd and every other caller see the method."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __get__(self, obj: Any, cls: type) -> Any:
+        if obj is None:
+            return self.fn
+        caller = sys._getframe(1)
+        if caller.f_code in _ASKING:  # is_traceable_wrapper_subclass and the protocol check under it
+            while caller is not None and caller.f_code in _ASKING:
+                caller = caller.f_back
+            if caller is not None and caller.f_code is _MODULE_APPLY:
+                raise AttributeError("__tensor_flatten__")
+        return self.fn.__get__(obj, cls)
+
+
+_ASKING = frozenset(f.__code__ for f in (_python_dispatch.is_traceable_wrapper_subclass,
+                                         getattr(_python_dispatch, "_has_traceable_wrapper_subclass_protocol",
+                                                 _python_dispatch.is_traceable_wrapper_subclass)))
+_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 class GlobalTensor(torch.Tensor):
@@ -141,6 +174,61 @@ class GlobalTensor(torch.Tensor):
             if out is not None:
                 return out
         return _run(func, args, kwargs, GlobalTensor)
+
+    # -- torch.compile: a traceable wrapper subclass (as DTensor) -------------
+    def _flatten(self) -> tuple[list[str], tuple]:
+        """The shard is the one inner tensor; the layout, the global shape and geometry are constant metadata.
+
+        Dynamo guards on the metadata (compared with `==`), so a compiled program is reused only for inputs
+        laid out as the ones it was traced with; the rank is part of it (`_compile_rank`). A subclass that
+        holds more than shard and layout (a RaggedTensor's sizes) cannot be rebuilt from these: it raises."""
+        if type(self) not in (GlobalTensor, ZigzagTensor, StridedTensor):
+            raise TypeError(f"torch.compile: a {type(self).__name__} holds more than its shard and layout (its "
+                            "split sizes are data) and cannot be traced; run the part that uses it eagerly "
+                            "(torch.compiler.disable)")
+        return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
+
+    __tensor_flatten__ = _NotForModuleApply(_flatten)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "GlobalTensor":
+        layout, shape, geometry, _rank = meta
+        local = inner["_local"]
+        return _wrap(_class_for(layout), local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry))
+
+    def __coerce_tangent_metadata__(self) -> "GlobalTensor":
+        """The layout AOTAutograd traces an output's gradient in: the dual of the output's (Partial's is
+        Broadcast), as eager autograd hands it (`ones_like` of a Partial loss is Broadcast). Tracing the
+        backward for a Partial gradient instead would coerce every Broadcast one to Partial at run time and
+        all-reduce it again inside the graph."""
+        want = grad_layout(self._layout)
+        if want == self._layout:
+            return self
+        with torch.no_grad():
+            return self.to_global(want.placement, want.sbp)
+
+    def __coerce_same_metadata_as_tangent__(self, expected: tuple, expected_type: type | None = None
+                                            ) -> "GlobalTensor | None":
+        """A gradient flowing into a compiled backward, laid out as the one the graph was traced with.
+
+        AOTAutograd traces the backward guessing that each output's gradient has the output's metadata; at
+        run time it may not (the gradient of a Partial loss comes in Broadcast, `sum`'s backward is an
+        expanded view): the value is boxed to the traced layout (Broadcast -> Partial and Broadcast -> Split
+        move nothing) and made contiguous, as DTensor redistributes its tangents."""
+        if expected_type is not None and expected_type is not type(self):
+            return None
+        layout, shape, geometry, rank = expected
+        if shape != self._key.shape or rank != _compile_rank():
+            return None
+        x = self
+        if x._layout != layout:
+            with torch.no_grad():
+                x = x.to_global(layout.placement, layout.sbp)
+        if x._key.geometry != geometry:
+            if geometry is not None:
+                return None
+            x = x.contiguous()
+        return x
 
     # -- the layout ----------------------------------------------------------
     @property
@@ -318,6 +406,12 @@ class StridedTensor(GlobalTensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _ops_strided.run(func, args, kwargs or {}, GlobalTensor, StridedTensor)
+
+
+def _compile_rank() -> int:
+    """The rank a compiled program is traced for: its graph holds the rank's own slices and groups, so a simulated
+    rank (a thread of the same process) must not reuse another rank's program."""
+    return context.current().rank
 
 
 def _class_for(layout: Layout) -> type:

@@ -12,13 +12,18 @@ from typing import Any
 
 import torch
 
+from ..runtime.graph_ops import traced
 from .registry import Ctx, ShardSite, aten, register
 from .view import (RESHAPE, dim_map_rule, expand_map, keep_others, reshape_local, transpose_map)
 
 
 def _fresh(out: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """`out`, copied where it shares memory with `source`."""
-    if out.is_meta or out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+    if out.is_meta:
+        return out
+    if traced(out):  # torch.compile is tracing: no storage to compare, so always the copy (never an alias)
+        return out.clone(memory_format=torch.contiguous_format)
+    if out.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
         return out
     return out.clone(memory_format=torch.contiguous_format)
 

@@ -193,8 +193,28 @@ class _NamedModule:
     inp: Optional[_Boundary]
     out: Optional[_Boundary]
 
+    def __post_init__(self) -> None:
+        # its number among the boundaries ever made (equal ones share one): under torch.compile the hooks hand
+        # dynamo this int and run as an opaque call that AOTAutograd traces (`_compiled_before`)
+        object.__setattr__(self, "_slot", _SLOTS.setdefault(self, len(_SLOTS)))
+        _BY_SLOT[self._slot] = self
+
+    def __reduce__(self):  # the slot is this process's: rebuilt (and numbered) where it is loaded
+        return (_NamedModule, (self.inp, self.out))
+
     # bound methods, not closures, so that a converted module pickles (torch.save(model))
     def before(self, module: torch.nn.Module, args: tuple) -> tuple:
+        if torch.compiler.is_compiling():
+            return _compiled_before(self._slot, args)
+        return self._before(args)
+
+    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return _compiled_after(self._slot, args, output)
+        return self._after(args, output)
+
+    def _before(self, args: tuple) -> tuple:
+        module = None
         x = args[0] if args else None
         arrived = (x.sbp, getattr(x, "sizes", None), getattr(x, "_unit", None)) if isinstance(x, GlobalTensor) else None
         if self.inp is not None:
@@ -206,7 +226,8 @@ class _NamedModule:
         # the module's backward ends at its input: leave the named scope there
         return (OnBackward.apply(x, dispatch.leave_named),) + tuple(args[1:]) if armed else args
 
-    def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    def _after(self, args: tuple, output: Any) -> Any:
+        module = None
         dispatch.leave_named()
         armed, arrived = _ARMED.stack.pop() if _ARMED.stack else (False, None)
         if self.out is not None:
@@ -216,6 +237,22 @@ class _NamedModule:
             # the last of its branch, so the scope lasts until the backward ends
             output = OnBackward.apply(output, dispatch.enter_named if armed else _named_until_backward_ends)
         return output
+
+
+_SLOTS: dict = {}  # _NamedModule -> its slot
+_BY_SLOT: dict = {}  # slot -> _NamedModule
+
+
+@torch._dynamo.nonstrict_trace
+def _compiled_before(slot: int, args: tuple) -> tuple:
+    """A named module's pre-hook under torch.compile: dynamo leaves it opaque (its Python reads layouts, opens
+    the named scope, marks the backward), AOTAutograd runs it at trace time, so its conversions are graph ops."""
+    return _BY_SLOT[slot]._before(args)
+
+
+@torch._dynamo.nonstrict_trace
+def _compiled_after(slot: int, args: tuple, output: Any) -> Any:
+    return _BY_SLOT[slot]._after(args, output)
 
 
 def _named_until_backward_ends() -> None:

@@ -17,6 +17,7 @@ from typing import Callable, Any, Sequence
 import torch
 
 from ..sbp import split_sizes
+from . import graph_ops
 from .topology import ONE_NODE
 from .trace import FLAGS as _TRACING, STATE as _TRACE
 
@@ -145,6 +146,8 @@ class Communicator:
         shapes = [tuple(t.shape)] * len(group) if shapes is None else [tuple(s) for s in shapes]
         if shapes[i] != tuple(t.shape):
             raise ValueError(f"all_gather: shapes[{i}]={shapes[i]} but this rank's tensor is {tuple(t.shape)}")
+        if graph_ops.traced(t):  # torch.compile is tracing: recorded as a graph op, run by this method later
+            return self._traced_all_gather(t.contiguous(), group, shapes)
         out = self._all_gather(t.contiguous(), group, shapes)
         if self._logs:  # the byte count is only worked out for a log
             self._record("all_gather", group, sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
@@ -156,7 +159,7 @@ class Communicator:
         move the data while this rank computes; gloo does, the simulator finishes at once)."""
         i = self._index(group, "all_gather")
         shapes = [tuple(s) for s in shapes]
-        if len(group) == 1 or not self._async_gather:
+        if len(group) == 1 or not self._async_gather or graph_ops.traced(t):
             out = self.all_gather(t, group, shapes)
             return lambda: out
         finish = self._all_gather_start(t.contiguous(), group, shapes)
@@ -172,7 +175,7 @@ class Communicator:
         this rank computes, where the chunks are one buffer of equal pieces; else done at once)."""
         i = self._index(group, "reduce_scatter")
         finish = None
-        if len(group) > 1 and self._async_gather and len(chunks) == len(group):
+        if len(group) > 1 and self._async_gather and len(chunks) == len(group) and not graph_ops.traced(chunks[i]):
             finish = self._reduce_scatter_start([c.contiguous() for c in chunks], group, op)
         if finish is None:
             out = self.reduce_scatter(chunks, group, op)
@@ -188,6 +191,8 @@ class Communicator:
             raise ValueError(f"reduce_scatter: {len(chunks)} chunks for a group of {len(group)}")
         if len(group) == 1:
             return chunks[0]
+        if graph_ops.traced(chunks[i]):
+            return self._traced_reduce_scatter(chunks, group, op, i)
         out = self._reduce_scatter([c.contiguous() for c in chunks], group, op)
         if self._logs:
             self._record("reduce_scatter", group, (len(group) - 1) * chunks[i].numel() * chunks[i].element_size())
@@ -197,6 +202,8 @@ class Communicator:
         i = self._index(group, "all_reduce")
         if len(group) == 1:
             return t
+        if graph_ops.traced(t):
+            return self._traced_all_reduce(t, group, op)
         out = self._all_reduce(t.contiguous(), group, op)
         if self._logs:
             self._record("all_reduce", group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), i))
@@ -231,6 +238,8 @@ class Communicator:
                              f"buffers' {send.numel()} / {recv.numel()} elements")
         if len(group) == 1:
             return recv.copy_(send)
+        if graph_ops.traced(send):
+            return recv.copy_(self._traced_all_to_all(send, send_splits, recv_splits, group))
         self._all_to_all_into(send, send_splits, recv, recv_splits, group)
         if self._logs:
             self._record("all_to_all", group, (recv.numel() - recv_splits[i]) * recv.element_size())
@@ -255,6 +264,8 @@ class Communicator:
         Collectives complete before returning (on nccl, in stream order), so the next call may
         overwrite it; reuse spares a fresh allocation, and its page faults, each call.
         """
+        if graph_ops.tracing_now():  # torch.compile: a fresh buffer of the graph's, never the process's reused one
+            return torch.empty(numel, dtype=dtype, device=device or self.device)
         key = (dtype, device)
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < numel:
@@ -277,6 +288,8 @@ class Communicator:
         if not sends and not recvs:
             self._receive_buffers("exchange", sends, recvs, into, device)  # checks the peers
             return {}
+        if any(graph_ops.traced(t) for t in sends.values()) or graph_ops.traced(next(iter((into or {}).values()), None)):
+            raise graph_ops.untraceable("a point-to-point exchange")
         _COUNT.n += 1
         tag = self._tag(key)
         posted = self._claim(recvs, tag) if self._posted else None
@@ -361,6 +374,8 @@ class Communicator:
         bufs = self._receive_buffers("send_recv_start", sends, recvs, None, device)
         if not sends and not recvs:
             return lambda: {}
+        if any(graph_ops.traced(t) for t in sends.values()):
+            raise graph_ops.untraceable("a point-to-point exchange")
         _COUNT.n += 1
         finish = self._exchange_start({r: t.contiguous() for r, t in sends.items()}, bufs, self._tag(key))
         self._record_send_recv(sends, recvs)
@@ -398,6 +413,8 @@ class Communicator:
             raise ValueError(f"broadcast: src rank {src} is not in group {group}")
         if len(group) == 1:
             return t
+        if graph_ops.traced(t):
+            raise graph_ops.untraceable("a broadcast")
         out = self._broadcast(t.contiguous() if self.rank == src else None, group, src, tuple(shape), dtype)
         if self._logs:
             self._record("broadcast", group, 0 if self.rank == src else nbytes(shape, dtype))
@@ -408,12 +425,30 @@ class Communicator:
         self._index(group, "all_gather_object")
         if len(group) == 1:
             return [obj]
+        if graph_ops.compiling():
+            raise graph_ops.untraceable("an all-gather of Python objects (shapes only the run can tell)")
         out = self._all_gather_object(obj, group)
         self._record("all_gather_object", group, 0)
         return out
 
     def barrier(self, group: Group | None = None) -> None:
         self.all_gather_object(None, tuple(range(self.world_size)) if group is None else group)
+
+    # -- under torch.compile: the collectives as graph ops (runtime/graph_ops.py) -----------------
+    # a backend whose collectives torch can trace itself (torch.distributed's functional collectives) overrides
+    # these; the default records ops of our own that call this rank's communicator when the graph runs
+    def _traced_all_gather(self, t: torch.Tensor, group: Group, shapes: Sequence[tuple]) -> list[torch.Tensor]:
+        return graph_ops.gather(t, group, shapes)
+
+    def _traced_reduce_scatter(self, chunks: Sequence[torch.Tensor], group: Group, op: str, i: int) -> torch.Tensor:
+        return graph_ops.scatter_reduce(chunks, group, op, i)
+
+    def _traced_all_reduce(self, t: torch.Tensor, group: Group, op: str) -> torch.Tensor:
+        return graph_ops.reduce(t, group, op)
+
+    def _traced_all_to_all(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+                           group: Group) -> torch.Tensor:
+        return graph_ops.to_all(send, send_splits, recv_splits, group)
 
     # -- backend hooks ----------------------------------------------------
     def _all_gather(self, t, group, shapes):  # pragma: no cover - interface

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
+from . import graph_ops
 from .comm import CommLog, Communicator
 from .dist import TorchDistCommunicator
 from .sim import SimWorld
@@ -36,6 +37,9 @@ def current_or_none() -> Communicator | None:
 def current() -> Communicator:
     comm = _local.comm or _process or _alone
     return comm if comm is not None else _init_process()
+
+
+graph_ops.CURRENT.find = current  # what a compiled graph's collectives run on
 
 
 def set_thread(comm: Communicator | None) -> None:

@@ -281,6 +281,39 @@ class TorchDistCommunicator(Communicator):
                    (out.numel(), out.dtype, op))
         return out
 
+    # -- under torch.compile: torch's functional collectives (`_c10d_functional`), which inductor schedules --
+    # Each is issued and waited for at once (`wait_tensor`); inductor may move the wait later to overlap. They
+    # run on torch.distributed's process groups, not through this communicator: `gt.comm_log()` does not see
+    # them (the graph lists them), nor does the collective watch. What they cannot express (uneven pieces of an
+    # all-gather or reduce-scatter, a group whose mesh order is not rank order) records our own op instead.
+    def _group_name(self, group: tuple) -> str:
+        return self._pg(group).group_name
+
+    def _traced_all_reduce(self, t, group, op):
+        out = torch.ops._c10d_functional.all_reduce(t, op, self._group_name(group))
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    def _traced_all_gather(self, t, group, shapes):
+        if list(group) != sorted(group) or len(set(shapes)) != 1:
+            return super()._traced_all_gather(t, group, shapes)
+        out = torch.ops._c10d_functional.all_gather_into_tensor(t.reshape(-1), len(group), self._group_name(group))
+        out = torch.ops._c10d_functional.wait_tensor(out)
+        return [piece.view(shapes[j]) for j, piece in enumerate(out.chunk(len(group)))]
+
+    def _traced_reduce_scatter(self, chunks, group, op, i):
+        if list(group) != sorted(group) or len({tuple(c.shape) for c in chunks}) != 1:
+            return super()._traced_reduce_scatter(chunks, group, op, i)
+        flat = torch.cat([c.reshape(-1) for c in chunks])
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(flat, op, len(group), self._group_name(group))
+        return torch.ops._c10d_functional.wait_tensor(out).view(chunks[i].shape)
+
+    def _traced_all_to_all(self, send, send_splits, recv_splits, group):
+        if list(group) != sorted(group):
+            return super()._traced_all_to_all(send, send_splits, recv_splits, group)
+        out = torch.ops._c10d_functional.all_to_all_single(send, list(recv_splits), list(send_splits),
+                                                           self._group_name(group))
+        return torch.ops._c10d_functional.wait_tensor(out)
+
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
         key = (group, tuple(send_splits), tuple(recv_splits))
         args = self._a2a_args.get(key)

@@ -1,0 +1,461 @@
+"""torch.compile over global programs: GlobalTensor is a traceable wrapper subclass, collectives are graph ops.
+
+Each test compiles with `fullgraph=True` on the aot_eager backend (AOTAutograd's graphs, run by torch's eager
+kernels: what inductor would be handed, without its C++ compile time) on simulated ranks, and checks
+
+- values: equal to the same program in eager globaltensor and to plain torch on one device;
+- graphs: the forward and backward graphs AOTAutograd captured hold only local aten ops and the
+  `globaltensor::` collectives (`runtime/graph_ops.py`), listed and priced against the textbook bytes;
+- bytes: what `gt.comm_log()` counts for a compiled run equals the graph's count and eager's;
+- counters: no graph breaks (`torch._dynamo.utils.counters["graph_break"]`), and no compile on a second call.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch._dynamo
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+
+import globaltensor as gt
+from globaltensor.runtime.comm import all_reduce_recv_bytes
+
+F32 = 4
+
+
+class Capture:
+    """An aot_eager backend that keeps each rank's forward and backward graphs (simulated ranks are threads:
+    each traces its own, see `GlobalTensor.__tensor_flatten__`)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, dict[str, list]] = {}
+        self._lock = threading.Lock()
+        self.backend = aot_autograd(fw_compiler=self._keep("fw"), bw_compiler=self._keep("bw"))
+
+    def _keep(self, kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            with self._lock:
+                self.graphs.setdefault(gt.rank(), {"fw": [], "bw": []})[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def compiles(self, rank: int) -> int:
+        return len(self.graphs.get(rank, {}).get("fw", []))
+
+    def collectives(self, rank: int, kind: str) -> list[tuple[str, tuple, int]]:
+        """(collective, group, bytes this rank receives) for each globaltensor:: op of the rank's graphs."""
+        out = []
+        for gm in self.graphs[rank][kind]:
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and str(node.target).startswith("globaltensor."):
+                    out.append(_priced(node, rank))
+        return out
+
+    def aten_only(self, rank: int) -> bool:
+        """Every op of the rank's graphs is a local aten op or one of ours (no subclass, no Python call)."""
+        for kind in ("fw", "bw"):
+            for gm in self.graphs[rank][kind]:
+                for node in gm.graph.nodes:
+                    if node.op == "call_function":
+                        name = str(node.target)
+                        if not (name.startswith("aten.") or name.startswith("globaltensor.")
+                                or name == "<built-in function getitem>"):
+                            return False
+                    for v in [node.meta.get("val")]:
+                        if isinstance(v, gt.GlobalTensor):
+                            return False
+        return True
+
+
+def _priced(node: torch.fx.Node, rank: int) -> tuple[str, tuple, int]:
+    """The textbook bytes a collective of the graph makes this rank receive (`runtime/comm.py`'s convention)."""
+    name = str(node.target).split(".")[1]
+    a = node.args
+    if name == "all_reduce":
+        t, group = a[0].meta["val"], tuple(a[1])
+        return name, group, all_reduce_recv_bytes(t.numel(), t.element_size(), len(group), group.index(rank))
+    if name == "all_gather":
+        t, group = a[0].meta["val"], tuple(a[1])
+        pieces = node.meta["val"]
+        return name, group, sum(p.numel() * p.element_size() for j, p in enumerate(pieces) if group[j] != rank)
+    if name == "reduce_scatter":
+        chunks, group = [c.meta["val"] for c in a[0]], tuple(a[1])
+        mine = chunks[group.index(rank)]
+        return name, group, (len(group) - 1) * mine.numel() * mine.element_size()
+    if name == "all_to_all":
+        recv_splits, group = a[2], tuple(a[3])
+        size = a[0].meta["val"].element_size()
+        return name, group, (sum(recv_splits) - recv_splits[group.index(rank)]) * size
+    raise AssertionError(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _full(t):
+    return t.full_tensor().detach() if isinstance(t, gt.GlobalTensor) else t.detach()
+
+
+def test_dp_forward_compiles_without_communication():
+    """DP's forward (batch split, weights whole) needs no collective: the graph is the local program."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 3)
+    want = torch.relu(X @ W1) @ W2
+    cap = Capture()
+
+    def f(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x, w1, w2 = gt.to_global(X, p, gt.split(0)), gt.to_global(W1, p, gt.broadcast), gt.to_global(W2, p, gt.broadcast)
+        cf = torch.compile(f, backend=cap.backend, fullgraph=True)
+        with gt.comm_log() as log:
+            y = cf(x, w1, w2)
+            y2 = cf(x, w1, w2)
+        eager = f(x, w1, w2)
+        return y.sbp, _full(y), _full(y2), _full(eager), log.recv_bytes
+
+    for rank, (sbp, y, y2, eager, nbytes) in enumerate(gt.launch(body, 2)):
+        assert sbp == (gt.split(0),)
+        _close(y, want), _close(y2, want), _close(y, eager)
+        assert nbytes == 0
+        assert cap.collectives(rank, "fw") == []
+        assert cap.aten_only(rank)
+        assert cap.compiles(rank) == 1  # the second call reused the graph
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_collectives_are_graph_ops_priced_as_textbook():
+    """x S(1) @ w S(0) is Partial; relu needs it whole per row block: one reduce-scatter forward (to S(0)),
+    and its dual, one all-gather of the gradient, backward. Each rank receives (n-1)/n of the [8, 3]
+    product forward and of its gradient backward: 4*3 floats on 2 ranks, each way."""
+    torch.manual_seed(0)
+    X, W = torch.randn(8, 4), torch.randn(4, 3)
+    Xr = X.clone().requires_grad_(True)
+    Wr = W.clone().requires_grad_(True)
+    (torch.relu(Xr @ Wr) * 2).sum().backward()
+    cap = Capture()
+
+    def f(x, w):
+        return torch.relu(x @ w) * 2
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        out = {}
+        for mode in ("eager", "compiled"):
+            x = gt.to_global(X, p, gt.split(1))
+            w = gt.to_global(W, p, gt.split(0)).requires_grad_(True)
+            fn = f if mode == "eager" else torch.compile(f, backend=cap.backend, fullgraph=True)
+            with gt.comm_log() as fw:
+                y = fn(x, w)
+            with gt.comm_log() as bw:
+                y.sum().backward()
+            out[mode] = (_full(y), _full(w.grad), fw.summary(), bw.summary())
+        return out
+
+    want_bytes = 4 * 3 * F32
+    for rank, out in enumerate(gt.launch(body, 2)):
+        (y, g, fw, bw), (ey, eg, efw, ebw) = out["compiled"], out["eager"]
+        _close(y, torch.relu(X @ W) * 2), _close(g, Wr.grad), _close(y, ey), _close(g, eg)
+        assert cap.collectives(rank, "fw") == [("reduce_scatter", (0, 1), want_bytes)]
+        assert cap.collectives(rank, "bw") == [("all_gather", (0, 1), want_bytes)]
+        assert fw == efw == {"reduce_scatter": want_bytes}  # the compiled graph's collectives are eager's
+        assert bw == ebw == {"all_gather": want_bytes}
+        assert cap.aten_only(rank)
+    # each rank traced its own graph (its own chunk of the reduce-scatter): the rank is in the guarded metadata
+    idx = [[n.args[3] for n in cap.graphs[r]["fw"][0].graph.nodes if "reduce_scatter" in str(n.target)]
+           for r in (0, 1)]
+    assert idx == [[0], [1]]
+    assert dict(counters["graph_break"]) == {}
+
+
+def _plain_grads(X, Ws, f):
+    ws = [w.clone().requires_grad_(True) for w in Ws]
+    loss = f(X, *ws)
+    loss.backward()
+    return loss.detach(), [w.grad for w in ws]
+
+
+def test_dp_forward_backward_all_reduces_gradients_in_the_graph():
+    """DP: the batch split on 2 ranks, the weights whole. A weight used as `w.to_global(grad_sbp=broadcast)`
+    has its Partial gradient all-reduced in the compiled backward (the textbook 2(n-1)/n |W| per weight:
+    4*6 and 6*3 floats, so 24 + 18 floats received on 2 ranks), and the loss (Partial: the sum of each
+    rank's rows) needs nothing forward. Two steps: the second compiles nothing."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 3)
+
+    def loss_of(x, w1, w2):
+        return (torch.relu(x @ w1) @ w2).square().sum()
+
+    want_loss, want_grads = _plain_grads(X, [W1, W2], loss_of)
+    cap = Capture()
+
+    def f(x, w1, w2):
+        w1, w2 = w1.to_global(grad_sbp=gt.broadcast), w2.to_global(grad_sbp=gt.broadcast)
+        return loss_of(x, w1, w2)
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        out = {}
+        for mode in ("eager", "compiled"):
+            x = gt.to_global(X, p, gt.split(0))
+            ws = [gt.to_global(W, p, gt.broadcast).requires_grad_(True) for W in (W1, W2)]
+            fn = f if mode == "eager" else torch.compile(f, backend=cap.backend, fullgraph=True)
+            steps = []
+            for _ in range(2):
+                for w in ws:
+                    w.grad = None
+                with gt.comm_log() as log:
+                    loss = fn(x, *ws)
+                    loss.backward()
+                    grads = [w.grad.sbp for w in ws]
+                steps.append((_full(loss), [_full(w.grad) for w in ws], grads, log.summary()))
+            out[mode] = steps
+        return out
+
+    want_bytes = all_reduce_recv_bytes(4 * 6, F32, 2, 0) + all_reduce_recv_bytes(6 * 3, F32, 2, 0)
+    assert want_bytes == (24 + 18) * F32
+    for rank, out in enumerate(gt.launch(body, 2)):
+        for (loss, grads, sbps, log), (eloss, egrads, esbps, elog) in zip(out["compiled"], out["eager"]):
+            _close(loss, want_loss), _close(loss, eloss)
+            for g, eg, w in zip(grads, egrads, want_grads):
+                _close(g, w), _close(g, eg)
+            assert sbps == esbps == [(gt.broadcast,)] * 2
+            assert log == elog == {"all_reduce": want_bytes}
+        assert cap.collectives(rank, "fw") == []
+        bw = cap.collectives(rank, "bw")
+        assert sorted(b for _, _, b in bw) == sorted([24 * F32, 18 * F32])
+        assert {k for k, _, _ in bw} == {"all_reduce"}
+        assert cap.compiles(rank) == 1
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_megatron_tp_pair_compiles():
+    """Megatron's MLP on 2 ranks: column-parallel w1 (split on its output), row-parallel w2 (split on its
+    input). Forward: one all-reduce of the [8, 4] output (the f/g pair's g); backward: one all-reduce of the
+    input's [8, 4] gradient (f's dual, asked for with grad_sbp). 2(n-1)/n * 32 floats each way."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+
+    def mlp(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    xr = X.clone().requires_grad_(True)
+    w1r, w2r = W1.clone().requires_grad_(True), W2.clone().requires_grad_(True)
+    want = mlp(xr, w1r, w2r)
+    want.square().sum().backward()
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+
+        def f(x, w1, w2):
+            return mlp(x.to_global(grad_sbp=gt.broadcast), w1, w2).to_global(p, gt.broadcast)
+
+        out = {}
+        for mode in ("eager", "compiled"):
+            x = gt.to_global(X, p, gt.broadcast).requires_grad_(True)
+            w1 = gt.to_global(W1, p, gt.split(1)).requires_grad_(True)
+            w2 = gt.to_global(W2, p, gt.split(0)).requires_grad_(True)
+            fn = f if mode == "eager" else torch.compile(f, backend=cap.backend, fullgraph=True)
+            with gt.comm_log() as fw:
+                y = fn(x, w1, w2)
+            with gt.comm_log() as bw:
+                y.square().sum().backward()
+            out[mode] = (_full(y), y.sbp, [_full(t.grad) for t in (x, w1, w2)], x.grad.sbp, fw.summary(),
+                         bw.summary())
+        return out
+
+    each = all_reduce_recv_bytes(8 * 4, F32, 2, 0)
+    for rank, out in enumerate(gt.launch(body, 2)):
+        (y, sbp, grads, xsbp, fw, bw), (ey, esbp, egrads, exsbp, efw, ebw) = out["compiled"], out["eager"]
+        _close(y, want.detach()), _close(y, ey)
+        assert sbp == esbp == (gt.broadcast,) and xsbp == exsbp == (gt.broadcast,)
+        for g, eg, w in zip(grads, egrads, (xr.grad, w1r.grad, w2r.grad)):
+            _close(g, w), _close(g, eg)
+        assert cap.collectives(rank, "fw") == [("all_reduce", (0, 1), each)]
+        assert cap.collectives(rank, "bw") == [("all_reduce", (0, 1), each)]
+        assert fw == efw == {"all_reduce": each}
+        # the loss's square().sum() runs eagerly outside the compiled region: nothing else moves
+        assert bw == ebw == {"all_reduce": each}
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
+GPT_PLANS = {  # name: (mesh, module plan, batch layout)
+    "dp": ([0, 1], None, "dp"),
+    "tp": ([[0, 1]], "tp", "dp2"),
+    "sp": ([[0, 1]], "sp", "dp2"),
+    "dp_x_tp": ([[0, 1], [2, 3]], "tp", "dp2"),
+}
+
+
+@pytest.mark.parametrize("plan", [p if p != "dp_x_tp" else pytest.param(p, marks=pytest.mark.slow) for p in GPT_PLANS])
+def test_gpt_forward_backward_compiles_with_no_graph_break_nor_recompile(plan):
+    """The GPT (models/gpt.py) on simulated ranks under DP, Megatron TP, TP + SP and DP x TP, with
+    `torch.compile(fullgraph=True)` over its loss: two steps of forward + backward equal eager globaltensor and
+    one device; one graph per rank (traced on the first step, reused on the second); the collectives the
+    graphs hold are exactly what `gt.comm_log()` counts for the step, and what eager moves. The module plan's
+    boundary hooks run at trace time (`parallel/module.py`'s `_compiled_before`). Gradients stay as eager
+    leaves them (DP's Partial, reduced when the optimizer reads them, outside the graph)."""
+    from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, sp_plan, tp_plan
+
+    ranks, module_plan, batch = GPT_PLANS[plan]
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    g = torch.Generator().manual_seed(1)
+    IDX, TGT = (torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    want_loss = ref(IDX, TGT)[1]
+    want_loss.backward()
+    want_grads = {n: q.grad for n, q in ref.named_parameters()}
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", ranks)
+        layout = {"dp": gt.split(0), "dp2": dp_batch(0, 2)}[batch]
+        out = {}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            gt.to_global(model, p, {None: None, "tp": tp_plan(1, 2), "sp": sp_plan(1, 2)}[module_plan])
+            idx, tgt = gt.to_global(IDX, p, layout), gt.to_global(TGT, p, layout)
+
+            def step(idx, tgt):
+                return model(idx, tgt)[1]
+            fn = step if mode == "eager" else torch.compile(step, backend=cap.backend, fullgraph=True)
+            steps = []
+            for _ in range(2):
+                model.zero_grad()
+                with gt.comm_log() as log:
+                    loss = fn(idx, tgt)
+                    loss.backward()
+                steps.append((_full(loss), {n: _full(q.grad) for n, q in model.named_parameters()}, log.summary(),
+                              log.recv_bytes))
+            out[mode] = steps
+        return out
+
+    n = len(gt.placement("cpu", ranks).flat_ranks)
+    for rank, out in enumerate(gt.launch(body, n)):
+        for (loss, grads, log, nbytes), (eloss, egrads, elog, _) in zip(out["compiled"], out["eager"]):
+            _close(loss, want_loss.detach()), _close(loss, eloss)
+            for name, gr in grads.items():
+                torch.testing.assert_close(gr, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+                torch.testing.assert_close(gr, egrads[name], rtol=1e-5, atol=1e-6, msg=name)
+            assert log == elog
+            graph = cap.collectives(rank, "fw") + cap.collectives(rank, "bw")
+            assert sum(b for _, _, b in graph) == nbytes
+        assert cap.compiles(rank) == 1 and len(cap.graphs[rank]["bw"]) == 1  # step 2 compiled nothing
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
+def _gloo_programs():
+    """On one gloo rank: the Megatron pair and the reduce-scatter program compiled; (graphs' collectives,
+    values, comm_log bytes)."""
+    graphs = []
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs.append((kind, [str(n.target) for n in gm.graph.nodes
+                                  if n.op == "call_function" and not str(n.target).startswith("aten.")
+                                  and "getitem" not in str(n.target)]))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+    p = gt.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+    x = gt.to_global(X, p, gt.broadcast).requires_grad_(True)
+    w1 = gt.to_global(W1, p, gt.split(1)).requires_grad_(True)
+    w2 = gt.to_global(W2, p, gt.split(0)).requires_grad_(True)
+
+    def pair(x, w1, w2):
+        return (torch.relu(x.to_global(grad_sbp=gt.broadcast) @ w1) @ w2).to_global(p, gt.broadcast)
+
+    with gt.comm_log() as log:
+        y = torch.compile(pair, backend=backend, fullgraph=True)(x, w1, w2)
+        y.square().sum().backward()
+    return (graphs, _full(y), _full(x.grad), _full(w1.grad), _full(w2.grad), log.recv_bytes,
+            dict(counters["graph_break"]))
+
+
+@pytest.mark.gloo
+def test_gloo_collectives_are_torch_functional_collectives():
+    """On torch.distributed (2 gloo processes) the traced collectives are torch's own functional collectives
+    (`_c10d_functional.all_reduce` + `wait_tensor`), which inductor knows how to schedule; the values equal
+    the simulator's and one device's. They run on torch.distributed's process groups, not through the
+    communicator, so `gt.comm_log()` counts nothing for them: the graph is where they are counted."""
+    torch.manual_seed(0)
+    X, W1, W2 = torch.randn(8, 4), torch.randn(4, 6), torch.randn(6, 4)
+    xr, w1r, w2r = (t.clone().requires_grad_(True) for t in (X, W1, W2))
+    want = torch.relu(xr @ w1r) @ w2r
+    want.square().sum().backward()
+    pair = ["_c10d_functional.all_reduce.default", "_c10d_functional.wait_tensor.default"]
+    for graphs, y, gx, g1, g2, nbytes, breaks in gt.launch(_gloo_programs, 2, backend="gloo"):
+        assert graphs == [("fw", pair), ("bw", pair)]
+        _close(y, want.detach())
+        for g, w in zip((gx, g1, g2), (xr.grad, w1r.grad, w2r.grad)):
+            _close(g, w)
+        assert nbytes == 0 and breaks == {}
+
+
+def test_what_has_no_graph_op_raises_at_trace_time():
+    """Point-to-point exchanges (pipelines, ring attention), broadcasts and the object all-gathers of
+    data-dependent shapes have no graph op: met while tracing (fake shards) they raise, naming the way out,
+    instead of communicating fake values or waiting for peers that are not tracing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from globaltensor.runtime import context
+
+    def body():
+        comm = context.current()
+        peer = 1 - comm.rank
+        with FakeTensorMode():
+            t = torch.ones(2)
+            with pytest.raises(RuntimeError, match="point-to-point exchange cannot be captured"):
+                comm.exchange({peer: t}, {peer: ((2,), torch.float32)})
+            with pytest.raises(RuntimeError, match="broadcast cannot be captured"):
+                comm.broadcast(t, (0, 1), 0, (2,), torch.float32)
+            with pytest.raises(RuntimeError, match="Python objects .* cannot be captured"):
+                comm.all_gather_object((2,), (0, 1))
+        return True
+
+    assert all(gt.launch(body, 2))
+
+
+@pytest.mark.slow
+def test_issue_example_compiles_with_inductor():
+    """The issue's program, `torch.relu(x @ w).sum()` with x S(1) and w S(0) on 2 simulated ranks, under the
+    default backend (inductor: C++ kernels around our collective ops), forward and backward: equal to one
+    device, no graph break. Slow only for inductor's C++ compile."""
+    torch.manual_seed(0)
+    X, W = torch.randn(8, 4), torch.randn(4, 3)
+    Wr = W.clone().requires_grad_(True)
+    want = torch.relu(X @ Wr).sum()
+    want.backward()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        x, w = gt.to_global(X, p, gt.split(1)), gt.to_global(W, p, gt.split(0)).requires_grad_(True)
+        y = torch.compile(lambda x, w: torch.relu(x @ w).sum(), fullgraph=True)(x, w)
+        y.backward()
+        return _full(y), _full(w.grad)
+
+    for y, g in gt.launch(body, 2):
+        _close(y, want.detach()), _close(g, Wr.grad)
+    assert dict(counters["graph_break"]) == {}
