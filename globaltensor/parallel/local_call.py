@@ -16,8 +16,9 @@ from ..tensor import GlobalTensor
 
 
 class Swap(NamedTuple):
-    """One parameter or buffer slot: `table[name]` holds `plain` while the forward runs, `tensor` before and
-    after; `plain` None: `tensor.to_local()`, made at each call (a differentiable one, a new autograd node)."""
+    """One parameter or buffer slot: `table[name]` holds `plain` while the forward runs (a plain tensor; for a
+    row-local module's row group, its sub-mesh GlobalTensor), `tensor` before and after; `plain` None:
+    `tensor.to_local()`, made at each call (a differentiable one, a new autograd node)."""
     table: dict
     name: str
     tensor: GlobalTensor

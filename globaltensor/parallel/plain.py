@@ -476,7 +476,7 @@ class RowLocal:
         slots = [(t, n) for m in self.module.modules() for t in (m._parameters, m._buffers) for n in t
                  if t[n] is not None]
         if others and any(isinstance(x, GlobalTensor) and any(not isinstance(x.sbp[a], Broadcast) for a in others)
-                          for x in [leaves[i] for i in range(len(leaves))] + [t[n] for t, n in slots]):
+                          for x in leaves + [t[n] for t, n in slots]):
             return self._per_row_group(leaves, spec, slots, placement, axes, others, rank)
 
         def on(split: bool, grad: bool = False) -> Layout:
@@ -574,15 +574,13 @@ class RowLocal:
                                      "a row-local module runs on parameters whole on the row axes of its input's "
                                      "placement (params=gt.broadcast under ZeRO)")
                 pieces.append((("slot", table, name), t, False))
-        grad = torch.is_grad_enabled()
-        subs = _ToRowGroup.apply(sub, axes, others, rows, tuple((t, r) for _, t, r in pieces), grad,
-                                 *(t for _, t, _ in pieces))
-        swaps = []
-        for (where_, t, _), st in zip(pieces, subs):
-            if where_[0] == "leaf":
-                leaves[where_[1]] = st
+        subs = _ToRowGroup.apply(sub, axes, others, tuple((t, r) for _, t, r in pieces), *(t for _, t, _ in pieces))
+        swaps = []  # the module's slots hold their row group's tensors while it runs
+        for (slot, t, _), st in zip(pieces, subs):
+            if slot[0] == "leaf":
+                leaves[slot[1]] = st
             else:
-                swaps.append(Swap(where_[1], where_[2], t, st))
+                swaps.append(Swap(slot[1], slot[2], t, st))
         call_args, call_kwargs = pytree.tree_unflatten(leaves, spec)
         held = row_layout(True).local_shape((rows,), rank)[0]
         with _rows_of(others):
@@ -665,7 +663,7 @@ class _ToRowGroup(torch.autograd.Function):
     the row axes (a row input's) or Partial there (a parameter's, a whole input's: this group's share)."""
 
     @staticmethod
-    def forward(ctx, sub, axes, others, rows, kinds, grad, *tensors):  # type: ignore[override]
+    def forward(ctx, sub, axes, others, kinds, *tensors):  # type: ignore[override]
         ctx.axes, ctx.others = axes, others
         subs = tuple(_to_sub(t, sub, axes, others, row) for t, (_, row) in zip(tensors, kinds))
         ctx.kinds = [(t.placement, tuple(t.shape), row, s._layout) for (t, row), s in zip(kinds, subs)]
@@ -685,7 +683,7 @@ class _ToRowGroup(torch.autograd.Function):
             for a in range(placement.ndim):
                 sbp[a] = (Split(0) if row else Partial()) if a in ctx.axes else next(at)
             out.append(GlobalTensor(g._local, Layout(placement, tuple(sbp)), shape))
-        return (None,) * 6 + tuple(out)
+        return (None,) * 4 + tuple(out)
 
 
 class _FromRowGroup(torch.autograd.Function):
