@@ -28,7 +28,7 @@ from .sbp import Broadcast, SbpLike, Split
 
 __all__ = ["Batches", "batch_indices"]
 
-_KEYS = ("epoch", "batch", "seed", "batch_size", "dataset_len")
+_KEYS = ("epoch", "batch", "seed", "shuffle", "batch_size", "dataset_len")
 
 
 def batch_indices(n: int, batch_size: int, seed: int, epoch: int, batch: int, shuffle: bool = True) -> torch.Tensor:
@@ -121,17 +121,18 @@ class Batches:
     def state_dict(self) -> dict[str, int]:
         """The position (the next batch to hand out) and what fixes the order; the same on every rank."""
         epoch, batch = (self.epoch + 1, 0) if self.batch == self.per_epoch else (self.epoch, self.batch)
-        return {"epoch": epoch, "batch": batch, "seed": self.seed, "batch_size": self.batch_size,
-                "dataset_len": len(self.dataset)}
+        return {"epoch": epoch, "batch": batch, "seed": self.seed, "shuffle": int(self.shuffle),
+                "batch_size": self.batch_size, "dataset_len": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at `state`'s position. Seed, batch size and dataset length must be those that saved it:
+        """Continue at `state`'s position. Seed, shuffle, batch size and dataset length must be those that saved it:
         with any other, the batches after the position would not be the saved run's."""
         state = {k: int(v) for k, v in state.items()}
         missing = [k for k in _KEYS if k not in state]
         if missing:
             raise ValueError(f"Batches.load_state_dict(state): missing {missing} (a state from Batches.state_dict)")
-        for k, here in (("seed", self.seed), ("batch_size", self.batch_size), ("dataset_len", len(self.dataset))):
+        for k, here in (("seed", self.seed), ("shuffle", int(self.shuffle)), ("batch_size", self.batch_size),
+                        ("dataset_len", len(self.dataset))):
             if state[k] != here:
                 raise ValueError(f"Batches.load_state_dict(state): saved with {k}={state[k]}, this loader has "
                                  f"{k}={here}: the data order would differ from the saved run's (build the loader "

@@ -143,5 +143,7 @@ def test_bad_arguments_are_named():
         Batches(Rows(8), 2, p, gt.split(0), seed=2).load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved with dataset_len=8.*dataset_len=9"):
         Batches(Rows(9), 2, p, gt.split(0), seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved with shuffle=1, this loader has shuffle=0"):
+        Batches(Rows(8), 2, p, gt.split(0), seed=1, shuffle=False).load_state_dict(state)
     with pytest.raises(ValueError, match=r"missing \['epoch'\]"):
         data.load_state_dict({k: v for k, v in state.items() if k != "epoch"})
