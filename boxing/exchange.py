@@ -4,8 +4,8 @@ Works between any two Partial-free-source layouts, on the same placement or
 across placements (disjoint, overlapping, other mesh shapes). The source tiles
 the tensor into distinct boxes, each held by one or more ranks (replicas); a
 destination rank copies what it holds and receives each missing piece from
-one holder, on its own node where one is (`runtime/topology.py`), chosen to spread the sending load. For a Partial destination, the
-ranks of a partial group (same shard, different partial coordinates) split the
+one holder, on its own node where one is (`runtime/topology.py`), chosen to
+spread the sending load. For a Partial destination, the ranks of a partial group (same shard, different partial coordinates) split the
 contributions: whoever holds a piece contributes it, the others hold the op's
 identity there, and only pieces nobody in the group holds are received.
 """

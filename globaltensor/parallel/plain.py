@@ -546,8 +546,8 @@ class RowLocal:
         where = f"to_global(plan[{self.name!r}]) row_local"
         mesh = np.array(placement.ranks, dtype=object).reshape(placement.shape)
         coord = placement.coord(rank)
-        sub = make_placement(placement.device_type,
-                             mesh[tuple(coord[a] if a in axes else slice(None) for a in range(placement.ndim))].tolist())
+        mine = tuple(coord[a] if a in axes else slice(None) for a in range(placement.ndim))
+        sub = make_placement(placement.device_type, mesh[mine].tolist())  # the ranks holding this rank's rows
         rows = next(x for x in leaves if isinstance(x, GlobalTensor) and x.dim() >= 1).shape[0]
 
         def row_layout(split: bool) -> Layout:  # the row axes' part of a layout; the others whole
