@@ -99,3 +99,20 @@ def test_sizes_read_as_a_user_reads_them():
     assert sizes("all_reduce", (4, torch.float32, "sum")) == "4 x float32, sum"
     assert sizes("broadcast", ((2, 3), torch.int64, 1)) == "(2, 3) int64 from rank 1"
     assert sizes("all_gather_object", "objects") == "objects"
+
+
+def test_what_a_rank_is_doing_is_read_from_its_stack():
+    """A hang report says what the stuck rank is doing (`watch.doing_now`): the innermost module forward and the
+    program's own line (not globaltensor's or torch's), read from the thread's stack only when reported."""
+    import threading
+    import torch
+    from globaltensor.runtime.watch import doing_now
+
+    class Stuck(torch.nn.Module):
+        def forward(self, x):
+            return x, doing_now(threading.get_ident())
+
+    _, doing = Stuck()(torch.ones(1))
+    assert doing["module"] == "Stuck" and doing["op"] is None
+    assert doing["at"].split(" in ")[0].endswith("test_collective_watch.py:" + str(
+        Stuck.forward.__code__.co_firstlineno + 1)) and doing["at"].endswith("in forward")

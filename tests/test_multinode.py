@@ -167,7 +167,10 @@ def test_a_hang_across_nodes_is_reported_naming_the_missing_rank_and_its_last_co
     assert re.search(r"hang: rank [012] has waited \d+ s in \w+ #\d+ on group \([0-3, ]+\) \[.*\], which rank\(s\) 3 "
                      r"never joined \(rank 3: \d+ s since it left \w+ #\d+ on group", text), text[-3000:]
     assert took < 100, took  # reported, not waited out (gloo's own timeout is 300 s; rank 3 sleeps 120 s)
+    # and what rank 3 is doing now, from its stack: the program's line it sleeps on
+    assert re.search(r"rank 3: .*?; now at \S*hang\.py:13 in <module>", text), text[-3000:]
     for r in range(4):
         record = json.loads((tmp_path / f"gt-flight-rank{r}.json").read_text())
+        assert record["doing"]["at"].split(" in ")[0].endswith("hang.py:" + ("13" if r == 3 else "14")), record
         assert record["rank"] == r and record["recent"] and record["recent"][0]["kind"] in ("all_reduce",
                                                                                            "reduce_scatter")

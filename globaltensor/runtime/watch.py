@@ -22,7 +22,8 @@ themselves (computing, stuck, on another node that stopped; a peer waiting elsew
 its own watcher names): the rank fails naming them, instead of waiting out gloo's timeout. Before it
 does, it raises the job's alarm in the store, and every rank's watcher, the hung ones' included (a watcher
 is a thread of its own), writes its flight record, its last collectives with their groups, call numbers,
-sizes and times, to `GT_HANG_REPORT_DIR` (default the working directory) as `gt-flight-rank<r>.json`, and
+sizes and times and what it is doing now (`doing_now`: its stack's innermost program line, module forward
+and dispatched op), to `GT_HANG_REPORT_DIR` (default the working directory) as `gt-flight-rank<r>.json`, and
 posts its last one: the error names each missing rank's last collective and where the records are, as torch's flight
 recorder does for nccl.
 """
@@ -47,6 +48,31 @@ def enabled() -> bool:
 
 def stall_seconds() -> float:
     return float(os.environ.get("GT_STALL_CHECK", "1"))
+
+
+def doing_now(thread: int) -> dict:
+    """What `thread` is doing, from its stack: the innermost op being dispatched, the innermost module whose
+    forward runs, and the innermost line of the program's own code (not globaltensor's, not torch's). Read only
+    when a hang is reported, so the collectives pay nothing for it."""
+    frame = sys._current_frames().get(thread)
+    ours = tuple(os.path.dirname(m.__file__) + os.sep
+                 for name in ("globaltensor", "globaltensor.ops", "globaltensor.boxing")
+                 if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None))
+    torch_mod = sys.modules.get("torch")
+    skip = ours + ((os.path.dirname(torch_mod.__file__) + os.sep,) if torch_mod is not None else ())
+    out: dict = {"op": None, "module": None, "at": None}
+    while frame is not None:
+        code = frame.f_code
+        if out["op"] is None and code.co_name == "__torch_dispatch__" and "func" in frame.f_locals:
+            out["op"] = str(frame.f_locals["func"])
+        if out["module"] is None and code.co_name == "forward":
+            owner = frame.f_locals.get("self")
+            if owner is not None and hasattr(owner, "_modules"):  # an nn.Module's forward
+                out["module"] = type(owner).__name__
+        if out["at"] is None and not code.co_filename.startswith(skip) and "/threading.py" not in code.co_filename:
+            out["at"] = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
+    return out
 
 
 def hang_seconds() -> float:
@@ -100,6 +126,7 @@ class CollectiveWatch:
         self._hang = hang_seconds()
         self._recent: deque = deque(maxlen=RECENT)  # [kind, group, seq, what, started, ended or None]
         self._recorded = False
+        self._owner = threading.get_ident()  # the thread whose collectives these are: what it is doing, on a hang
         self._thread = threading.Thread(target=self._loop, name="gt-collective-watch", daemon=True)
         self._thread.start()
 
@@ -175,12 +202,16 @@ class CollectiveWatch:
         calls = [{"kind": k, "group": list(g), "call": seq, "sizes": sizes(k, w), "started_s_ago": round(now - t0, 3),
                   "took_s": None if t1 is None else round(t1 - t0, 3)} for k, g, seq, w, t0, t1 in self._recent]
         path = flight_path(self.rank)
+        doing = doing_now(self._owner)
         try:
             with open(path, "w") as f:
-                json.dump({"rank": self.rank, "pid": os.getpid(), "last": self._last(), "recent": calls}, f, indent=1)
+                json.dump({"rank": self.rank, "pid": os.getpid(), "last": self._last(), "doing": doing,
+                           "recent": calls}, f, indent=1)
         except OSError as e:
             path = f"(not written: {e})"
-        self._store.set(_PREFIX + "last/" + str(self.rank), self._last())
+        now = "; ".join(f"{label} {doing[k]}" for k, label in (("at", "now at"), ("module", "in a forward of"),
+                                                                 ("op", "dispatching")) if doing[k])
+        self._store.set(_PREFIX + "last/" + str(self.rank), self._last() + (f"; {now}" if now else ""))
         return path
 
     def _check(self) -> None:
