@@ -65,6 +65,14 @@ _PARAM_DIM = {
 _PACKED = {"packed_colwise", "packed_rowwise"}  # two projections packed on the dim: strided, each rank a slice of both
 
 
+def _mesh_ndim(fn: str, axis: int, ndim: Optional[int]) -> int:
+    """The mesh's number of axes (default `axis + 1`), checked to hold `axis`."""
+    ndim = axis + 1 if ndim is None else ndim
+    if not 0 <= axis < ndim:
+        raise ValueError(f"gt.hf.{fn}(axis={axis}): not an axis of a {ndim}-axis mesh")
+    return ndim
+
+
 def generic_name(name: str) -> str:
     """`name` with each layer number between dots replaced by "*", as transformers matches plan keys
     (`replace_layer_number_by_wildcard`): "model.layers.0.mlp" -> "model.layers.*.mlp"."""
@@ -145,10 +153,7 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     module are skipped, as transformers skips them. Parameter entries are emitted only for weights and biases
     that exist ("<key>.weight", "<key>.bias"), so `to_global` finds a match for each.
     """
-    if ndim is None:
-        ndim = axis + 1
-    if not 0 <= axis < ndim:
-        raise ValueError(f"gt.hf.tp_plan(axis={axis}): not an axis of a {ndim}-axis mesh")
+    ndim = _mesh_ndim("tp_plan", axis, ndim)
     source = dict(plan) if plan is not None else model_tp_plan(model)
     if not source:
         raise ValueError(f"gt.hf.tp_plan: {type(model).__name__} ships no TP plan (no `_tp_plan`, no "
@@ -273,10 +278,7 @@ def ep_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     (`model.ep_plan` beside `model.tp_plan`, `DistributedConfig(ep_size=)` beside `tp_size`): EP goes on a
     mesh axis of its own (usually the data axis), and its entries win over TP's on the expert modules.
     """
-    if ndim is None:
-        ndim = axis + 1
-    if not 0 <= axis < ndim:
-        raise ValueError(f"gt.hf.ep_plan(axis={axis}): not an axis of a {ndim}-axis mesh")
+    ndim = _mesh_ndim("ep_plan", axis, ndim)
     source = dict(plan) if plan is not None else model_ep_plan(model)
     if not source:
         raise ValueError(f"gt.hf.ep_plan: {type(model).__name__} ships no expert-parallel plan (no `_ep_plan`, no "
