@@ -35,6 +35,7 @@ from ..runtime import context
 from ..sbp import Broadcast, Ragged, Split, Strided, Zigzag
 from .decide import flatten_out, map_tensors
 from .dispatch import run as dispatch
+from .reading import on_reading
 from .registry import aten, is_inplace
 from .zigzag_dims import ALIGN, _pointwise, _mm
 
@@ -226,21 +227,23 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
     axis, d, g = _key(first._layout)
     length = first.shape[d]
     placement = first._layout.placement
-    failed, direct = [], []
 
     def read(t: Any, i: int) -> Any:
         dim = in_dims[i]
         if dim is None or t.ndim <= dim or t.shape[dim] == 1:
+            if i == 0 and is_inplace(func):
+                return None  # a copy of args[0] written in place would be lost
             return _as_split(t, plain) if isinstance(t, cls) else t
         if not hasattr(t, "_layout"):  # a plain tensor: Broadcast, the same on every rank
             t = plain(t, Layout(placement, (Broadcast(),) * placement.ndim), tuple(t.shape))
         if t.shape[dim] != length or t._layout.placement != placement:
-            failed.append(t)
-            return t
-        if isinstance(t, cls):  # strided as the reading is: read it; strided otherwise: its contiguous split first
-            if _key(t._layout) == (axis, dim, g) and t._layout == _with_axis(t._layout, dim, axis, Strided(dim, g)):
-                direct.append(i)
-                return plain(t._local, t._layout.strided_as_split(), tuple(t.shape))
+            return None
+        if isinstance(t, cls) and _key(t._layout) == (axis, dim, g) and \
+                t._layout == _with_axis(t._layout, dim, axis, Strided(dim, g)):
+            return plain(t._local, t._layout.strided_as_split(), tuple(t.shape))  # strided as the reading is
+        if i == 0 and is_inplace(func):
+            return None  # a copy of args[0] written in place would be lost
+        if isinstance(t, cls):  # strided otherwise: its contiguous split first
             t = _as_split(t, plain)
         target = _with_axis(t._layout, dim, axis, Strided(dim, g))
         if _cuts(t._layout, dim):
@@ -250,22 +253,7 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
         if local.dim() > dim:
             local = local.index_select(dim, _order(t, target, dim, local.device))
         return plain(local, t._layout, tuple(t.shape))
-    new_args, new_kwargs = map_tensors(args, kwargs, read)
-    if failed or (is_inplace(func) and 0 not in direct):  # a copy written in place would be lost
-        return None
-    out = dispatch(func, new_args, new_kwargs, plain)
-    if is_inplace(func):  # the op wrote the reading of args[0], which shares or replaces its shard
-        if new_args[0]._local is not args[0]._local:
-            args[0]._local = new_args[0]._local
-        return args[0]
-    outs, put_back = flatten_out(out)
-    dims = out_dims(outs)
-    back = []
-    for o, dim in zip(outs, dims):
-        if isinstance(o, torch.Tensor) and dim is not None and dim < o.ndim and o.shape[dim] > 1:
-            o = _back(o, dim, axis, g, length, plain)
-        back.append(o)
-    return put_back(back)
+    return on_reading(func, args, kwargs, plain, read, out_dims, lambda o, dim: _back(o, dim, axis, g, length, plain))
 
 
 def _back(o: Any, dim: int, axis: int, g: int, length: int, plain: type) -> Any:

@@ -28,6 +28,7 @@ from .attention import current_attention_method, attention_method
 from .decide import flatten_out, map_tensors
 from .dispatch import run as dispatch
 from .registry import aten, is_inplace
+from .reading import on_reading
 from .ring_attention import zigzag_ring
 from .zigzag_dims import align
 
@@ -207,29 +208,10 @@ def _on_zigzag_reading(call: ZigzagCall, key: Reading, placement: Any, in_dims: 
     """Run an op on the zigzag reading `key`: operand i along its dim `in_dims[i]` (None: it has none),
     results read back along `out_dims(results)`; None where an operand cannot be read so."""
     func, args, kwargs, plain, zig = call
-    failed = []
-
-    def read(t: Any, i: int) -> Any:
-        r = _to_reading(t, -1 if in_dims[i] is None else in_dims[i], key, plain, zig, placement)
-        if r is None:
-            failed.append(t)
-        return r
-    new_args, new_kwargs = map_tensors(args, kwargs, read)
-    if failed:
-        return None
-    out = dispatch(func, new_args, new_kwargs, plain)
-    if is_inplace(func):  # the op wrote the shard of args[0], read as a split: the zigzag tensor is args[0]
-        if new_args[0]._local is not args[0]._local:
-            args[0]._local = new_args[0]._local
-        return args[0]
-    outs, put_back = flatten_out(out)
-    dims = out_dims(outs)
-    back = []
-    for o, d in zip(outs, dims):
-        if isinstance(o, torch.Tensor) and d is not None and d < o.ndim and o.shape[d] > 1:
-            o = _from_reading(o, d, key, plain)
-        back.append(o)
-    return put_back(back)
+    return on_reading(func, args, kwargs, plain,
+                      lambda t, i: _to_reading(t, -1 if in_dims[i] is None else in_dims[i], key, plain, zig,
+                                               placement),
+                      out_dims, lambda o, d: _from_reading(o, d, key, plain))
 
 
 def _cut_of_seq(layout: Layout) -> tuple:
