@@ -75,6 +75,7 @@ class StepPlan:
         self._open: list = []                      # per call running now: where its recorded calls end
         self._outer: Optional[StepPlan] = None
         self._hook: Any = None                     # the optimizer's step hook (`step_plan(optimizer)`)
+        self._stateless = False                    # the optimizer had no state when this run began
 
     # -- the context ------------------------------------------------------------------------------------
     def __enter__(self) -> "StepPlan":
@@ -128,10 +129,15 @@ class StepPlan:
             lines.append(f"  call {k} {func}: {before[0]} -> {before[1]}  became  {after[0]} -> {after[1]}")
         return "\n".join(lines)
 
-    def _next_run(self) -> None:
-        """An optimizer step ended one run: the next begins (`step_plan(optimizer)`)."""
+    def _next_run(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer step ended one run: the next begins (`step_plan(optimizer)`). A recording of the step
+        in which the optimizer made its state (AdamW's first: its moments' zeros) is not solved: no later
+        step repeats those calls, so the next would only part from it; the next step records instead."""
         if ACTIVE.plan is self:
+            if self._rec is not None and self._stateless and optimizer.state:
+                self._rec = None
             self.__exit__(None, None, None)
+        self._stateless = not optimizer.state
         self.__enter__()
 
     def close(self) -> None:
@@ -295,7 +301,8 @@ def step_plan(optimizer: Optional[torch.optim.Optimizer] = None) -> StepPlan:
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"step_plan(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        plan._hook = optimizer.register_step_post_hook(lambda *_: plan._next_run())
+        plan._hook = optimizer.register_step_post_hook(lambda opt, *_: plan._next_run(opt))
+        plan._stateless = not optimizer.state
         plan.__enter__()
     return plan
 
