@@ -135,6 +135,7 @@ class AutoPlan:
     measure_seconds: float = 0.0
     blocks: Optional[str] = None
     depth: int = 0
+    plan_of: Callable[[Candidate], dict] = field(default=lambda c: {}, repr=False)  # any candidate's module plan
 
     def explain(self) -> str:
         """Each choice with its predicted time and memory, against the best plan that chooses otherwise there."""
@@ -275,6 +276,10 @@ def family_plan(model: torch.nn.Module, axes: Axes, ndim: int, root: str, block_
     for name, p in model.named_parameters():
         if not any(name.startswith(b) for b in block_names):
             plan[name] = stored(name, p.dim(), root)
+    whole = (Broadcast(),) * ndim
+    overriding = {k for k in plan if blocks is not None and k.startswith(blocks + ".") and "*" not in k}
+    for k in [k for k, v in plan.items() if v == whole and k not in overriding]:
+        del plan[k]  # Broadcast is what an unnamed parameter gets (a deviating block's entries override a pattern)
     plan.update(t_hints)
     if blocks is not None and axes.data:  # each ZeRO block gathers its own parameters (FSDP's unit)
         if len(set(block_strategies)) == 1 and common != "dp":
@@ -480,9 +485,11 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
                          f"({_mib(least.peak_memory)}: {describe(least, blocks)})")
     chosen = min(fits, key=_rank)
     solve_seconds = time.perf_counter() - started
-    order = ("zero3", "zero2", "dp")  # the blocks that shard most come first (any order costs the same)
-    strategies = sorted(chosen.block_strategies(), key=order.index)
-    plan = family_plan(model, chosen.axes, ndim, chosen.root, strategies, blocks, _bound(plans, model))
+    def plan_of(c: Candidate) -> dict:
+        order = ("zero3", "zero2", "dp")  # the blocks that shard most come first (any order costs the same)
+        strategies = sorted(c.block_strategies(), key=order.index)
+        return family_plan(model, c.axes, ndim, c.root, strategies, blocks, _bound(plans, model))
+    plan = plan_of(chosen)
     figs = chosen.figures
     predicted = {"recv_bytes": figs.recv_bytes, "collectives": figs.collectives,
                  "peak_memory": tuple(_peaks(figs, chosen.root, dict(chosen.blocks), measured.get((chosen.axes, "zero2")),
@@ -491,7 +498,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
                  "batch_sbp": batch_sbp(chosen.axes, ndim)}
     predicted["max"] = {k: max(v) for k, v in predicted.items() if k != "batch_sbp"}
     return AutoPlan(plan, predicted, chosen, candidates, skipped, memory_per_rank, solve_seconds, measure_seconds,
-                    blocks, depth)
+                    blocks, depth, plan_of)
 
 
 def _peaks(figs: Figures, root: str, counts: dict, z2: Optional[tuple], n: int) -> list:
