@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -65,9 +66,9 @@ FLOP_RATE = 2e10
 DATA_STRATEGIES = ("dp", "zero2", "zero3")
 
 
-def step_time(collectives: float, recv_bytes: float, flops: float) -> float:
+def step_time(collectives: Any, recv_bytes: Any, flops: Any) -> Any:
     """Seconds one rank spends on a step: a latency per collective, its received bytes at the link's bandwidth,
-    its arithmetic at the rank's rate (no overlap assumed)."""
+    its arithmetic at the rank's rate (no overlap assumed). Numbers or numpy arrays (one entry per rank)."""
     return ALPHA * collectives + recv_bytes / BANDWIDTH + flops / FLOP_RATE
 
 
@@ -106,16 +107,29 @@ class Axes:
         return " x ".join(names)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Candidate:
-    """One plan of the family: the axes, the root's strategy, and how many blocks take each data strategy."""
+    """One plan of the family: the axes, the root's strategy, how many blocks take each data strategy, and its
+    predicted figures (`table`: Figures' five fields x ranks; `peaks`, `times`: per rank)."""
     axes: Axes
     root: str
     blocks: tuple              # (strategy, count) in DATA_STRATEGIES order, counts summing to the depth
-    time: float
-    peak_memory: float
-    figures: Figures
-    flops: float
+    table: np.ndarray = field(repr=False)
+    peaks: np.ndarray = field(repr=False)
+    times: np.ndarray = field(repr=False)
+    flops: float = 0.0
+
+    @property
+    def time(self) -> float:
+        return float(self.times.max())
+
+    @property
+    def peak_memory(self) -> int:
+        return int(self.peaks.max())
+
+    @property
+    def figures(self) -> Figures:
+        return Figures(*(tuple(int(v) for v in row) for row in self.table))
 
     def block_strategies(self) -> list[str]:
         return [s for s, k in self.blocks for _ in range(k)]
@@ -136,6 +150,11 @@ class AutoPlan:
     blocks: Optional[str] = None
     depth: int = 0
     plan_of: Callable[[Candidate], dict] = field(default=lambda c: {}, repr=False)  # any candidate's module plan
+
+    def within(self, memory_per_rank: float) -> "AutoPlan":
+        """The same search under another budget (nothing measured again)."""
+        return _choose(self.candidates, memory_per_rank, self.plan_of, self.skipped, self.blocks, self.depth,
+                       self.measure_seconds)
 
     def explain(self) -> str:
         """Each choice with its predicted time and memory, against the best plan that chooses otherwise there."""
@@ -452,62 +471,62 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
                 two = _figures([r[1] for r in runs])
                 measured[axes, s] = (one.scaled(2) - two, two - one)
     measure_seconds = time.perf_counter() - started
-
     started = time.perf_counter()
+
     candidates = []
-    for axes in {a for a, _ in measured}:
+    for axes in sorted({a for a, _ in measured}, key=str):
         strategies = [s for s in (DATA_STRATEGIES if axes.data else ("dp",)) if (axes, s) in measured]
         data = math.prod(mesh.shape[a] for a in axes.data)
         tensor = mesh.shape[axes.tensor] if axes.tensor is not None else 1
         share = math.ceil(rows / data) / rows / tensor  # the busiest rank's part of the step's arithmetic
         step_flops = (flops_base + depth * flops_block) * share
         z2 = measured.get((axes, "zero2"))
+        base = {s: np.array(measured[axes, s][0]._fields(), dtype=np.int64) for s in strategies}
+        block = np.stack([np.array(measured[axes, s][1]._fields(), dtype=np.int64) for s in strategies])
+        group = {"block": np.array(z2[1].gathered) if z2 else np.zeros(n, np.int64),
+                 "root": np.array(z2[0].gathered) if z2 else np.zeros(n, np.int64)}
         for root in strategies:
             for counts in _compositions(depth, len(strategies)):
-                if root != "dp" and dict(zip(strategies, counts)).get("dp"):
+                by = dict(zip(strategies, counts))
+                if root != "dp" and by.get("dp"):
                     continue  # a ZeRO root gathers the parameters of every block without its own group
-                figs = measured[axes, root][0]
-                for s, k in zip(strategies, counts):
-                    if k:
-                        figs = figs + measured[axes, s][1].scaled(k)
-                peaks = _peaks(figs, root, dict(zip(strategies, counts)), z2, n)
-                times = [step_time(figs.collectives[r], figs.recv_bytes[r], step_flops) for r in range(n)]
-                candidates.append(Candidate(axes, root, tuple(zip(strategies, counts)), max(times), max(peaks),
-                                            figs, step_flops))
+                table = base[root] + np.tensordot(np.array(counts, dtype=np.int64), block, axes=1)
+                groups = ([group["block"]] if by.get("zero3") else []) + ([group["root"]] if root == "zero3" else [])
+                regather = 2 * np.max(groups, axis=0) if groups else 0  # the backward's re-gather and its prefetch
+                peaks = table[2] + table[3] + table[4] + regather
+                times = step_time(table[1], table[0], step_flops)  # per rank (numpy arrays)
+                candidates.append(Candidate(axes, root, tuple(zip(strategies, counts)), table, peaks, times,
+                                            step_flops))
     if not candidates:
         raise ValueError("auto_plan: no plan of the family could run: " + "; ".join(f"{k}: {v}" for k, v in
                                                                                    skipped.items()))
-    fits = [c for c in candidates if c.peak_memory <= memory_per_rank]
-    if not fits:
-        least = min(candidates, key=lambda c: (c.peak_memory, c.time))
-        raise ValueError(f"auto_plan(memory_per_rank={memory_per_rank:,}): no plan of the family fits; the smallest "
-                         f"memory_per_rank that works is {int(least.peak_memory):,} bytes "
-                         f"({_mib(least.peak_memory)}: {describe(least, blocks)})")
-    chosen = min(fits, key=_rank)
-    solve_seconds = time.perf_counter() - started
+
     def plan_of(c: Candidate) -> dict:
         order = ("zero3", "zero2", "dp")  # the blocks that shard most come first (any order costs the same)
         strategies = sorted(c.block_strategies(), key=order.index)
         return family_plan(model, c.axes, ndim, c.root, strategies, blocks, _bound(plans, model))
-    plan = plan_of(chosen)
+    return _choose(candidates, memory_per_rank, plan_of, skipped, blocks, depth, measure_seconds, started)
+
+
+def _choose(candidates: list, memory_per_rank: float, plan_of: Callable, skipped: dict, blocks: Optional[str],
+            depth: int, measure_seconds: float, started: Optional[float] = None) -> AutoPlan:
+    """The fastest candidate within the budget (then the smaller), as an AutoPlan; `started`: when the solve began."""
+    started = time.perf_counter() if started is None else started
+    fits = [c for c in candidates if c.peak_memory <= memory_per_rank]
+    if not fits:
+        least = min(candidates, key=lambda c: (c.peak_memory, c.time))
+        raise ValueError(f"auto_plan(memory_per_rank={memory_per_rank:,}): no plan of the family fits; the smallest "
+                         f"memory_per_rank that works is {least.peak_memory:,} bytes "
+                         f"({_mib(least.peak_memory)}: {describe(least, blocks)})")
+    chosen = min(fits, key=_rank)
+    solve_seconds = time.perf_counter() - started
     figs = chosen.figures
     predicted = {"recv_bytes": figs.recv_bytes, "collectives": figs.collectives,
-                 "peak_memory": tuple(_peaks(figs, chosen.root, dict(chosen.blocks), measured.get((chosen.axes, "zero2")),
-                                             n)),
-                 "time": tuple(step_time(figs.collectives[r], figs.recv_bytes[r], chosen.flops) for r in range(n)),
-                 "batch_sbp": batch_sbp(chosen.axes, ndim)}
+                 "peak_memory": tuple(int(p) for p in chosen.peaks), "time": tuple(float(t) for t in chosen.times),
+                 "batch_sbp": batch_sbp(chosen.axes, len(chosen.axes.data) + (chosen.axes.tensor is not None))}
     predicted["max"] = {k: max(v) for k, v in predicted.items() if k != "batch_sbp"}
-    return AutoPlan(plan, predicted, chosen, candidates, skipped, memory_per_rank, solve_seconds, measure_seconds,
-                    blocks, depth, plan_of)
-
-
-def _peaks(figs: Figures, root: str, counts: dict, z2: Optional[tuple], n: int) -> list:
-    """Each rank's peak: what it holds at the forward's end, plus, with ZeRO-3 parts, twice the largest ZeRO-3 group's
-    gathered copy (the backward gathers it again, and prefetches the next); a group's copy is what ZeRO-2 keeps."""
-    groups = [] if z2 is None else ([z2[1].gathered] if counts.get("zero3") else []) + (
-        [z2[0].gathered] if root == "zero3" else [])
-    return [figs.persistent[r] + figs.activations[r] + figs.gathered[r]
-            + (2 * max(g[r] for g in groups) if groups else 0) for r in range(n)]
+    return AutoPlan(plan_of(chosen), predicted, chosen, candidates, skipped, memory_per_rank, solve_seconds,
+                    measure_seconds, blocks, depth, plan_of)
 
 
 def _bound(plans: Mapping, model: torch.nn.Module) -> dict:

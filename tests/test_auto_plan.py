@@ -53,7 +53,7 @@ def test_zero3_when_only_zero3_fits_with_the_textbook_bytes():
     mesh = gt.placement("cpu", [0, 1, 2, 3])
     free = gt.auto_plan(model, inputs, mesh)
     least = min(c.peak_memory for c in free.candidates)
-    auto = gt.auto_plan(model, inputs, mesh, memory_per_rank=least)
+    auto = free.within(least)  # the same search under another budget, nothing measured again
     assert auto.chosen.root == "zero3" and dict(auto.chosen.blocks) == {"dp": 0, "zero2": 0, "zero3": 2}
     psi = sum(p.numel() for p in model.parameters())
     assert psi == 7360 and auto.predicted["recv_bytes"][0] == 3 * psi * 3 // 4 * 4 + 12 == 66252
@@ -73,24 +73,30 @@ def test_tensor_parallel_within_an_axis_when_it_is_cheapest():
 def test_too_small_a_budget_names_the_smallest_that_works():
     model, inputs = gpt(n_layer=2), batch(8)
     mesh = gt.placement("cpu", [0, 1])
-    least = int(min(c.peak_memory for c in gt.auto_plan(model, inputs, mesh).candidates))
-    with pytest.raises(ValueError, match=f"smallest memory_per_rank that works is {least:,} bytes"):
-        gt.auto_plan(model, inputs, mesh, memory_per_rank=least - 1)
-    assert gt.auto_plan(model, inputs, mesh, memory_per_rank=least).predicted["max"]["peak_memory"] == least
+    with pytest.raises(ValueError, match="no plan of the family fits") as raised:
+        gt.auto_plan(model, inputs, mesh, memory_per_rank=1)
+    free = gt.auto_plan(model, inputs, mesh)
+    least = min(c.peak_memory for c in free.candidates)
+    assert f"smallest memory_per_rank that works is {least:,} bytes" in str(raised.value)
+    assert free.within(least).predicted["max"]["peak_memory"] == least
+    with pytest.raises(ValueError, match=f"{least:,} bytes"):
+        free.within(least - 1)
 
 
 @pytest.mark.parametrize("shape", [(4,), (2, 2)])
 def test_predicted_bytes_are_measured_for_every_hand_plan_and_the_choice(shape):
     """Each uniform plan of the family and the chosen (mixed) one, run for a step on the simulator with values: each
-    rank receives the predicted bytes in the predicted collectives, and stores what was predicted; the activations
-    saved differ from the dry run's by a few saved scalars of the kernels that run on real tensors (< 1%)."""
+    rank receives the predicted bytes in the predicted collectives, and stores what was predicted; its peak is within
+    issue 38's 10% of the prediction: the activations saved differ from the dry run's where a ZeRO block runs as a
+    plain region, whose kernels see meta shards in the dry run (scaled_dot_product_attention's math path on meta,
+    CPU's flash kernel with values: other saved tensors)."""
     model, inputs = gpt(n_layer=3), batch(8)
     ranks = list(range(4)) if shape == (4,) else [[0, 1], [2, 3]]
     mesh = gt.placement("cpu", ranks)
     free = gt.auto_plan(model, inputs, mesh, tensor_plans={"tp": tp_plan, "tp+sp": sp_plan})
     z3 = uniform(free, "zero3")
     budget = (z3.peak_memory + uniform(free, "zero2").peak_memory) / 2  # mixes ZeRO-2 and ZeRO-3 blocks
-    auto = gt.auto_plan(model, inputs, mesh, memory_per_rank=budget, tensor_plans={"tp": tp_plan, "tp+sp": sp_plan})
+    auto = free.within(budget)
     hands = [uniform(free, s) for s in ("dp", "zero2", "zero3")] + [
         c for c in free.candidates if c.axes.tensor is not None and c.root == "dp"
         and dict(c.blocks).get("dp") == 3]
@@ -101,10 +107,12 @@ def test_predicted_bytes_are_measured_for_every_hand_plan_and_the_choice(shape):
         assert got.recv_bytes == c.figures.recv_bytes and got.collectives == c.figures.collectives, c
         assert got.persistent == c.figures.persistent and got.gathered == c.figures.gathered, c
         for r in range(4):
-            assert abs(got.activations[r] - c.figures.activations[r]) <= 0.01 * c.figures.activations[r], c
-            assert abs(peak(got, r) - peak(c.figures, r)) <= 0.01 * peak(c.figures, r)
+            assert abs(peak(got, r) - peak(c.figures, r)) <= 0.1 * peak(got, r), c
+            if all(k == 0 for s, k in c.blocks if s != "dp") and c.root == "dp":  # no plain region: the same tensors
+                assert got.activations[r] == c.figures.activations[r], c
     assert auto.chosen.peak_memory <= budget < free.chosen.peak_memory
-    assert {s for s, k in auto.chosen.blocks if k} >= {"zero3"}
+    if shape == (4,):  # a plan no hand writes: ZeRO-3 blocks beside ZeRO-2 (or a root of another strategy)
+        assert auto.chosen not in hands and dict(auto.chosen.blocks)["zero3"] > 0, auto.explain()
 
 
 def _train(model: torch.nn.Module, plan: dict, mesh_ranks, sbp, inputs) -> tuple:
@@ -141,7 +149,7 @@ def test_the_chosen_plan_trains_as_one_device(shape, budget):
     free = gt.auto_plan(model, inputs, mesh, tensor_plans=TP)
     memory = (uniform(free, "zero3").peak_memory + uniform(free, "zero2").peak_memory) / 2 if budget == "mixed" \
         else math.inf
-    auto = gt.auto_plan(model, inputs, mesh, memory_per_rank=memory, tensor_plans=TP)
+    auto = free.within(memory)
     if budget == "mixed":
         assert len([k for _, k in auto.chosen.blocks if k]) >= 2 or auto.chosen.root != dict(auto.chosen.blocks), \
             auto.explain()
@@ -168,7 +176,7 @@ def test_within_the_budget_no_hand_plan_is_predicted_faster(depth, width, heads,
     free = gt.auto_plan(model, inputs, mesh, tensor_plans=TP)
     least = min(c.peak_memory for c in free.candidates)
     budget = least + fraction * (free.chosen.peak_memory - least)
-    auto = gt.auto_plan(model, inputs, mesh, memory_per_rank=budget, tensor_plans=TP)
+    auto = free.within(budget)
     assert auto.predicted["max"]["peak_memory"] <= budget
     tensor = [c for c in free.candidates if c.axes.tensor is not None]  # heads the ranks do not divide: none
     for hand in [uniform(free, s) for s in ("dp", "zero2", "zero3")] + tensor:
