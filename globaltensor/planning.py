@@ -161,15 +161,15 @@ class AutoPlan:
         c = self.chosen
         lines = [f"auto_plan: {describe(c, self.blocks)}",
                  f"  predicted per step (busiest rank): {_ms(c.time)}, {max(c.figures.recv_bytes):,} B received in "
-                 f"{max(c.figures.collectives)} collectives, peak {_mib(c.peak_memory)} of {_mib(self.memory_per_rank)}",
+                 f"{max(c.figures.collectives)} collectives, peak {_mib(c.peak_memory)} of "
+                 f"{_mib(self.memory_per_rank)}",
                  f"  planned from {len(self.candidates)} candidates in {self.solve_seconds:.3f} s (measured in "
                  f"{self.measure_seconds:.1f} s)"]
         decisions = [("axes", lambda x: (x.axes.data, x.axes.tensor, x.axes.tensor_plan), lambda x: str(x.axes)),
                      ("root parameters", lambda x: x.root, lambda x: x.root)]
         if self.depth:
-            for s in DATA_STRATEGIES:
-                decisions.append((f"blocks under {s}", lambda x, s=s: dict(x.blocks).get(s, 0),
-                                  lambda x, s=s: f"{dict(x.blocks).get(s, 0)} blocks"))
+            decisions.append((f"{self.blocks} ({self.depth})", lambda x: x.blocks,
+                              lambda x: ", ".join(f"{k} {s}" for s, k in x.blocks if k)))
         for what, key, show in decisions:
             others = [x for x in self.candidates if key(x) != key(c)]
             if not others:
@@ -378,10 +378,11 @@ def _figures(per_rank: list) -> Figures:
 
 
 def measure(model: torch.nn.Module, example_inputs: Any, mesh: Placement, plan: dict, *, sbp: Optional[tuple] = None,
-            loss_fn: Callable = _loss_of, dry: bool = True) -> Figures:
+            loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, dry: bool = True) -> Figures:
     """One training step (forward, backward, AdamW) of `model` under `plan`: each rank's figures. `dry`: on meta
     tensors (`dry_run`: any size); else on the simulator with the model's values (a copy; `model` is unchanged)."""
     sbp = sbp if sbp is not None else tuple(Split(0) if a == 0 else Broadcast() for a in range(mesh.ndim))
+    loss_fn = loss_fn or _loss_of
     n = len(mesh.flat_ranks)
     if dry:
         template = meta_copy(model)
@@ -426,7 +427,7 @@ def _axes_family(mesh: Placement, tensor_plans: Mapping) -> list[Axes]:
 
 def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memory_per_rank: float = math.inf, *,
               tensor_plans: Optional[Mapping[str, Callable[[int, int], dict]]] = None,
-              loss_fn: Callable[[Any], torch.Tensor] = _loss_of) -> AutoPlan:
+              loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> AutoPlan:
     """A module plan for `model` on `mesh` whose predicted peak memory per rank is at most `memory_per_rank` bytes
     and whose predicted step time is the least of the family (see the module's docstring), for one AdamW training
     step on `example_inputs` (a tuple of positional inputs or a dict of keyword inputs, batch on dim 0; the model's
@@ -439,6 +440,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
         raise ValueError("auto_plan(model): already converted (its parameters are GlobalTensors); pass the "
                          "single-device model")
     started = time.perf_counter()
+    loss_fn = loss_fn or _loss_of
     if tensor_plans is None:
         tensor_plans = {"tp": None} if model_tp_plan(model) else {}
     plans = {name: (lambda m, a, n: hf_tp_plan(m, a, n)) if f is None else (lambda m, a, n, f=f: f(a, n))
