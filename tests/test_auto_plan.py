@@ -185,3 +185,20 @@ def test_within_the_budget_no_hand_plan_is_predicted_faster(depth, width, heads,
         hand_time = max(step_time(figs.collectives[r], figs.recv_bytes[r], hand.flops) for r in range(world))
         if hand.peak_memory <= budget:
             assert auto.chosen.time <= hand_time
+
+
+def test_a_model_on_meta_plans_as_the_same_model_with_values():
+    """Planning reads shapes only: the GPT built on meta gets the plan, figures and explanation of the one with values,
+    and a 32-block model is measured with the runs of a 2-block one (the rest is arithmetic)."""
+    inputs = batch(4)
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        meta = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=32, n_head=4, n_embd=16))
+    real = gpt(n_layer=32)
+    mesh = gt.placement("cpu", [0, 1])
+    a, b = gt.auto_plan(meta, inputs, mesh, tensor_plans=TP), gt.auto_plan(real, inputs, mesh, tensor_plans=TP)
+    assert a.plan == b.plan and a.predicted == b.predicted
+    assert [(c.axes, c.root, c.blocks, c.peak_memory) for c in a.candidates] == [
+        (c.axes, c.root, c.blocks, c.peak_memory) for c in b.candidates]
+    assert len(a.candidates) == 1 + 561 + 2 * 33  # TP; root dp x every mix of 32 blocks; ZeRO roots x ZeRO mixes
+    assert all(p.is_meta for p in meta.parameters())  # unchanged
