@@ -6,8 +6,9 @@ no arithmetic), and `gt.comm_log()` says what each rank receives, in how many co
 (the children of the model's largest `nn.ModuleList` of identically shaped modules: a transformer's layers)
 costs the same wherever it sits, so each candidate runs the model cut to one block and to two: the difference
 is one block's bill, the rest (embeddings, head, loss) is the one-block run less that, and an L-block model's
-bill is the rest plus L blocks' (exact for bytes and memory: `tests/test_auto_plan.py` compares them with a
-full run). A 32-layer model costs what a 2-layer one does to plan, and its width costs nothing (meta).
+bill is the rest plus L blocks' (bytes, collectives and stored state exactly: `tests/test_auto_plan.py`
+compares them with a real step). A 32-layer model costs what a 2-layer one does to plan, and its width nothing
+(meta); the runs' cost grows with the ranks, which the simulator runs one at a time.
 
 Family: each mesh axis is a data axis or the tensor axis (at most one; Megatron TP, or TP + SP, from the
 plans the caller or the model gives: `tensor_plans=`, else a Hugging Face model's own `gt.hf.tp_plan`). On the
@@ -26,7 +27,10 @@ FLOPs (`torch.utils.flop_counter` on one device); the step waits on the slowest 
 
 Not in the family yet: ZeRO-1 (its sharded optimizer state is no plan entry), expert parallelism for MoE
 layers, Ulysses/ring sequence splits, pipeline stages, a different strategy per mesh axis of the data axes
-(HSDP), mixed precision.
+(HSDP), mixed precision. A ZeRO root gathers every block without a group of its own (FSDP's root), so ZeRO
+roots are paired with ZeRO blocks only. Hugging Face models do not dry-run yet: a program's `.to(x.device)`
+and `torch.arange(..., device=x.device)` see the placement's device type (the wrapper reports it, so torch
+decomposes as in a real run) and ask a meta shard for a CPU copy, or mix a CPU tensor with meta shards.
 """
 from __future__ import annotations
 
