@@ -28,9 +28,7 @@ FLOPs (`torch.utils.flop_counter` on one device); the step waits on the slowest 
 Not in the family yet: ZeRO-1 (its sharded optimizer state is no plan entry), expert parallelism for MoE
 layers, Ulysses/ring sequence splits, pipeline stages, a different strategy per mesh axis of the data axes
 (HSDP), mixed precision. A ZeRO root gathers every block without a group of its own (FSDP's root), so ZeRO
-roots are paired with ZeRO blocks only. Hugging Face models do not dry-run yet: a program's `.to(x.device)`
-and `torch.arange(..., device=x.device)` see the placement's device type (the wrapper reports it, so torch
-decomposes as in a real run) and ask a meta shard for a CPU copy, or mix a CPU tensor with meta shards.
+roots are paired with ZeRO blocks only.
 """
 from __future__ import annotations
 

@@ -202,3 +202,48 @@ def test_a_model_on_meta_plans_as_the_same_model_with_values():
         (c.axes, c.root, c.blocks, c.peak_memory) for c in b.candidates]
     assert len(a.candidates) == 1 + 561 + 2 * 33  # TP; root dp x every mix of 32 blocks; ZeRO roots x ZeRO mixes
     assert all(p.is_meta for p in meta.parameters())  # unchanged
+
+
+def test_hf_llama_plans_from_its_own_tensor_plan_exactly_and_trains_as_one_device():
+    """A Hugging Face Llama built tiny from its config, on 2x2, with its own TP plan (`gt.hf.tp_plan`, the default):
+    the chosen plan and the least-memory one receive, store and save exactly what was predicted in a real step, and
+    the chosen one trains as one device (fp64, one AdamW step)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    ranks = [[0, 1], [2, 3]]
+    mesh = gt.placement("cpu", ranks)
+    auto = gt.auto_plan(model, inputs, mesh)
+    assert auto.blocks == "model.layers" and {c.axes.tensor_plan for c in auto.candidates} == {None, "tp"}
+    least = min(auto.candidates, key=lambda c: c.peak_memory)
+    for c in (auto.chosen, least):
+        got = measure(model, inputs, mesh, auto.plan_of(c), sbp=gt.planning.batch_sbp(c.axes, 2), dry=False)
+        assert got == c.figures, c
+
+    def train(plan, sbp):
+        m = gt.to_global(copy.deepcopy(model), gt.placement("cpu", ranks), plan)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        loss = m(**{k: gt.to_global(v, m.lm_head.weight.placement, sbp) for k, v in inputs.items()}).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+        opt.step()
+        return loss.full_tensor(), grads, {n: p.full_tensor() for n, p in m.named_parameters()}
+
+    one = copy.deepcopy(model)
+    opt = torch.optim.AdamW(one.parameters(), lr=1e-2)
+    loss = one(**inputs).loss
+    loss.backward()
+    want = (loss.detach(), {n: p.grad.clone() for n, p in one.named_parameters()})
+    opt.step()
+    want += ({n: p.detach().clone() for n, p in one.named_parameters()},)
+    for got in gt.launch(train, 4, args=(auto.plan, auto.predicted["batch_sbp"])):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-10)
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys()
+            for n in w:
+                torch.testing.assert_close(g[n], w[n], rtol=0, atol=1e-10, msg=n)
