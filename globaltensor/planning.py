@@ -66,6 +66,9 @@ BANDWIDTH = 1e9
 FLOP_RATE = 2e10
 
 DATA_STRATEGIES = ("dp", "zero2", "zero3")
+# seconds a dry-run rank may wait in a collective: the simulator runs the ranks one at a time, so on 64 ranks a
+# wait spans 63 ranks' work (the default 300 s timed out planning the 8B-shaped GPT on a loaded 2-core machine)
+DRY_RUN_TIMEOUT = 3600.0
 
 
 def step_time(collectives: Any, recv_bytes: Any, flops: Any) -> Any:
@@ -389,7 +392,7 @@ def measure(model: torch.nn.Module, example_inputs: Any, mesh: Placement, plan: 
     if dry:
         template = meta_copy(model)
         return _figures(dry_run(lambda: _step(copy.deepcopy(template), mesh, plan, example_inputs, sbp, loss_fn,
-                                              "meta"), n))
+                                              "meta"), n, timeout=DRY_RUN_TIMEOUT))
     return _figures(launch(lambda: _step(copy.deepcopy(model), mesh, plan, example_inputs, sbp, loss_fn), n))
 
 
@@ -464,7 +467,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
             sbp = batch_sbp(axes, ndim)
             try:
                 runs = dry_run(lambda: [_step(copy.deepcopy(c), mesh, p, example_inputs, sbp, loss_fn, "meta")
-                                        for c, p in zip(cuts, cut_plans)], n)
+                                        for c, p in zip(cuts, cut_plans)], n, timeout=DRY_RUN_TIMEOUT)
             except Exception as e:  # noqa: BLE001  (a plan that cannot run is no candidate; explain() says why)
                 skipped[f"axes {axes}, {s}"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 continue
