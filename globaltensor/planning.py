@@ -37,7 +37,7 @@ import fnmatch
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -101,14 +101,17 @@ class Figures:
 
 @dataclass(frozen=True)
 class Axes:
-    """Which mesh axes carry the batch (data) and which one splits the weights (tensor), with the tensor plan's name."""
+    """Which mesh axes carry the batch (data) and which one splits the weights (tensor), with the tensor plan's name;
+    and the data axis, if any, that also splits the experts (expert parallelism), with the expert plan's name."""
     data: tuple
     tensor: Optional[int]
     tensor_plan: Optional[str]
+    expert: Optional[int] = None
+    expert_plan: Optional[str] = None
 
     def __str__(self) -> str:
-        names = ["data" if a in self.data else f"tensor ({self.tensor_plan})" for a in
-                 range(len(self.data) + (self.tensor is not None))]
+        names = [(f"data + experts ({self.expert_plan})" if a == self.expert else "data") if a in self.data
+                 else f"tensor ({self.tensor_plan})" for a in range(len(self.data) + (self.tensor is not None))]
         return " x ".join(names)
 
 
@@ -170,7 +173,7 @@ class AutoPlan:
                  f"{_mib(self.memory_per_rank)}",
                  f"  planned from {len(self.candidates)} candidates in {self.solve_seconds:.3f} s (measured in "
                  f"{self.measure_seconds:.1f} s)"]
-        decisions = [("axes", lambda x: (x.axes.data, x.axes.tensor, x.axes.tensor_plan), lambda x: str(x.axes)),
+        decisions = [("axes", lambda x: x.axes, lambda x: str(x.axes)),
                      ("root parameters", lambda x: x.root, lambda x: x.root)]
         if self.depth:
             decisions.append((f"{self.blocks} ({self.depth})", lambda x: x.blocks,
@@ -268,18 +271,22 @@ def family_plan(model: torch.nn.Module, axes: Axes, ndim: int, root: str, block_
     the data axes on the first dim the tensor split leaves whole where its part is ZeRO (Broadcast where "dp"),
     and a `ModuleLayout(params=...)` per ZeRO part (the root's "", each block's)."""
     tp = tensor_plans[axes.tensor_plan](axes.tensor, ndim) if axes.tensor is not None else {}
-    t_sbps = [(k, v) for k, v in tp.items() if not isinstance(v, ModuleLayout)]
-    t_hints = {k: v for k, v in tp.items() if isinstance(v, ModuleLayout)}
+    ep = tensor_plans[axes.expert_plan](axes.expert, ndim) if axes.expert is not None else {}
+    t_sbps = [(k, v) for plan_ in (ep, tp) for k, v in plan_.items() if not isinstance(v, ModuleLayout)]
+    t_hints = {k: v for plan_ in (tp, ep) for k, v in plan_.items() if isinstance(v, ModuleLayout)}
+    if ep and (root != "dp" or any(s != "dp" for s in block_strategies)):
+        keep = (None,) * ndim  # the experts are used as stored: a ZeRO block's gather leaves them out
+        t_hints.update({k: replace(v, params=keep) for k, v in ep.items() if isinstance(v, ModuleLayout)})
 
     def stored(name: str, dims: int, strategy: str) -> tuple:
         given = next((_as_tuple(v, ndim) for k, v in t_sbps if fnmatch.fnmatchcase(name, k)), None)
         out = list(given) if given is not None else [Broadcast()] * ndim
         if strategy != "dp" and axes.data:
-            t = given[axes.tensor] if given is not None and axes.tensor is not None else None
-            taken = t.dim if isinstance(t, (Split, Strided)) else None
-            free = [d for d in range(dims) if d != taken]
+            taken = {x.dim for x in out if isinstance(x, (Split, Strided))}
+            free = [d for d in range(dims) if d not in taken]
             for a in axes.data:
-                out[a] = Split(free[0]) if free else Broadcast()
+                if isinstance(out[a], Broadcast):  # an axis the experts already split keeps its split
+                    out[a] = Split(free[0]) if free else Broadcast()
         return tuple(out)
 
     use = tuple(Broadcast() if a in axes.data else None for a in range(ndim))
@@ -421,17 +428,22 @@ def _batch_rows(example_inputs: Any) -> int:
     return next(v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim())
 
 
-def _axes_family(mesh: Placement, tensor_plans: Mapping) -> list[Axes]:
+def _axes_family(mesh: Placement, tensor_plans: Mapping, expert_plans: Mapping) -> list[Axes]:
     ndim = mesh.ndim
     family = [Axes(tuple(range(ndim)), None, None)]
     for t in range(ndim):
         for name in tensor_plans:
             family.append(Axes(tuple(a for a in range(ndim) if a != t), t, name))
+    for axes in list(family):
+        for e in axes.data:
+            for name in expert_plans:
+                family.append(replace(axes, expert=e, expert_plan=name))
     return family
 
 
 def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memory_per_rank: float = math.inf, *,
               tensor_plans: Optional[Mapping[str, Callable[[int, int], dict]]] = None,
+              expert_plans: Optional[Mapping[str, Callable[[int, int], dict]]] = None,
               loss_fn: Optional[Callable[[Any], torch.Tensor]] = None) -> AutoPlan:
     """A module plan for `model` on `mesh` whose predicted peak memory per rank is at most `memory_per_rank` bytes
     and whose predicted step time is the least of the family (see the module's docstring), for one AdamW training
@@ -440,6 +452,9 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
 
     `tensor_plans`: {name: f(tensor_axis, ndim) -> plan} for the tensor axis (e.g. `models/gpt.py`'s `tp_plan`
     and `sp_plan`); default a Hugging Face model's own (`gt.hf.tp_plan`), else none (data axes only).
+    `expert_plans`: {name: f(expert_axis, ndim) -> plan} placing a mixture of experts' experts on a data axis (expert
+    parallelism with the batch split there too, e.g. `models/moe.py`'s `ep_plan`); the experts keep their split
+    whatever the block's data strategy (used as stored under ZeRO, as `moe_gpt_plan(zero=True)` has them).
     Raises ValueError naming the smallest memory_per_rank that some plan of the family fits."""
     if any(isinstance(p, GlobalTensor) for p in model.parameters()):
         raise ValueError("auto_plan(model): already converted (its parameters are GlobalTensors); pass the "
@@ -450,6 +465,10 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
         tensor_plans = {"tp": None} if model_tp_plan(model) else {}
     plans = {name: (lambda m, a, n: hf_tp_plan(m, a, n)) if f is None else (lambda m, a, n, f=f: f(a, n))
              for name, f in tensor_plans.items()}
+    expert_plans = dict(expert_plans or {})
+    if set(expert_plans) & set(plans):
+        raise ValueError(f"auto_plan: {sorted(set(expert_plans) & set(plans))} name both a tensor and an expert plan")
+    plans.update({name: (lambda m, a, n, f=f: f(a, n)) for name, f in expert_plans.items()})
     blocks = repeated_blocks(model)
     depth = len(model.get_submodule(blocks)) if blocks is not None else 0
     ndim, n = mesh.ndim, len(mesh.flat_ranks)
@@ -460,7 +479,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
 
     measured: dict = {}
     skipped: dict = {}
-    for axes in _axes_family(mesh, plans):
+    for axes in _axes_family(mesh, {k: v for k, v in plans.items() if k not in expert_plans}, expert_plans):
         for s in (DATA_STRATEGIES if axes.data else ("dp",)):
             cut_plans = [family_plan(c, axes, ndim, s, [s] * (i + 1) if blocks else [], blocks, _bound(plans, c))
                          for i, c in enumerate(cuts)]
