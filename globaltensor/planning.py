@@ -11,7 +11,8 @@ compares them with a real step). A 32-layer model costs what a 2-layer one does 
 (meta); the runs' cost grows with the ranks, which the simulator runs one at a time.
 
 Family: each mesh axis is a data axis or the tensor axis (at most one; Megatron TP, or TP + SP, from the
-plans the caller or the model gives: `tensor_plans=`, else a Hugging Face model's own `gt.hf.tp_plan`). On the
+plans the caller or the model gives: `tensor_plans=`, else a Hugging Face model's own `gt.hf.tp_plan`), and one
+data axis may also split a mixture of experts' experts (expert parallelism: `expert_plans=`). On the
 data axes the batch is split and each part of the model (the root's own parameters, each block) is data
 parallel ("dp": parameters Broadcast, gradients all-reduced), ZeRO-2 or ZeRO-3 (stored split on the first dim
 tensor parallelism leaves whole, as `models/gpt.py`'s `zero_plan` does). Blocks are identical, so the solver
@@ -25,8 +26,7 @@ its backward), and, with ZeRO-3 parts, twice the largest ZeRO-3 group's gathered
 re-gather and its prefetch). Time per rank: `step_time` of its collectives, bytes and its share of the step's
 FLOPs (`torch.utils.flop_counter` on one device); the step waits on the slowest rank.
 
-Not in the family yet: ZeRO-1 (its sharded optimizer state is no plan entry), expert parallelism for MoE
-layers, Ulysses/ring sequence splits, pipeline stages, a different strategy per mesh axis of the data axes
+Not in the family yet: ZeRO-1 (its sharded optimizer state is no plan entry), Ulysses/ring sequence splits, pipeline stages, a different strategy per mesh axis of the data axes
 (HSDP), mixed precision. A ZeRO root gathers every block without a group of its own (FSDP's root), so ZeRO
 roots are paired with ZeRO blocks only.
 """
