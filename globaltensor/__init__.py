@@ -24,6 +24,7 @@ from .tools.report import comm_report
 from .tools.visualize import visualize
 from .tools.explain import explain
 from . import data, hf
+from .planning import AutoPlan, auto_plan
 
 try:
     __version__ = _metadata.version("globaltensor")
@@ -36,4 +37,5 @@ __all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLa
            "Zigzag", "zigzag", "ZigzagTensor", "Strided", "strided", "StridedTensor",
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
-           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data"]
+           "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data",
+           "auto_plan", "AutoPlan"]

@@ -286,5 +286,7 @@ def local_of(func: Any, t: torch.Tensor, dst: Layout, cls: type, placement: Any,
         return box_global(t, dst)
     if _CHECK["replicated"]:
         _check_plain(func, t, placement, comm)
+    if not t.is_meta and comm.device_for(placement.device_type).type == "meta":
+        t = t.to("meta")  # a dry run's: made on the device a wrapper reports (`arange(device=x.device)`), used on meta
     src = Layout(placement, (Broadcast(),) * placement.ndim)
     return t if dst == src else box(t, src, dst, t.shape)

@@ -206,6 +206,15 @@ def any_layout_no_output(ctx: Ctx) -> list:
     return [((s,), ()) for s in [S(d) for d in range(len(ctx.shapes[0]))] + [P, PMAX, PMIN]]
 
 
+def cast_local(func: Any, args: tuple, kwargs: dict, where: Any) -> torch.Tensor:
+    """`_to_copy` of the shard; a `device=` of the placement's own type (another is `move_device`'s) keeps a dry
+    run's meta shard on meta: its wrapper reports the placement's type, which `.to(x.device)` then asks for."""
+    if kwargs.get("device") is not None and args[0].is_meta:
+        kwargs = {**kwargs, "device": args[0].device}
+    return func(*args, **kwargs)
+
+
 register([aten._to_copy.default], Rule(cast_signatures, meta=cast_meta, decompose=move_device,
-                                       decompose_when=device_changes))
+                                       decompose_when=device_changes, kernel=cast_local,
+                                       plain_when=lambda ctx, sources, targets: True))
 register([aten.is_pinned.default], Rule(any_layout_no_output))

@@ -47,7 +47,7 @@ from .stage import StageForward
 from .trees import tensors
 from ..runtime.fiber import Fiber
 from ..tensor import GlobalTensor, distribute, grad_layout
-from .zero import accumulating, gathered_storages
+from .zero import accumulating, gathered_storages, storage_key
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -149,12 +149,11 @@ class ActivationMeter:
 
     def watch_parameters(self) -> None:
         """Note the parameters' storages: a saved view of a weight (linear's transposed weight) is no activation."""
-        self._params = {(q._local if isinstance(q, GlobalTensor) else q).untyped_storage().data_ptr()
-                        for q in self._model.parameters()}
+        self._params = {storage_key(q._local if isinstance(q, GlobalTensor) else q) for q in self._model.parameters()}
 
     def pack(self, t: torch.Tensor) -> Any:
-        storage = (t._local if isinstance(t, GlobalTensor) else t).untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        local = t._local if isinstance(t, GlobalTensor) else t
+        key, nbytes = storage_key(local), local.untyped_storage().nbytes()
         if not nbytes or key in self._params or key in gathered_storages():
             return t
         ref = self._refs.get(key)

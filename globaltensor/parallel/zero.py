@@ -300,7 +300,7 @@ class _Call:
         g = self.group
         if not self.locals or self.freed:
             self.locals = self._gathered_locals()
-            self.owned = [_storage(out) != _storage(p._local) for out, p in zip(self.locals, g.params)]
+            self.owned = [storage_key(out) != storage_key(p._local) for out, p in zip(self.locals, g.params)]
             self.freed = False
         return [GlobalTensor(out, c, tuple(p.shape)) for out, c, p in zip(self.locals, g.compute, g.params)]
 
@@ -414,11 +414,13 @@ def gathered_storages() -> set[int]:
     """Addresses of the storages this rank's gathered parameter copies live in (a saved view of one is
     a parameter, not an activation)."""
     rank = context.current().rank
-    return {_storage(t) for call in list(_LIVE) if call.rank == rank and not call.freed for t in call.locals}
+    return {storage_key(t) for call in list(_LIVE) if call.rank == rank and not call.freed for t in call.locals}
 
 
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def storage_key(t: torch.Tensor) -> int:
+    """Which storage `t` lives in: its StorageImpl's address, which a meta tensor (data pointer 0) has too, so a dry
+    run tells storages apart as a real run does."""
+    return t.untyped_storage()._cdata
 
 
 class _Gather(torch.autograd.Function):
@@ -686,7 +688,7 @@ def _land(params: tuple, finish: Any) -> None:
                     have.add_(g)
                 else:
                     mine = dispatch.box(have._local, have._layout, where, tuple(p.shape))
-                    if _storage(mine) == _storage(have._local):
+                    if storage_key(mine) == storage_key(have._local):
                         mine = mine.clone()  # a slice of the old gradient: not kept alive whole
                     mine.add_(dispatch.box(g._local, g._layout, where, tuple(p.shape)))
                     p.grad = GlobalTensor(mine, where, tuple(p.shape))

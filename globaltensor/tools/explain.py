@@ -61,24 +61,38 @@ def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float |
     """
     if not callable(fn):
         raise TypeError(f"explain(fn): must be callable, got {type(fn).__name__}")
+
+    def reported(*a: Any) -> CommReport:
+        with comm_report() as report:
+            fn(*a)
+        return report
+    return dry_run(reported, world_size, args, timeout, name="explain")
+
+
+def dry_run(fn: Callable, world_size: int, args: Sequence = (), timeout: float | None = None,
+            name: str = "dry_run") -> list[Any]:
+    """Run `fn(*args)` on `world_size` simulated ranks with every tensor on meta (shapes only: no memory,
+    no arithmetic; an optimizer's step makes its host scalars on the host); returns each rank's result.
+    `gt.explain` is this with a `comm_report()` around `fn`; `gt.auto_plan` measures its candidates so."""
+    if not callable(fn):
+        raise TypeError(f"{name}(fn): must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"explain(world_size): must be a positive int, got {world_size!r}")
+        raise ValueError(f"{name}(world_size): must be a positive int, got {world_size!r}")
     if context.current_or_none() is not None:
-        raise RuntimeError("explain: already inside a launched rank; call it from the top level")
+        raise RuntimeError(f"{name}: already inside a launched rank; call it from the top level")
     world = SimWorld(world_size, timeout, device="meta")
 
-    def body(comm: SimCommunicator) -> CommReport:
+    def body(comm: SimCommunicator) -> Any:
         comm.device_for = _meta_device  # type: ignore[method-assign]  # every placement's shards on meta
         context.set_thread(comm)
         _STEP.open = []
         try:
-            with torch.device("meta"), comm_report() as report:
+            with torch.device("meta"):
                 try:
-                    fn(*args)
+                    return fn(*args)
                 finally:  # a step that raised never ran its post hook
                     while _STEP.open:
                         _step_done(None, None, None)
-            return report
         finally:
             _STEP.open = None
             context.set_thread(None)
