@@ -12,7 +12,9 @@ rank receives against the textbook: DDP's all-reduce of the gradients, 2Ψ(n-1)/
 from __future__ import annotations
 
 import functools
+import os
 import warnings
+import zlib
 
 import pytest
 import torch
@@ -79,8 +81,15 @@ def _equal_one_device(name: str, got: dict) -> None:
             _close(got["params"][n], p, f"param {n}", fp32)
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
-@pytest.mark.parametrize("name", list(hf_zoo.ZOO))
+def _zoo_cases() -> list:
+    """CI: every architecture under one strategy, chosen by its name (and the models the issue names under both);
+    `GT_ZOO=full`: every architecture under both (run it before an issue about models is resolved)."""
+    both = os.environ.get("GT_ZOO") == "full"
+    return [(name, s) for name in hf_zoo.ZOO for i, s in enumerate(("dp", "zero3"))
+            if both or name in ("llama", "mixtral", "vit") or zlib.crc32(name.encode()) % 2 == i]
+
+
+@pytest.mark.parametrize("name,strategy", _zoo_cases())
 def test_zoo_equals_one_device(name: str, strategy: str) -> None:
     got = hf_zoo.step(hf_zoo.ZOO[name], strategy, WORLD)
     _equal_one_device(name, got)
