@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
+from ..runtime.topology import on_change
 from ..runtime.trace import FLAGS as _TRACING, STATE as _TRACE_STATE, pop_op, push_op
 from .decide import Decision, decide, map_tensors, options
 from .inputs import _CHECK, box, box_global, defer_reduction
@@ -168,6 +169,9 @@ def clear_cache() -> None:
     _KEYING.clear()
     _DECOMPOSITIONS.clear()
     _OPTIONS.clear()
+
+
+on_change(clear_cache)  # a decision cached under one link model is not the decision under another
 
 
 __all__ = ["run", "decision_of", "cache_size", "check_replicated", "clear_cache", "stats", "reset_stats",
