@@ -378,6 +378,19 @@ def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> Bill:
     return best if best is not None else NOTHING
 
 
+def backward_key() -> tuple:
+    """What of autograd's state a decision depends on: in the backward, what a Partial output owes is paid
+    its bytes but not its launches. A gradient's reduction is launched later with the rest of the step's
+    (the gradient bucket reduces a step's gradients together, DDP's buckets), where a collective made now is
+    launched now: so a weight's gradient stays Partial for the bucket rather than an all-to-all inside the
+    backward that moves fewer bytes but adds a launch per layer (DTensor's choice too). Empty while the
+    link model has no alpha (nothing to weigh, and the cached decisions serve forward and backward alike)."""
+    model = in_force()
+    if not (model.inside.alpha or model.across.alpha):
+        return ()
+    return (torch._C._current_autograd_node() is not None,)
+
+
 def _owing_rank(bill: Bill) -> tuple:
     """Quickest first; then the busiest rank's bytes, then collectives (the order before times)."""
     return bill.time(), max(bill.bytes, default=0), bill.collectives
@@ -412,8 +425,11 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
     else:
-        bills += [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
-                  for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
+        owed = [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
+                for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
+        if backward_key():
+            owed = [b._replace(latency=0) for b in owed]  # in the backward: launched with the bucket
+        bills += owed
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0, 0)
     bill = summed(bills)

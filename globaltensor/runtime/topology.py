@@ -102,21 +102,32 @@ class LinkModel:
 # it in practice).
 NVLINK_INFINIBAND = LinkModel(Link(10e-6, 1 / 400e9), Link(25e-6, 1 / 50e9), 1 / 400e12,
                               "defaults: NVLink 4 inside a node, NDR InfiniBand across (DGX H100 class)")
-# gloo on CPUs over TCP: a gloo collective costs ~30-100 us on loopback or a 10 GbE network (PyTorch's gloo
-# benchmarks; gt.calibrate on this project's 2-core VM measured alpha 50-120 us, beta ~0.5-1 ns/B over
-# loopback), ~1 GB/s = 1 ns/B per rank; 10 GbE between machines, ~1.25 GB/s line rate, 8x slower once shared
-# by 8 ranks of a node. Compute: ~50 GFLOP/s of fp32 matmul per rank on a few AVX2 cores.
+# gloo on CPUs over TCP: ~1 GB/s = 1 ns/B per rank over loopback or 10 GbE (1.25 GB/s line rate), 8x slower
+# between machines once a node's ranks share its NIC; a gloo collective's launch costs tens of microseconds
+# (gt.calibrate on this project's 2-core VM, two gloo processes on loopback under load: alpha ~500 us,
+# beta ~4 ns/B; an idle machine does better). Compute: ~50 GFLOP/s of fp32 matmul per rank (gt.calibrate
+# measured 40-95 GFLOP/s here).
 GLOO_CPU = LinkModel(Link(50e-6, 1e-9), Link(100e-6, 8e-9), 1 / 50e9,
                      "defaults: gloo over TCP on CPUs (loopback inside a node, 10 GbE across)")
-# The simulator's: gloo's links (its programs model a CPU job), so that the plans it finds are those a gloo
-# job of the same ranks makes. Its own threads' times are not what it models (`gt.calibrate` on the
-# simulator measures them, and says so).
-SIMULATOR = LinkModel(Link(float(os.environ.get("XA", "50e-6")), 1e-9), Link(2*float(os.environ.get("XA", "50e-6")), 8e-9), float(os.environ.get("XF", "2e-11")),
-                      "defaults of the simulator: gloo's (a CPU job of the same ranks)")
+# The simulator's: bandwidth only (alpha 0, compute not weighed), the betas' 1:8 ratio of the GPU default.
+# Under it a choice is the one that moves the fewest bytes (the busiest rank's, a byte between nodes as 8),
+# ties broken by all ranks' bytes, then launches: the textbook plans that the tests count exactly. At the
+# sizes a simulator runs (bytes to kilobytes), any realistic alpha outweighs the bytes (measured: at 10 B of
+# alpha, boxing already trades 16 B more for one launch fewer), so the simulated programs would stop being
+# the textbook's; `gt.link_model(gt.GLOO_CPU)` or `gt.calibrate` puts a timed model in force instead.
+SIMULATOR = LinkModel(Link(0.0, 1e-9), Link(0.0, 8e-9), 0.0,
+                      "defaults of the simulator: bandwidth only (the textbook's bytes)")
+MODELS = {"sim": SIMULATOR, "gloo": GLOO_CPU, "nvlink": NVLINK_INFINIBAND}
 
 
 def default_for(backend: str) -> LinkModel:
-    """The default link model of a communicator's backend ("sim", "gloo", "nccl", ...)."""
+    """The default link model of a communicator's backend ("sim", "gloo", "nccl"); `GT_LINK_MODEL` ("sim",
+    "gloo", "nvlink") names one for every backend (a test suite that counts the simulator's bytes on gloo)."""
+    named = os.environ.get("GT_LINK_MODEL")
+    if named:
+        if named not in MODELS:
+            raise ValueError(f"GT_LINK_MODEL={named!r}: one of {sorted(MODELS)}")
+        return MODELS[named]
     return {"sim": SIMULATOR, "gloo": GLOO_CPU, "nccl": NVLINK_INFINIBAND}.get(backend, GLOO_CPU)
 
 
