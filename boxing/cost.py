@@ -1,12 +1,16 @@
 """Cost: bytes received per rank (DESIGN.md's convention), priced in time, and the lower bound they cannot beat.
 
-A step costs the time of its slowest rank: the alpha of its link class per collective launch (point to
-point: per message of the rank with most peers), plus each rank's bytes times the beta of the link they
-cross (`runtime/topology.py`'s link model in force; a collective whose group spans nodes runs on links
-between them). The planner minimises, lexicographically, (that time summed over the route's steps, all
-ranks' received bytes priced the same way, collective launches, point-to-point steps, steps). Each term is
-additive along a path, so a shortest-path search is exact; and where the betas are alike, a route whose
-total equals the summed lower bound meets the bound on every rank (every rank receives at least its own).
+A step's bytes take each rank its bytes times the beta of the link they cross, and each launch an alpha
+of its link class (point to point: per message of the rank with most peers), by the link model in force
+(`runtime/topology.py`). The planner minimises, lexicographically, (all ranks' time summed over the
+route: every rank's bytes priced by the betas, plus each launch's alpha paid by every rank of the world;
+collective launches; point-to-point steps; steps). That is the average rank's time (times the world):
+additive along a path, so a shortest-path search is exact, and with no alpha it is the total of bytes
+received (a byte between nodes counted as the beta ratio), so a route whose total equals the summed lower
+bound meets the bound on every rank (every rank receives at least its own). Not the busiest rank's: an
+uneven conversion would then trade one collective for two (P -> S(0) of one row over 3 ranks: reduce onto
+rank 0, 16 B there, or reduce-scatter then all-to-all, 12 B on the busiest and 20 in all). The op
+decisions weigh the busiest rank of a whole choice (`ops/decide.py`).
 """
 from __future__ import annotations
 
@@ -18,18 +22,17 @@ from ..layout import Layout
 from ..runtime.topology import LinkModel, Topology, in_force
 from .boxes import intersect, numel
 
-Cost = tuple[int, int, int, int, int]
-ZERO: Cost = (0, 0, 0, 0, 0)
+Cost = tuple[int, int, int, int]
+ZERO: Cost = (0, 0, 0, 0)
 
 
 def step_cost(step) -> Cost:
-    """(time of its slowest rank, all ranks' receive time, launches, point-to-point, 1) in ticks
-    (`runtime/topology.py`)."""
+    """(all ranks' time: their bytes by the betas plus the alphas of its launches for every rank of the
+    world; launches; point-to-point; 1), in ticks (`runtime/topology.py`)."""
     if step.axis is not None and step.src.placement.shape[step.axis] == 1:
         return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the route drops it)
     model = in_force()
-    per_rank = step_ticks(step, model)
-    return (launch_ticks(step, model) + max(per_rank, default=0), sum(per_rank), step.latency,
+    return (len(step.recv_bytes) * launch_ticks(step, model) + sum(step_ticks(step, model)), step.latency,
             int(step.axis is None and step.latency > 0), 1)
 
 

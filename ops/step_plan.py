@@ -125,7 +125,7 @@ class StepPlan:
         if self.graph is None:
             return "StepPlan(not recorded yet)"
         lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's receive seconds over the step, all "
-                 f"ranks', collectives): op by op {self.recorded_cost}, solved {self.solved_cost}; "
+                 f"ranks', collectives): op by op {_shown(self.recorded_cost)}, solved {_shown(self.solved_cost)}; "
                  f"{'steering' if self.steering else 'not steering'}"]
         for k, func, before, after in self.changes():
             lines.append(f"  call {k} {func}: {before[0]} -> {before[1]}  became  {after[0]} -> {after[1]}")
@@ -275,6 +275,10 @@ def note_conversion(t: Any, dst: Layout) -> None:
 def _seconds(score: tuple) -> tuple:
     """A solver's score (ticks, ticks, collectives) in seconds."""
     return (score[0] * TICK, score[1] * TICK, score[2])
+
+
+def _shown(cost: Optional[tuple]) -> str:
+    return "None" if cost is None else f"({cost[0]:.4g}, {cost[1]:.4g}, {cost[2]})"
 
 
 def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[tuple]:
