@@ -392,8 +392,8 @@ def backward_key() -> tuple:
 
 
 def _owing_rank(bill: Bill) -> tuple:
-    """Quickest first; then the busiest rank's bytes, then collectives (the order before times)."""
-    return bill.time(), max(bill.bytes, default=0), bill.collectives
+    """Quickest first (with no alpha: the busiest rank's priced bytes), then fewer collectives."""
+    return bill.time(), bill.collectives
 
 
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
