@@ -4,9 +4,9 @@ Nodes are layouts on the source placement (and the target itself when it
 lives elsewhere). Edges are the 1-D transitions of `rules` on one mesh axis,
 and, from every Partial-free node, one direct exchange straight to the
 target (`exchange`); a Partial node whose SBP is the target's on another
-placement of the same mesh shape also moves there as it is (`relocate`). Dijkstra on the lexicographic cost of `cost` (time
-first: alphas and betas of the link model in force) returns the cheapest
-route; ties go to fewer collective launches, so a named collective beats a
+placement of the same mesh shape also moves there as it is (`relocate`).
+Dijkstra on the lexicographic cost of `cost` (time first: alphas and betas
+of the link model in force) returns the cheapest route; ties go to fewer collective launches, so a named collective beats a
 point-to-point exchange of the same bytes.
 """
 from __future__ import annotations

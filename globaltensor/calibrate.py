@@ -38,7 +38,8 @@ class Calibration:
         for a, (kind, link) in enumerate(self.axes):
             lines.append(f"  axis {a} ({kind}): alpha {link.alpha * 1e6:.1f} us, beta {link.beta * 1e9:.3f} ns/B "
                          f"({1 / link.beta / 1e9:.2f} GB/s)")
-        lines.append(f"  compute: {1 / self.model.flop / 1e9:.1f} GFLOP/s" if self.model.flop else "  compute: not weighed")
+        flop = self.model.flop
+        lines.append(f"  compute: {1 / flop / 1e9:.1f} GFLOP/s" if flop else "  compute: not weighed")
         return "\n".join(lines)
 
 

@@ -498,10 +498,10 @@ def _choose(call: Call, tensors: list) -> Optional[tuple]:
             return targets, out_layouts
 
     def rank(k: int) -> tuple:
-        """Time first (`signature_cost`), then the busiest rank's and all ranks' receive times and collectives
-        (on one node: bytes, as before times); on ties an in-place op keeps computing in its target (a reduced Partial operand is
-        remembered for the next op that reads it, a written-back result is not), then fewer collectives
-        now, then more inputs kept as they are, then the rule's order."""
+        """Time first (`signature_cost`), then the busiest rank's and all ranks' receive times and
+        collectives (on one node: bytes, as before times); on ties an in-place op keeps computing in its
+        target (a reduced Partial operand is remembered for the next op that reads it, a written-back result
+        is not), then fewer collectives now, then more inputs kept as they are, then the rule's order."""
         targets, out_layouts = laid[k]
         time, most, total, latency, now = signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
         return (time, most, total, latency, _writes_back(inplace, srcs, targets, out_layouts), now,
