@@ -20,15 +20,22 @@ from globaltensor.runtime import topology as T
 B, P = gt.broadcast, gt.partial_sum
 
 
-def test_defaults_and_across_cost_are_the_betas():
+def test_defaults_and_across_cost_are_the_betas(monkeypatch):
     """One mechanism: a byte between nodes costs what the betas say (8x by default), for every backend's
     default; the simulator's has no alpha and no compute term (the textbook's bytes decide)."""
     for model in (T.SIMULATOR, T.GLOO_CPU, T.NVLINK_INFINIBAND):
         assert model.across_cost == pytest.approx(8.0)
         assert model.source
     assert T.SIMULATOR.inside.alpha == T.SIMULATOR.across.alpha == T.SIMULATOR.flop == 0
+    assert T.default_for("gloo") is T.SIMULATOR  # conftest: the suite counts the textbook's bytes on gloo too
+    monkeypatch.delenv("GT_LINK_MODEL")
     assert T.default_for("sim") is T.SIMULATOR
     assert T.default_for("gloo") is T.GLOO_CPU and T.default_for("nccl") is T.NVLINK_INFINIBAND
+    monkeypatch.setenv("GT_LINK_MODEL", "gloo")
+    assert T.default_for("sim") is T.GLOO_CPU
+    monkeypatch.setenv("GT_LINK_MODEL", "fast")
+    with pytest.raises(ValueError, match="GT_LINK_MODEL"):
+        T.default_for("sim")
     assert T.Topology(2).across_cost == T.in_force().across_cost
     with pytest.raises(ValueError, match="alpha"):
         gt.Link(-1.0, 1e-9)
@@ -180,3 +187,22 @@ def test_calibrate_refuses_bad_arguments():
         with pytest.raises(TypeError, match="placement"):
             gt.calibrate([0, 1])
     gt.launch(body, 2)
+
+
+def _linear_events():
+    p = gt.placement("cpu", [0, 1])
+    torch.manual_seed(0)
+    x = gt.to_global(torch.randn(8, 8), p, gt.split(0))
+    w = gt.to_global(torch.randn(8, 8), p, B).requires_grad_()
+    with gt.comm_log() as log:
+        F.linear(x, w).sum().backward()
+    return gt.link_model(), [(e.kind, e.recv_bytes) for e in log.events], w.grad.sbp
+
+
+@pytest.mark.gloo
+def test_gloo_processes_decide_by_gloos_model_by_default(monkeypatch):
+    """Without the suite's GT_LINK_MODEL=sim, a gloo job puts gloo's model in force: linear forward+backward
+    makes no collective there (the all-to-all the simulator's default takes is 64 B but one more launch)."""
+    monkeypatch.delenv("GT_LINK_MODEL")
+    for model, events, sbp in gt.launch(_linear_events, 2, backend="gloo"):
+        assert model == T.GLOO_CPU and events == [] and sbp == (P,)
