@@ -18,8 +18,8 @@ Each bill is the time every global rank's receives take (its bytes times the
 beta of the link they cross, `decide.Bill.ticks`: on one node, its bytes
 times one beta), and collectives; they are summed rank by rank over the step
 (`Cost`), and the step is scored by (its busiest rank's receive time, all
-ranks', collectives), compared in that order: the rank the step waits on. Not by the sum of each conversion's busiest rank:
-with uneven shards the busiest rank differs between conversions, and a choice
+ranks', collectives), compared in that order: the rank the step waits on.
+Not by the sum of each conversion's busiest rank: with uneven shards the busiest rank differs between conversions, and a choice
 that lowers that sum can raise the step's busiest rank (test_step_plan.py's
 example: 568 -> 544 bytes in all, 176 -> 192 on rank 2).
 
