@@ -97,8 +97,7 @@ class LinkModel:
 # (nccl-tests), so beta = 1/400 GB/s. Between nodes each GPU has one ConnectX-7 NDR port, 400 Gb/s = 50 GB/s
 # (NVIDIA ConnectX-7 datasheet), beta = 1/50 GB/s: 8x the inside beta, the ratio the planner used before
 # it had times. Alpha: NCCL's small-message all-reduce latency is ~10 us inside a node and ~20-30 us across
-# nodes (nccl-tests at 8 B; NCCL's tuning model uses base latencies of 6-10 us per collective plus per-hop
-# terms). Compute: ~400 TFLOP/s of dense bf16/tf32 matmul per H100 (989 TFLOP/s peak bf16 dense, ~40-60% of
+# nodes (the order of nccl-tests' times at 8 B; approximate, which gt.calibrate replaces). Compute: ~400 TFLOP/s of dense bf16/tf32 matmul per H100 (989 TFLOP/s peak bf16 dense, ~40-60% of
 # it in practice).
 NVLINK_INFINIBAND = LinkModel(Link(10e-6, 1 / 400e9), Link(25e-6, 1 / 50e9), 1 / 400e12,
                               "defaults: NVLink 4 inside a node, NDR InfiniBand across (DGX H100 class)")
@@ -112,9 +111,10 @@ GLOO_CPU = LinkModel(Link(50e-6, 1e-9), Link(100e-6, 8e-9), 1 / 50e9,
 # The simulator's: bandwidth only (alpha 0, compute not weighed), the betas' 1:8 ratio of the GPU default.
 # Under it a choice is the one that moves the fewest bytes (the busiest rank's, a byte between nodes as 8),
 # ties broken by all ranks' bytes, then launches: the textbook plans that the tests count exactly. At the
-# sizes a simulator runs (bytes to kilobytes), any realistic alpha outweighs the bytes (measured: at 10 B of
-# alpha, boxing already trades 16 B more for one launch fewer), so the simulated programs would stop being
-# the textbook's; `gt.link_model(gt.GLOO_CPU)` or `gt.calibrate` puts a timed model in force instead.
+# sizes a simulator runs (bytes to kilobytes), any realistic alpha outweighs the bytes (measured: with an
+# alpha worth 10 bytes, boxing's property and example tests fail, routes trading bytes for launches; worth
+# 1,000 bytes, ZeRO-3's GPT step too), so the simulated programs would stop being the textbook's;
+# `gt.link_model(GLOO_CPU)` or `gt.calibrate` puts a timed model in force instead.
 SIMULATOR = LinkModel(Link(0.0, 1e-9), Link(0.0, 8e-9), 0.0,
                       "defaults of the simulator: bandwidth only (the textbook's bytes)")
 MODELS = {"sim": SIMULATOR, "gloo": GLOO_CPU, "nvlink": NVLINK_INFINIBAND}
