@@ -113,7 +113,7 @@ GLOO_CPU = LinkModel(Link(50e-6, 1e-9), Link(100e-6, 8e-9), 1 / 50e9,
 # ties broken by all ranks' bytes, then launches: the textbook plans that the tests count exactly. At the
 # sizes a simulator runs (bytes to kilobytes), any realistic alpha outweighs the bytes (measured: with an
 # alpha worth 10 bytes, boxing's property and example tests fail, routes trading bytes for launches; worth
-# 1,000 bytes, ZeRO-3's GPT step too), so the simulated programs would stop being the textbook's;
+# 10 kB, ZeRO-3's GPT step too), so the simulated programs would stop being the textbook's;
 # `gt.link_model(GLOO_CPU)` or `gt.calibrate` puts a timed model in force instead.
 SIMULATOR = LinkModel(Link(0.0, 1e-9), Link(0.0, 8e-9), 0.0,
                       "defaults of the simulator: bandwidth only (the textbook's bytes)")
