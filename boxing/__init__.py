@@ -5,18 +5,18 @@
     local = gt.boxing.execute(route, local, comm)                  # every rank, same order
     locals = gt.boxing.execute_many(routes, locals, comm)          # one collective per bucket of such routes
 
-Cost is the total of bytes received over all ranks (DESIGN.md's convention per
-primitive; a byte between nodes counts as the topology's `across_cost` bytes), then latency terms (one per collective; a point-to-point step
-counts the most peers one rank talks to), then fewer point-to-point steps.
-The total is additive, so the shortest-path search is exact; for Partial-free
-sources it equals the summed lower bound, which forces every rank onto its own
-bound. Partial sources are reduced on the source placement (innermost mesh
+Cost is time (`boxing/cost.py`): per step, an alpha per collective launch (a
+point-to-point step counts the most peers one rank talks to) plus the busiest
+rank's received bytes (DESIGN.md's convention per primitive) times the beta of
+the link class they cross (the link model of `runtime/topology.py`); then all
+ranks' bytes priced alike, launches, fewer point-to-point steps. Each term is
+additive, so the shortest-path search is exact. Partial sources are reduced on the source placement (innermost mesh
 axis first when ops differ) before data crosses to another placement.
 """
-from .cost import lower_bound, priced_bytes
+from .cost import launch_ticks, lower_bound, step_ticks
 from .execute import all_reduce_key, bucket_key, convert_local, execute, execute_many, execute_many_start
 from .route import RankExchange, Route, Step
 from .search import route
 
 __all__ = ["route", "Route", "Step", "RankExchange", "execute", "execute_many", "execute_many_start", "all_reduce_key", "bucket_key", "convert_local",
-           "lower_bound", "priced_bytes"]
+           "lower_bound", "step_ticks", "launch_ticks"]

@@ -1,11 +1,16 @@
-"""Cost: bytes received per rank (DESIGN.md's convention), and the lower bound they cannot beat.
+"""Cost: bytes received per rank (DESIGN.md's convention), priced in time, and the lower bound they cannot beat.
 
-The planner minimises, lexicographically, (total bytes received over all
-ranks, a byte between nodes counted as the topology's `across_cost` bytes,
-collective launches, point-to-point steps, steps). The total is
-additive along a path, so a shortest-path search is exact; and because every
-rank receives at least its own lower bound in any route, a route whose total
-equals the summed bound meets the bound on every rank.
+A step's bytes take each rank its bytes times the beta of the link they cross, and each launch an alpha
+of its link class (point to point: per message of the rank with most peers), by the link model in force
+(`runtime/topology.py`). The planner minimises, lexicographically, (all ranks' time summed over the
+route: every rank's bytes priced by the betas, plus each launch's alpha paid by every rank of the world;
+collective launches; point-to-point steps; steps). That is the average rank's time (times the world):
+additive along a path, so a shortest-path search is exact, and with no alpha it is the total of bytes
+received (a byte between nodes counted as the beta ratio), so a route whose total equals the summed lower
+bound meets the bound on every rank (every rank receives at least its own). Not the busiest rank's: an
+uneven conversion would then trade one collective for two (P -> S(0) of one row over 3 ranks: reduce onto
+rank 0, 16 B there, or reduce-scatter then all-to-all, 12 B on the busiest and 20 in all). The op
+decisions weigh the busiest rank of a whole choice (`ops/decide.py`).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Optional
 import torch
 
 from ..layout import Layout
-from ..runtime.topology import Topology
+from ..runtime.topology import LinkModel, Topology, in_force
 from .boxes import intersect, numel
 
 Cost = tuple[int, int, int, int]
@@ -22,12 +27,41 @@ ZERO: Cost = (0, 0, 0, 0)
 
 
 def step_cost(step) -> Cost:
-    """A byte that crosses nodes counts `across_cost` bytes of the placement's topology (`runtime/topology.py`)."""
+    """(all ranks' time: their bytes by the betas plus the alphas of its launches for every rank of the
+    world; launches; point-to-point; 1), in ticks (`runtime/topology.py`)."""
     if step.axis is not None and step.src.placement.shape[step.axis] == 1:
         return ZERO  # a mesh axis of one rank: the step renames its SBP, moves nothing (the route drops it)
+    model = in_force()
+    return (len(step.recv_bytes) * launch_ticks(step, model) + sum(step_ticks(step, model)), step.latency,
+            int(step.axis is None and step.latency > 0), 1)
+
+
+def link_of(step) -> str:
+    """The link class a step's launches run on: "across" where its group (a point-to-point message's two
+    ends) spans nodes, else "inside"."""
     topology = step.src.placement.topology
-    inside, across = link_bytes(step, topology)
-    return (inside + topology.across_cost * across, step.latency, int(step.axis is None and step.latency > 0), 1)
+    if topology.ranks_per_node is None:
+        return "inside"
+    if step.axis is not None:
+        return step.src.placement.axis_kind[step.axis]
+    return "across" if any(across_bytes(step, topology)) else "inside"
+
+
+def launch_ticks(step, model: Optional[LinkModel] = None) -> int:
+    """The alphas of a step: one per collective launch (point to point: per message of the busiest rank)."""
+    model = in_force() if model is None else model
+    return step.latency * model.link(link_of(step)).alpha_ticks if step.latency else 0
+
+
+def step_ticks(step, model: Optional[LinkModel] = None) -> tuple[int, ...]:
+    """Per global rank, the time its bytes of `step` take: each byte times the beta of the link it crosses."""
+    model = in_force() if model is None else model
+    inside = model.inside.beta_ticks
+    topology = step.src.placement.topology
+    if topology.ranks_per_node is None:
+        return tuple(inside * b for b in step.recv_bytes)
+    across = model.across.beta_ticks
+    return tuple(inside * (b - a) + across * a for b, a in zip(step.recv_bytes, across_bytes(step, topology)))
 
 
 def link_bytes(step, topology: Topology) -> tuple[int, int]:
@@ -57,15 +91,6 @@ def across_bytes(step, topology: Topology) -> tuple[int, ...]:
         if far and total:
             out[r] = step.recv_bytes[r] * far // total
     return tuple(out)
-
-
-def priced_bytes(step) -> tuple[int, ...]:
-    """Per global rank, the bytes of `step` it receives with a byte between nodes counted as the topology's
-    `across_cost` bytes inside one: what a per-op choice weighs (on one node, the bytes themselves)."""
-    topology = step.src.placement.topology
-    if topology.ranks_per_node is None:
-        return step.recv_bytes
-    return tuple(b + (topology.across_cost - 1) * a for b, a in zip(step.recv_bytes, across_bytes(step, topology)))
 
 
 def add(a: Cost, b: Cost) -> Cost:

@@ -4,9 +4,10 @@ Nodes are layouts on the source placement (and the target itself when it
 lives elsewhere). Edges are the 1-D transitions of `rules` on one mesh axis,
 and, from every Partial-free node, one direct exchange straight to the
 target (`exchange`); a Partial node whose SBP is the target's on another
-placement of the same mesh shape also moves there as it is (`relocate`). Dijkstra on the lexicographic cost of `cost` returns the
-cheapest route; ties go to fewer collective launches, so a named collective
-beats a point-to-point exchange of the same bytes.
+placement of the same mesh shape also moves there as it is (`relocate`).
+Dijkstra on the lexicographic cost of `cost` (time first: alphas and betas
+of the link model in force) returns the cheapest route; ties go to fewer collective launches, so a named collective beats a
+point-to-point exchange of the same bytes.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Sequence
 import torch
 
 from ..layout import Layout
+from ..runtime.topology import on_change
 from ..sbp import Broadcast, Partial, Split
 from . import cost as C
 from . import strided, zigzag
@@ -43,8 +45,8 @@ def check(src: Layout, dst: Layout, shape: tuple[int, ...]) -> None:
 
 
 def route(src: Layout, dst: Layout, shape: Sequence[int], dtype: torch.dtype) -> Route:
-    """The cheapest route converting `src` to `dst` for a global `shape` and `dtype` (cached). On a placement
-    whose ranks span nodes a byte between nodes is priced `Topology.across_cost` bytes (`runtime/topology.py`)."""
+    """The quickest route converting `src` to `dst` for a global `shape` and `dtype` (cached while the link
+    model stays in force, `runtime/topology.py`: a byte between nodes is priced by the across link's beta)."""
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError("boxing.route(src_layout, dst_layout, shape, dtype): layouts must be gt.Layout")
     return _route(src, dst, tuple(map(int, shape)), dtype)
@@ -115,3 +117,6 @@ def search(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
                 heapq.heappush(heap, (c, seq, step.dst))
                 seq += 1
     raise AssertionError(f"boxing: no route from {src} to {dst}")  # the direct edge always exists
+
+
+on_change(_route.cache_clear)

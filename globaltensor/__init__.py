@@ -23,6 +23,8 @@ from .ops.step_plan import StepPlan, step_plan
 from .tools.report import comm_report
 from .tools.visualize import visualize
 from .tools.explain import explain
+from .calibrate import Calibration, calibrate, link_model
+from .runtime.topology import Link, LinkModel
 from . import data, hf
 from .planning import AutoPlan, auto_plan
 
@@ -38,4 +40,4 @@ __all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLa
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
            "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data",
-           "auto_plan", "AutoPlan"]
+           "auto_plan", "AutoPlan", "calibrate", "link_model", "Link", "LinkModel", "Calibration"]

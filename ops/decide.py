@@ -7,8 +7,12 @@ A Partial output owes its cheapest reduction (making an output Partial is
 never free: it only moves the collective later, often onto a bigger tensor),
 and an in-place op owes the boxing of its result back into its target's
 layout (so it may compute where its operands are, the ZeRO update: on the
-`S(0)` shard, then one all-gather of the new parameter). Cost is the most
-bytes any rank receives, then the number of collectives.
+`S(0)` shard, then one all-gather of the new parameter). Cost is time under
+the link model in force (`runtime/topology.py`): per rank, its received bytes
+times the beta of the link they cross plus its shards' FLOPs at the compute
+rate (`ops/flops.py`), the slowest rank's, plus an alpha per collective
+launch; ties then break on bytes and collectives as before. A choice that
+boxes nothing and owes nothing is taken without weighing the rest.
 
 An op without a rule, or whose meta kernel cannot say its output shapes
 (data-dependent), or for which no signature checks out, falls back: every
@@ -29,8 +33,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .. import boxing
+from ..runtime.topology import in_force, on_change
 from ..layout import Layout
 from ..sbp import Broadcast, Partial, Ragged, Split
+from . import flops
 from .errors import data_dependent, kernel_error
 from .keys import geometry_of, meta_of
 from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
@@ -298,34 +304,66 @@ def axis_candidates(ctx: Ctx, rule: Rule, n_in: int, n_out: int) -> list:
     return sigs
 
 
+class Bill(NamedTuple):
+    """What a conversion (or a kernel's own sends, or a choice's whole bill) costs: `bytes` each global rank
+    receives, `collectives` launched, `ticks` each rank's receives take (its bytes times the beta of the link
+    they cross) and `latency`, the alphas of its launches (ticks: `runtime/topology.py`)."""
+    bytes: tuple
+    collectives: int
+    ticks: tuple
+    latency: int
+
+    def time(self) -> int:
+        """The busiest rank's receiving plus the launches: what the bill takes (ticks)."""
+        return max(self.ticks, default=0) + self.latency
+
+
+NOTHING = Bill((), 0, (), 0)
+
+
+def kernel_bill(sent: Optional[tuple]) -> Optional[Bill]:
+    """A rule's `kernel_cost` ((bytes per rank, collectives): what its kernel sends itself) as a `Bill`,
+    priced on the inside link (a kernel's ring runs on one mesh axis; which one, its cost does not say)."""
+    if sent is None:
+        return None
+    vec, n = sent
+    link = in_force().inside
+    return Bill(tuple(vec), n, tuple(link.beta_ticks * b for b in vec), n * link.alpha_ticks)
+
+
 @lru_cache(maxsize=8192)
-def conversion_cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Optional[tuple]:
-    """(bytes received per rank, collectives) of boxing src -> dst; None if no such conversion exists. A byte
-    between nodes counts as the topology's `across_cost` bytes (`boxing.priced_bytes`), so a choice that keeps
-    its traffic inside nodes wins over one that moves as many bytes across them."""
+def conversion_cost(src: Layout, dst: Layout, shape: tuple, dtype: torch.dtype) -> Optional[Bill]:
+    """The `Bill` of boxing src -> dst (bytes per rank, collectives, and their time under the link model in
+    force: a byte between nodes priced by the across link's beta, each launch by its link's alpha); None if no
+    such conversion exists."""
     if src == dst:
-        return (), 0
+        return NOTHING
     try:
         p = boxing.route(src, dst, shape, dtype)
     except ValueError:  # no such conversion (P(sum) cannot become P(max))
         return None
+    model = in_force()
     per_rank: list = [0] * p.world
+    timed: list = [0] * p.world
     for s in p.steps:
-        for r, b in enumerate(boxing.priced_bytes(s)):
+        for r, b in enumerate(s.recv_bytes):
             per_rank[r] += b
-    return tuple(per_rank), sum(s.latency for s in p.steps)
+        for r, t in enumerate(boxing.step_ticks(s, model)):
+            timed[r] += t
+    return Bill(tuple(per_rank), sum(s.latency for s in p.steps), tuple(timed),
+                sum(boxing.launch_ticks(s, model) for s in p.steps))
 
 
 @lru_cache(maxsize=8192)
-def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> tuple:
-    """What a Partial output still owes: its cheapest conversion to any layout without Partial.
+def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> Bill:
+    """What a Partial output still owes: its quickest conversion to any layout without Partial.
 
     Every axis may change, not only the Partial ones, as the input boxing the alternatives pay may
     (the planner slices first and reduces a smaller piece): so reducing now and reducing later are
     weighed alike, and slicing an input only to make a smaller Partial is no saving.
     """
     if not layout.has_partial:
-        return (), 0
+        return NOTHING
     choices = [Broadcast()] + [Split(d) for d in range(len(shape))]
     best = None
     for sbp in itertools.product(*[choices] * layout.placement.ndim):
@@ -335,21 +373,41 @@ def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> tuple:
         except ValueError:
             continue
         cost = conversion_cost(layout, dst, shape, dtype)
-        if cost is not None and (best is None or (max(cost[0], default=0), cost[1]) <
-                                 (max(best[0], default=0), best[1])):
+        if cost is not None and (best is None or _owing_rank(cost) < _owing_rank(best)):
             best = cost
-    return best if best is not None else ((), 0)
+    return best if best is not None else NOTHING
+
+
+def backward_key() -> tuple:
+    """What of autograd's state a decision depends on: in the backward, what a Partial output owes is paid
+    its bytes but not its launches. A gradient's reduction is launched later with the rest of the step's
+    (the gradient bucket reduces a step's gradients together, DDP's buckets), where a collective made now is
+    launched now: so a weight's gradient stays Partial for the bucket rather than an all-to-all inside the
+    backward that moves fewer bytes but adds a launch per layer (DTensor's choice too). Empty while the
+    link model has no alpha (nothing to weigh, and the cached decisions serve forward and backward alike)."""
+    model = in_force()
+    if not (model.inside.alpha or model.across.alpha):
+        return ()
+    return (torch._C._current_autograd_node() is not None,)
+
+
+def _owing_rank(bill: Bill) -> tuple:
+    """Quickest first (with no alpha: the busiest rank's priced bytes), then fewer collectives."""
+    return bill.time(), bill.collectives
 
 
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
                    inplace: bool) -> tuple:
-    """(most bytes a rank receives, bytes all ranks receive, collectives, collectives now) of one
-    choice: boxing its inputs, what its kernel sends itself (`Rule.kernel_cost`) and what its outputs owe.
+    """(time, the busiest rank's receive time, all ranks' receive time, collectives, collectives now) of one
+    choice (ticks, `runtime/topology.py`): boxing its inputs, what its kernel sends itself (`Rule.kernel_cost`),
+    what its outputs owe, and what it computes (`ops/flops.py`). Time is the slowest rank's receiving and
+    computing plus every launch's alpha; on one node the receive times are its bytes times one beta, so
+    the ties after time break on bytes as they did before times.
 
     An in-place op owes the conversion of its result into its target's layout; any other op owes, for
-    each Partial output, the cheapest reduction (except inside a module whose boundary layouts the user
+    each Partial output, the quickest reduction (except inside a module whose boundary layouts the user
     named: see `ops/scope.py`). Infinite when some conversion does not exist. On equal
-    bytes and collectives, the choice that communicates later wins: a Partial passed on may meet a
+    times, bytes and collectives, the choice that communicates later wins: a Partial passed on may meet a
     consumer that takes it as it is (a linear op, the gradient bucket) and never pay.
     """
     seen: set = set()  # one tensor in two slots boxed to one layout is boxed once (addcmul_(g, g))
@@ -360,30 +418,58 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
             bills.append(conversion_cost(s, t, tuple(x.shape), x.dtype))
     rule = RULES.get(ctx.func)
     if rule is not None and rule.kernel_cost is not None:
-        bills.append(rule.kernel_cost(ctx, srcs, targets, out_layouts))
+        bills.append(kernel_bill(rule.kernel_cost(ctx, srcs, targets, out_layouts)))
     if any(b is None for b in bills):
-        return (float("inf"), 0, 0, 0)
-    now = sum(n for _, n in bills)
+        return (float("inf"), 0, 0, 0, 0)
+    now = sum(b.collectives for b in bills)
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
     else:
-        bills += [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
-                  for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
+        owed = [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
+                for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
+        if backward_key():
+            owed = [b._replace(latency=0) for b in owed]  # in the backward: launched with the bucket
+        bills += owed
     if any(b is None for b in bills):
-        return (float("inf"), 0, 0, 0)
-    per_rank, collectives = summed(bills)
-    return (max(per_rank, default=0), sum(per_rank), collectives, now)
+        return (float("inf"), 0, 0, 0, 0)
+    bill = summed(bills)
+    busy = list(bill.ticks)
+    work = compute_ticks(ctx, targets, out_layouts)
+    if work is not None:
+        busy += [0] * (len(work) - len(busy))
+        for r, t in enumerate(work):
+            busy[r] += t
+    return (max(busy, default=0) + bill.latency, max(bill.ticks, default=0), sum(bill.ticks), bill.collectives, now)
 
 
-def summed(bills: list) -> tuple[tuple, int]:
-    """Several (bytes per rank, collectives) bills as one."""
+def compute_ticks(ctx: Ctx, targets: tuple, out_layouts: tuple) -> Optional[tuple]:
+    """Per global rank, the time its shards' FLOPs take at the link model's compute rate (`ops/flops.py`);
+    None where the op's FLOPs are not known or compute is not weighed."""
+    rate = in_force().flop_ticks
+    count = flops.formula(ctx.func)
+    if not rate or count is None or not targets:
+        return None
+    placement = targets[0].placement
+    ins = [t.local_shapes(s) for t, s in zip(targets, ctx.shapes)]
+    want = [None if w is None else w.local_shapes(s) for w, s in zip(out_layouts, ctx.out_shapes)]
+    world = max(placement.flat_ranks) + 1
+    work = flops.per_rank(ctx.func, count, ctx.args, ctx.kwargs, ins, want, placement.flat_ranks, world,
+                          meta_like, map_tensors)
+    return tuple(rate * f for f in work)
+
+
+def summed(bills: list) -> Bill:
+    """Several bills as one: bytes and times rank by rank, collectives and launches added."""
     per_rank: list = []
-    for vec, _ in bills:
-        if len(per_rank) < len(vec):
-            per_rank += [0] * (len(vec) - len(per_rank))
-        for r, b in enumerate(vec):
-            per_rank[r] += b
-    return tuple(per_rank), sum(n for _, n in bills)
+    timed: list = []
+    for b in bills:
+        if len(per_rank) < len(b.bytes):
+            per_rank += [0] * (len(b.bytes) - len(per_rank))
+            timed += [0] * (len(b.bytes) - len(timed))
+        for r, (n, t) in enumerate(zip(b.bytes, b.ticks)):
+            per_rank[r] += n
+            timed[r] += t
+    return Bill(tuple(per_rank), sum(b.collectives for b in bills), tuple(timed), sum(b.latency for b in bills))
 
 
 def _choose(call: Call, tensors: list) -> Optional[tuple]:
@@ -412,16 +498,17 @@ def _choose(call: Call, tensors: list) -> Optional[tuple]:
             return targets, out_layouts
 
     def rank(k: int) -> tuple:
-        """Cost first; on ties an in-place op keeps computing in its target (a reduced Partial operand is
-        remembered for the next op that reads it, a written-back result is not), then fewer collectives
-        now, then more inputs kept as they are, then the rule's order."""
+        """Time first (`signature_cost`), then the busiest rank's and all ranks' receive times and
+        collectives (on one node: bytes, as before times); on ties an in-place op keeps computing in its
+        target (a reduced Partial operand is remembered for the next op that reads it, a written-back result
+        is not), then fewer collectives now, then more inputs kept as they are, then the rule's order."""
         targets, out_layouts = laid[k]
-        most, total, latency, now = signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
-        return (most, total, latency, _writes_back(inplace, srcs, targets, out_layouts), now,
+        time, most, total, latency, now = signature_cost(ctx, srcs, tensors, targets, out_layouts, outs, inplace)
+        return (time, most, total, latency, _writes_back(inplace, srcs, targets, out_layouts), now,
                 sum(s != t for s, t in zip(srcs, targets)), k)
 
-    for most, *_, k in sorted(rank(k) for k in range(len(laid))):
-        if most == float("inf"):
+    for time, *_, k in sorted(rank(k) for k in range(len(laid))):
+        if time == float("inf"):
             break
         if valid(ctx, rule, *laid[k], placement):
             return laid[k]
@@ -481,3 +568,7 @@ def valid(ctx: Ctx, rule: Rule, targets: tuple, out_layouts: tuple, placement: A
                 return False
     return True
 
+
+
+on_change(conversion_cost.cache_clear)
+on_change(owed_by.cache_clear)

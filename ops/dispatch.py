@@ -13,8 +13,9 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional
 
+from ..runtime.topology import on_change
 from ..runtime.trace import FLAGS as _TRACING, STATE as _TRACE_STATE, pop_op, push_op
-from .decide import Decision, decide, map_tensors, options
+from .decide import Decision, backward_key, decide, map_tensors, options
 from .inputs import _CHECK, box, box_global, defer_reduction
 from .keys import TensorKey, call_key, tensor_key
 from .program import Program, compile_decomposition, compile_program
@@ -71,7 +72,7 @@ def _keying(func: Any) -> tuple:
 
 def _key_of(func: Any, args: tuple, kwargs: dict, cls: type) -> tuple:
     scalar_key, floats_by_value, _ = _keying(func)
-    return call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key()
+    return call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key() + backward_key()
 
 
 def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
@@ -81,7 +82,7 @@ def _program_for(func: Any, args: tuple, kwargs: dict, cls: type) -> Program:
         if program is None:
             program = _DECOMPOSITIONS[(id(func), cls)] = compile_decomposition(func, RULES[func], cls)
         return program
-    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key()
+    key = call_key(func, args, kwargs, cls, scalar_key, floats_by_value) + scope_key() + backward_key()
     program = _PROGRAMS.get(key)
     if program is None:
         program = _compile(key, func, args, kwargs, cls)
@@ -168,6 +169,9 @@ def clear_cache() -> None:
     _KEYING.clear()
     _DECOMPOSITIONS.clear()
     _OPTIONS.clear()
+
+
+on_change(clear_cache)  # a decision cached under one link model is not the decision under another
 
 
 __all__ = ["run", "decision_of", "cache_size", "check_replicated", "clear_cache", "stats", "reset_stats",

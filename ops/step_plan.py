@@ -32,7 +32,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..layout import Layout
-from .decide import Decision, conversion_cost, flatten_out, summed
+from ..runtime.topology import TICK
+from .decide import NOTHING, Decision, conversion_cost, flatten_out, kernel_bill, summed
 from .program import ADOPTED
 from .registry import RULES
 from .scope import excused
@@ -58,8 +59,9 @@ class StepPlan:
 
     `plan.steering`: whether the last run followed the solved choices to its end (while one is open:
     whether it follows them so far); `plan.steered_runs` counts the runs that did.
-    `plan.solved_cost` and `plan.recorded_cost`: the step's bill (the busiest rank's bytes, each rank's
-    summed over the step; all ranks' bytes; collectives) under the solved and op-by-op choices.
+    `plan.solved_cost` and `plan.recorded_cost`: the step's bill (the busiest rank's receive seconds, each
+    rank's summed over the step; all ranks' seconds; collectives: `runtime/topology.py`'s link model, so on
+    one node its bytes times one beta) under the solved and op-by-op choices.
     """
 
     def __init__(self) -> None:
@@ -97,7 +99,8 @@ class StepPlan:
         if kind is not None:
             return
         if rec is not None:
-            chosen, self.recorded_cost, self.solved_cost = solve(rec.graph)
+            chosen, recorded, solved = solve(rec.graph)
+            self.recorded_cost, self.solved_cost = _seconds(recorded), _seconds(solved)
             self.graph = rec.graph
             self.choices = [(c.func, c.cands[i] if c.steer else None, c.span)
                             for c, i in zip(rec.graph.calls, chosen)]
@@ -122,8 +125,8 @@ class StepPlan:
     def __repr__(self) -> str:
         if self.graph is None:
             return "StepPlan(not recorded yet)"
-        lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's bytes over the step, all ranks' "
-                 f"bytes, collectives): op by op {self.recorded_cost}, solved {self.solved_cost}; "
+        lines = [f"StepPlan: {len(self.graph.calls)} calls; bill (busiest rank's receive seconds over the step, all "
+                 f"ranks', collectives): op by op {_shown(self.recorded_cost)}, solved {_shown(self.solved_cost)}; "
                  f"{'steering' if self.steering else 'not steering'}"]
         for k, func, before, after in self.changes():
             lines.append(f"  call {k} {func}: {before[0]} -> {before[1]}  became  {after[0]} -> {after[1]}")
@@ -210,12 +213,12 @@ class StepPlan:
             # target holds the source's value, in whatever layout the source's maker is steered to
             # (the fresh target's own values are never read: the call reads nothing)
             v = self._value_of(tensors[1], dec.sources[1], cls)
-            g.set_call(k, [(dec.targets, (None,) * len(outs))], 0, [((), 0)], [], [None] * len(outs), steer=False)
+            g.set_call(k, [(dec.targets, (None,) * len(outs))], 0, [NOTHING], [], [None] * len(outs), steer=False)
             rec.tags[outs[0]] = v
             return
         if opts is None:  # nothing to choose; the outputs' layouts are what the run gave them
             made_in = tuple(o._layout if isinstance(o, cls) else None for o in outs)
-            srcs, cands, chosen, bills = dec.sources, [(dec.targets, made_in)], 0, [((), 0)]
+            srcs, cands, chosen, bills = dec.sources, [(dec.targets, made_in)], 0, [NOTHING]
         else:
             ctx, srcs, cands = opts
             mine = (dec.targets, dec.out_layouts)
@@ -275,6 +278,15 @@ def note_conversion(t: Any, dst: Layout) -> None:
             plan._rec.graph.read_outside(v, dst)
 
 
+def _seconds(score: tuple) -> tuple:
+    """A solver's score (ticks, ticks, collectives) in seconds."""
+    return (score[0] * TICK, score[1] * TICK, score[2])
+
+
+def _shown(cost: Optional[tuple]) -> str:
+    return "None" if cost is None else f"({cost[0]:.4g}, {cost[1]:.4g}, {cost[2]})"
+
+
 def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[tuple]:
     """What a choice costs besides its inputs' conversions: the kernel's own sends, an in-place result's
     conversion back into its target. None: impossible."""
@@ -282,7 +294,7 @@ def _own_bill(ctx: Any, srcs: tuple, choice: tuple, dec: Decision) -> Optional[t
     bills = []
     rule = RULES.get(ctx.func)
     if rule is not None and rule.kernel_cost is not None:
-        bills.append(rule.kernel_cost(ctx, srcs, targets, out_layouts))
+        bills.append(kernel_bill(rule.kernel_cost(ctx, srcs, targets, out_layouts)))
     if dec.inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], dec.out_dtypes[0]))
     if any(b is None for b in bills):

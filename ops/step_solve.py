@@ -14,11 +14,12 @@ reader's choice names). The bill of a choice of every call:
 - per call, what its kernel sends itself and an in-place result's conversion
   back into its target.
 
-Each bill is the bytes every global rank receives, and collectives; they are
-summed rank by rank over the step (`Cost`), and the step is scored by (its
-busiest rank's bytes, all ranks' bytes, collectives), compared in that order:
-the rank the step waits on. Not by the sum of each conversion's busiest rank:
-with uneven shards the busiest rank differs between conversions, and a choice
+Each bill is the time every global rank's receives take (its bytes times the
+beta of the link they cross, `decide.Bill.ticks`: on one node, its bytes
+times one beta), and collectives; they are summed rank by rank over the step
+(`Cost`), and the step is scored by (its busiest rank's receive time, all
+ranks', collectives), compared in that order: the rank the step waits on.
+Not by the sum of each conversion's busiest rank: with uneven shards the busiest rank differs between conversions, and a choice
 that lowers that sum can raise the step's busiest rank (test_step_plan.py's
 example: 568 -> 544 bytes in all, 176 -> 192 on rank 2).
 
@@ -52,7 +53,7 @@ from typing import Any, Optional
 import torch
 
 from ..layout import Layout
-from .decide import conversion_cost, owed_by
+from .decide import NOTHING, Bill, conversion_cost, owed_by
 
 INF = (float("inf"), 0, 0)    # an impossible choice's score
 MAX_SWEEPS = 20
@@ -118,14 +119,14 @@ class Graph:
             self.values[r.value].readers.append((k, r))
 
 
-def _term(bill: Optional[tuple], world: int) -> tuple:
-    """A (bytes per rank, collectives) bill, or None (impossible), as (bytes of each of the `world`
-    global ranks, collectives, impossible): what `Cost.add` sums. A bill's vector stops at the highest
-    rank it names; the term runs to the step's highest rank, so that every term has one length."""
+def _term(bill: Optional[Bill], world: int) -> tuple:
+    """A bill (`decide.Bill`), or None (impossible), as (the receive time of each of the `world` global
+    ranks, collectives, impossible): what `Cost.add` sums. A bill's vector stops at the highest rank it
+    names; the term runs to the step's highest rank, so that every term has one length."""
     if bill is None:
         return (0,) * world, 0, 1
-    vec, n = bill
-    return tuple(vec) + (0,) * (world - len(vec)), n, 0
+    vec = bill.ticks
+    return tuple(vec) + (0,) * (world - len(vec)), bill.collectives, 0
 
 
 class Cost:
@@ -195,7 +196,7 @@ class _Search:
         # every bill as a vector over the ranks up to the highest any layout or call's bill names
         self.world = max([max(lay.placement.flat_ranks) + 1 for lay in self.layouts]
                          + [len(b[0]) for c in g.calls for b in c.bills if b is not None] + [0])
-        nothing = _term(((), 0), self.world)  # a decomposition's own bill
+        nothing = _term(NOTHING, self.world)  # a decomposition's own bill
         self.own = [[_term(b, self.world) for b in c.bills] or [nothing] for c in g.calls]
         self._bills: dict = {}
         self.work = 0

@@ -19,6 +19,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # starts (fp32 sums split over two threads round differently: test_resume_after_sigkill_is_bitwise).
 os.environ["OMP_NUM_THREADS"] = "1"
 
+# The tests count the textbook's bytes on every backend: gloo processes (which inherit this) decide by the
+# simulator's link model (bandwidth only), not gloo's default (alpha 50 us, under which a launch outweighs the
+# kilobytes these tests move, and the plans trade bytes for fewer collectives: tests/test_time_cost.py shows
+# both). A test of another model installs it (gt.link_model) or removes this (monkeypatch.delenv).
+os.environ["GT_LINK_MODEL"] = "sim"
+
 import torch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -30,7 +30,7 @@ FLOORS = [
     ("parallel", ("globaltensor.parallel",)),
     ("tools", ("globaltensor.tools",)),
     ("front door", ("globaltensor.api", "globaltensor.factory", "globaltensor.checkpoint", "globaltensor.data",
-                    "globaltensor.hf", "globaltensor.planning")),
+                    "globaltensor.hf", "globaltensor.planning", "globaltensor.calibrate")),
     ("models", ("globaltensor.models",)),
 ]
 

@@ -190,13 +190,15 @@ def test_three_steps_end_to_end(name: str, strategy: str, world: int) -> None:
 
 @pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "bart"])
 def test_uneven_mesh_makes_as_few_collectives(name: str) -> None:
-    """Data parallelism over 3 ranks (a batch of 8 split 3, 3, 2) equals one device and makes at most two
-    collectives more than over 4 (the loss's count of an uneven split): a handful of buckets, not one per
-    activation (99 at filing time), and no more bytes than DDP's all-reduce."""
+    """Data parallelism over 3 ranks (a batch of 8 split 3, 3, 2) equals one device and makes no more
+    collectives than over 4 (issue 38): a handful of buckets, not one per activation (99 at filing time), and
+    no more bytes than DDP's all-reduce. The loss's mean over the logits' rows (a reshape of the uneven batch
+    split: ragged rows) runs as its decomposition on the ragged rows, each rank's sum over the all-reduced
+    count; it used to balance the rows first, an all-to-all forward and one backward (2 more than 4 ranks)."""
     even = hf_zoo.step(hf_zoo.ZOO[name], "dp", 4)
     uneven = hf_zoo.step(hf_zoo.ZOO[name], "dp", 3)
     _equal_one_device(name, uneven)
-    assert uneven["collectives"] <= even["collectives"] + 2, (uneven["collectives"], even["collectives"])
+    assert uneven["collectives"] <= even["collectives"], (uneven["events"], even["events"])
     assert uneven["recv_bytes"] <= uneven["textbook"] + LOSS_BYTES
 
 

@@ -2,8 +2,8 @@
 
 The simulator models G ranks per node (`gt.launch(..., ranks_per_node=G)`, as torchrun numbers them: node k
 holds ranks k*G .. k*G + G - 1); placements made there carry it, the boxing planner prices a byte between
-nodes `across_cost` bytes inside one, and `gt.comm_log().by_link()` splits what a rank received into
-collectives inside a node and those spanning nodes. The textbook is the hierarchical all-reduce (NCCL's
+nodes by the across link's beta (8x the inside one's: `Topology.across_cost`), and `gt.comm_log().by_link()`
+splits what a rank received into collectives inside a node and those spanning nodes. The textbook is the hierarchical all-reduce (NCCL's
 tree/ring over nodes, Megatron's and HSDP's layout): reduce-scatter inside a node, all-reduce across nodes on
 1/G of the tensor, all-gather inside, so each rank receives 2(s/G)(N-1)/N bytes across nodes for a tensor of
 s bytes over N nodes, where a flat all-reduce over the same ranks moves 2s(N-1)/N across.
@@ -141,8 +141,8 @@ def test_hsdp_shards_inside_a_node_and_replicates_across():
 def test_bad_topologies_are_refused_by_name():
     with pytest.raises(ValueError, match="ranks_per_node"):
         Topology(0)
-    with pytest.raises(ValueError, match="across_cost"):
-        Topology(2, across_cost=0)
+    with pytest.raises(ValueError, match="beta"):  # a byte across nodes is priced by the link model's betas
+        gt.Link(10e-6, 0.0)
     with pytest.raises(ValueError, match="simulator only"):
         gt.launch(lambda: None, 2, backend="gloo", ranks_per_node=1)
 
@@ -178,8 +178,8 @@ def test_an_op_takes_each_piece_from_a_holder_on_its_own_node(op):
     to (S(0), S(0)) (a for free, b by a point-to-point exchange: ranks (0, 1) and (1, 0) each lack one quarter,
     held by one rank on each node). Every piece comes from the holder on the receiver's node: 0 bytes across
     nodes, where the planner blind to nodes takes both from the other node. The per-op choice prices bytes
-    between nodes dearer too (`boxing.priced_bytes`): before the exchange chose holders by node, it paid an
-    all-gather inside each node (64 B a rank) rather than the exchange it priced across."""
+    between nodes dearer too (`decide.conversion_cost`, priced by the link model's betas): before the exchange
+    chose holders by node, it paid an all-gather inside each node (64 B a rank) rather than the exchange it priced across."""
     a_full, b_full = torch.arange(16, dtype=torch.float64), torch.arange(16, dtype=torch.float64) * 10
 
     def body():

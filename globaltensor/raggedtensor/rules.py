@@ -30,6 +30,15 @@ class Rows(NamedTuple):
     unit: Optional[int]
 
 
+def _every_rank_has_rows(sizes: Any) -> bool:
+    """Whether every size in `sizes` (per mesh axis: None, or sizes per rank, nested or not) is positive."""
+    if sizes is None:
+        return True
+    if isinstance(sizes, (tuple, list)):
+        return all(_every_rank_has_rows(s) for s in sizes)
+    return sizes > 0
+
+
 def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list, cls: type) -> Any:
     """An op that works along dims other than the ragged one, run on the shards with no data moved.
 
@@ -50,6 +59,13 @@ def _by_rule(func: Any, args: tuple, kwargs: dict, ragged: list, cls: type) -> A
     if any(isinstance(t, GlobalTensor) and t.placement != p for t in tensors):
         return _NOT_TAKEN
     dec = decision_of(func, args, kwargs, GlobalTensor)
+    if dec is not None and dec.kind == "decompose" and dec.rule.decompose is not None and \
+            all(t._auto for t in ragged) and _every_rank_has_rows(sizes):
+        # its parts on the ragged rows (a loss's mean over a reshape's uneven rows: the sum of each rank's
+        # rows, Partial, over the all-reduced count), each taken ragged or balanced as it can be: balancing
+        # the whole op's inputs first cost a 3-rank mesh two all-to-alls a step that 4 ranks do not make.
+        # Not where a rank holds no rows: a decomposition's parts may reduce them (softmax's amax of none)
+        return dec.rule.decompose(func, args, kwargs)
     if dec is None or dec.kind != "kernel":
         return _NOT_TAKEN
     rows = Rows(axes, sizes, first._unit if all(t._auto for t in ragged) else None)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .comm import Communicator
 from .failure import CollectiveError, default_timeout
-from .topology import Topology
+from .topology import Topology, default_for, install
 from .watch import CollectiveWatch, enabled as _watch_enabled, exit_with
 
 # torch >= 2.12 renamed the single-tensor collectives; keep older torch working
@@ -72,6 +72,7 @@ class TorchDistCommunicator(Communicator):
         self._in_flight: list = []  # (work, tensor) of asynchronous sends (p2p_async)
         self._watch: CollectiveWatch | None = None
         self.topology = Topology.from_environment()
+        install(default_for(self.backend))
 
     def watch_collectives(self, fail=exit_with) -> None:
         """Name a mismatched collective within seconds instead of waiting out the timeout (`runtime/watch.py`).

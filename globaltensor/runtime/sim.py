@@ -23,7 +23,7 @@ import torch
 
 from .comm import Communicator
 from .failure import CollectiveError, default_timeout, raise_rank_failure
-from .topology import ONE_NODE, Topology
+from .topology import ONE_NODE, Topology, default_for, install
 
 REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -86,6 +86,7 @@ class SimWorld:
                  topology: Topology = ONE_NODE) -> None:
         self.world_size = world_size
         self.topology = topology
+        install(default_for("sim"))  # a world starts on the defaults (a model calibrated in another is not its)
         self.timeout = default_timeout() if timeout is None else timeout
         self.device = torch.device(device)
         self.cond = threading.Condition()
