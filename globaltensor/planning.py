@@ -52,18 +52,12 @@ from .parallel.pipeline import ActivationMeter
 from .parallel.zero import gathered_bytes
 from .placement import Placement
 from .runtime import comm_log, launch
+from .runtime.topology import GLOO_CPU, LinkModel, in_force
 from .sbp import Broadcast, Split, Strided
 from .tensor import GlobalTensor
 from .tools.explain import dry_run
 
-__all__ = ["auto_plan", "AutoPlan", "Figures", "measure", "step_time", "ALPHA", "BANDWIDTH", "FLOP_RATE"]
-
-# The cost model's constants, in one place (gloo on this machine's CPUs; issue 38's alpha-beta link model per
-# mesh axis, `runtime/topology.py`, is to replace them): seconds per collective, bytes received per second,
-# floating-point operations per second and rank.
-ALPHA = 50e-6
-BANDWIDTH = 1e9
-FLOP_RATE = 2e10
+__all__ = ["auto_plan", "AutoPlan", "Figures", "measure", "step_time", "planning_links"]
 
 DATA_STRATEGIES = ("dp", "zero2", "zero3")
 # seconds a dry-run rank may wait in a collective: the simulator runs the ranks one at a time, so on 64 ranks a
@@ -71,10 +65,19 @@ DATA_STRATEGIES = ("dp", "zero2", "zero3")
 DRY_RUN_TIMEOUT = 3600.0
 
 
-def step_time(collectives: Any, recv_bytes: Any, flops: Any) -> Any:
+def planning_links() -> LinkModel:
+    """The link model plans are timed by: the one in force (`runtime/topology.py`, `gt.calibrate`) where it weighs
+    time; where it weighs bytes alone (the simulator's default, so that op decisions are the textbook's), gloo's."""
+    links = in_force()
+    return links if links.inside.alpha > 0 or links.flop > 0 else GLOO_CPU
+
+
+def step_time(collectives: Any, recv_bytes: Any, flops: Any, links: Optional[LinkModel] = None) -> Any:
     """Seconds one rank spends on a step: a latency per collective, its received bytes at the link's bandwidth,
-    its arithmetic at the rank's rate (no overlap assumed). Numbers or numpy arrays (one entry per rank)."""
-    return ALPHA * collectives + recv_bytes / BANDWIDTH + flops / FLOP_RATE
+    its arithmetic at the rank's rate (no overlap assumed), by `links` (default `planning_links()`). Numbers or
+    numpy arrays (one entry per rank)."""
+    links = links or planning_links()
+    return links.inside.alpha * collectives + recv_bytes * links.inside.beta + flops * links.flop
 
 
 @dataclass(frozen=True)
@@ -460,6 +463,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
         raise ValueError("auto_plan(model): already converted (its parameters are GlobalTensors); pass the "
                          "single-device model")
     started = time.perf_counter()
+    links = planning_links()  # the caller's, before the dry runs start worlds of their own
     loss_fn = loss_fn or _loss_of
     if tensor_plans is None:
         tensor_plans = {"tp": None} if model_tp_plan(model) else {}
@@ -520,7 +524,7 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
                 groups = ([group["block"]] if by.get("zero3") else []) + ([group["root"]] if root == "zero3" else [])
                 regather = 2 * np.max(groups, axis=0) if groups else 0  # the backward's re-gather and its prefetch
                 peaks = table[2] + table[3] + table[4] + regather
-                times = step_time(table[1], table[0], step_flops)  # per rank (numpy arrays)
+                times = step_time(table[1], table[0], step_flops, links)  # per rank (numpy arrays)
                 candidates.append(Candidate(axes, root, tuple(zip(strategies, counts)), table, peaks, times,
                                             step_flops))
     if not candidates:
