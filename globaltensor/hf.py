@@ -139,7 +139,7 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       otherwise reduce piecemeal. The routing weights' gradient (the module's third argument) is all-reduced
       at the boundary too (`arg_grads={2: B}`), as transformers' `_AllReduceBackward` and Megatron do: left to
       the dispatcher, it was reduce-scattered over the tokens (cheapest for that op), and the residual stream's
-      gradient then arrived split at the module before and was gathered there, 16x the routing weights' bytes
+      gradient then arrived split at the module before and was gathered there, 9x the routing weights' bytes
       on Mixtral.
     Others (local, fused-attention and identity-expert styles, and "ep_router", which transformers removed)
     raise NotImplementedError: they name per-rank behaviour that this mapping does not reproduce. The
