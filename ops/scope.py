@@ -109,6 +109,8 @@ def grad_sinks() -> tuple:
     node = torch._C._current_autograd_node() if not _SCOPE.entries else None
     if node is None:  # outside a backward, or inside a scope: its plan (the named module's, ZeRO's) decides
         return ()
+    if torch.compiler.is_compiling() or "Compiled" in node.name():
+        return ()  # a compiled backward is one node over every parameter: shapes alone would name the wrong ones
     memo = _SINKS
     if memo.node is not node:
         found = []
