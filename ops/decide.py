@@ -34,7 +34,7 @@ from ..sbp import Broadcast, Partial, Ragged, Split
 from .errors import data_dependent, kernel_error
 from .keys import geometry_of, meta_of
 from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
-from .scope import excused, grad_sink
+from .scope import excused
 from .span import placement_of
 
 MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
@@ -341,21 +341,6 @@ def owed_by(layout: Layout, shape: tuple, dtype: torch.dtype) -> tuple:
     return best if best is not None else ((), 0)
 
 
-def owed(layout: Layout, shape: tuple, dtype: torch.dtype) -> Optional[tuple]:
-    """What an output in `layout` still owes. A Partial one its cheapest reduction (`owed_by`), unless a scope
-    excuses it (a named module's, a ZeRO module's reduce-scatter). One without Partial that is a parameter's
-    gradient (`scope.grad_sink`) its conversion into the parameter's layout, which the optimizer reads: a split
-    the parameter does not have is gathered back there. A Partial gradient keeps the reduction's charge: the
-    bucket reduces it as DDP does, whichever op made it; charging it the whole all-reduce would trade that for
-    gathering the activations where they are smaller (an expert's weight), a step-wide choice (gt.step_plan)."""
-    if layout.has_partial:
-        return ((), 0) if excused(shape) else owed_by(layout, shape, dtype)
-    sink = grad_sink(shape, dtype)
-    if sink is not None and sink.placement == layout.placement:
-        return conversion_cost(layout, sink, shape, dtype)
-    return (), 0
-
-
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
                    inplace: bool) -> tuple:
     """(most bytes a rank receives, bytes all ranks receive, collectives, collectives now) of one
@@ -363,8 +348,7 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
 
     An in-place op owes the conversion of its result into its target's layout; any other op owes, for
     each Partial output, the cheapest reduction (except inside a module whose boundary layouts the user
-    named: see `ops/scope.py`), and for a parameter's gradient its conversion into the parameter's layout
-    (`owed`). Infinite when some conversion does not exist. On equal
+    named: see `ops/scope.py`). Infinite when some conversion does not exist. On equal
     bytes and collectives, the choice that communicates later wins: a Partial passed on may meet a
     consumer that takes it as it is (a linear op, the gradient bucket) and never pay.
     """
@@ -383,8 +367,8 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
     else:
-        bills += [owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype) for j, lay in enumerate(out_layouts)
-                  if lay is not None]
+        bills += [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
+                  for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0)
     per_rank, collectives = summed(bills)
@@ -418,8 +402,8 @@ def _choose(call: Call, tensors: list) -> Optional[tuple]:
             return False
         if inplace:
             return out_layouts[0] == srcs[0]
-        return all(lay is None or owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype) == ((), 0)
-                   for j, lay in enumerate(out_layouts))
+        return not any(lay is not None and lay.has_partial and not excused(tuple(ctx.out_shapes[j]))
+                       for j, lay in enumerate(out_layouts))
 
     # a choice that boxes nothing and owes nothing costs nothing: the first valid one wins without
     # planning any conversion (boxing searches are most of a cache miss)

@@ -268,4 +268,6 @@ def test_arg_grads_lay_out_another_arguments_gradient():
 def test_arg_grads_are_checked():
     with pytest.raises(TypeError, match="arg_grads"):
         gt.ModuleLayout(arg_grads={-1: B})
+    with pytest.raises(TypeError, match="input_grad"):
+        gt.ModuleLayout(arg_grads={0: B})  # the first argument's gradient is input_grad's
     assert gt.ModuleLayout(arg_grads={"weights": B}) == gt.ModuleLayout(arg_grads={"weights": B})

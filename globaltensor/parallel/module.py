@@ -50,18 +50,19 @@ class ModuleLayout:
 
     `input`/`output`: the layout the module's first argument is converted to before `forward` (its first
     positional one; for a call with keywords alone, its forward's first parameter's: a transformers decoder layer
-    calls `self_attn(hidden_states=...)`), and the layout its output is converted to after. `input_grad`/`output_grad`: the
-    layout the gradient of that tensor is converted to in the backward (default: the dual of its
-    forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
+    calls `self_attn(hidden_states=...)`), and the layout its output is converted to after.
+    `input_grad`/`output_grad`: the layout the gradient of that tensor is converted to in the backward (default:
+    the dual of its forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
     axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
     SBP stands for a 1-D mesh's tuple. An `output` entry may be `gt.ragged(d)`: dim d cut as the
     module's input arrived cut on that axis (its ragged sizes, or a balanced split where it arrived
     split; whole where it arrived whole): MoE's experts hand their output back to the tokens' cut of the groups.
 
-    `arg_grads`: {argument: layout of its gradient} for the module's other arguments, each named by its position in
-    the forward's parameters (0 is the first) or by its name, passed positionally or by keyword; the forward
-    leaves them as they are. MoE's experts all-reduce the routing weights' gradient (their third argument) at
-    their boundary, as Megatron and transformers' `MoeExpertsParallel` do: `arg_grads={2: B}`.
+    `arg_grads`: {argument: layout of its gradient} for the module's other arguments, each named by its position
+    in the forward's parameters (1 is the second; the first's is `input_grad`) or by its name, passed positionally
+    or by keyword; the forward leaves them as they are. MoE's experts all-reduce the routing weights' gradient
+    (their third argument) at their boundary, as Megatron and transformers' `MoeExpertsParallel` do:
+    `arg_grads={2: B}`.
 
     `params`: the compute layout of the module's parameters (recursively, except those of
     submodules with their own `params`): stored as the plan's nd-SBP says, they take this layout
@@ -102,10 +103,10 @@ class ModuleLayout:
                              "params, row_local, expert_local")
         if self.arg_grads is not None:
             if not isinstance(self.arg_grads, Mapping) or not all(
-                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
+                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)
                     for k in self.arg_grads):
-                raise TypeError(f"ModuleLayout(arg_grads=): expected {{argument position or name: gradient layout}}, "
-                                f"got {self.arg_grads!r}")
+                raise TypeError("ModuleLayout(arg_grads=): expected {argument position (1 on: the first argument's "
+                                f"is input_grad) or name: gradient layout}}, got {self.arg_grads!r}")
             object.__setattr__(self, "arg_grads", tuple(sorted(self.arg_grads.items(), key=str)))
         for name in ("row_local", "expert_local"):
             if not isinstance(getattr(self, name), bool):
@@ -226,12 +227,9 @@ class _NamedModule:
         if self.more:
             args, kwargs = self._other_args(module, args, kwargs)
         key = _first_keyword(module, kwargs) if not args else None
-        if key is not None:
-            (x,) = self.before(module, (kwargs[key],), {})[0]
-            return args, {**kwargs, key: x}
-        if torch.compiler.is_compiling():
-            return _compiled_before(self._slot, args), kwargs
-        return self._before(args), kwargs
+        first = (kwargs[key],) if key is not None else args
+        first = _compiled_before(self._slot, first) if torch.compiler.is_compiling() else self._before(first)
+        return (args, {**kwargs, key: first[0]}) if key is not None else (first, kwargs)
 
     def _other_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         """`arg_grads`: the named arguments' gradients laid out, found by position or name in the forward's
