@@ -104,11 +104,9 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
 
     Styles (nn.Linear weight [out, in]; nn.Embedding weight [vocab, dim]):
     - "colwise": weight and bias split on dim 0, so the output comes out split on its last dim; the
-      input's gradient (Partial) is all-reduced at the module (`input_grad=B`), as Megatron does.
-      The reduction is per module (q, k and v each), not once per attention block as `models/gpt.py`
-      does: a decoder layer calls its attention with keyword arguments, which a ModuleLayout's `input`
-      (the first positional argument) does not see, and leaving the gradient to the dispatcher costs
-      more collectives than the three all-reduces.
+      input's gradient (Partial) is all-reduced (`input_grad=B`), as Megatron's f does: at the module, or, where
+      two or more column-parallel modules are children of one module (the attention's q, k and v, the MLP's
+      gate and up), once at that parent (`_reduce_at_parents`), as `models/gpt.py` does.
     - "colwise_rep", "colwise_gather_output": colwise, output gathered (`output=B`).
     - "rowwise", "rowwise_rep": weight split on dim 1, bias whole; the output (Partial) all-reduced
       (`output=B`). "rowwise_split_input" likewise: a whole input is split by the dispatcher for the
@@ -138,10 +136,11 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
       all-reduced, as transformers' `MoeExpertsParallel`; on the other mesh axes the output's rows go back to
       the cut the input's tokens arrived in (`gt.ragged(0)`: a data axis's split, or whole), since the
       experts' sort of the whole batch's tokens leaves their sum Partial there, which the next layer would
-      otherwise reduce piecemeal. The routing weights (the module's third argument) are left to the
-      dispatcher, which reduce-scatters their gradient over the tokens where transformers all-reduces it
-      (`_AllReduceBackward`): fewer bytes there, and the residual stream's gradient then arrives split over
-      the tokens at the module before (an all-gather of half of it on 2 ranks).
+      otherwise reduce piecemeal. The routing weights' gradient (the module's third argument) is all-reduced
+      at the boundary too (`arg_grads={2: B}`), as transformers' `_AllReduceBackward` and Megatron do: left to
+      the dispatcher, it was reduce-scattered over the tokens (cheapest for that op), and the residual stream's
+      gradient then arrived split at the module before and was gathered there, 9x the routing weights' bytes
+      on Mixtral.
     Others (local, fused-attention and identity-expert styles, and "ep_router", which transformers removed)
     raise NotImplementedError: they name per-rank behaviour that this mapping does not reproduce. The
     expert-parallel styles ("grouped_gemm", "ep_dispatch_experts") are `ep_plan`'s, from the model's
@@ -171,6 +170,7 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
     params = dict(model.named_parameters())
     out: dict[str, Any] = {}
     layouts: dict[str, Any] = {}
+    colwise: list = []  # (key, the keys it was emitted as, its modules) of each column-parallel style
     for key, style in source.items():
         theirs = sorted(n for n in modules if generic_name(n) == key)
         ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, key))
@@ -200,7 +200,7 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
         if style == "moe_tp_experts":
             # the output's rows handed back in the tokens' cut the input arrived in on the other axes: transformers'
             # experts sort the whole batch's tokens by expert, which leaves their sum Partial over a data axis
-            layout = ModuleLayout(input=B, input_grad=B,
+            layout = ModuleLayout(input=B, input_grad=B, arg_grads={2: B},
                                   output=tuple(Broadcast() if a == axis else Ragged(0) for a in range(ndim)))
         elif style in ("colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"):
             weight, bias = (col, col) if style != "packed_colwise" else (on_axis(Strided(0, 2)),) * 2
@@ -222,14 +222,55 @@ def tp_plan(model: torch.nn.Module, axis: int = 0, ndim: Optional[int] = None,
             pass
         else:
             raise NotImplementedError(f"{where} is unknown to this mapping")
+        if style in _COLWISE:
+            colwise.append((key, keys, theirs))
         for k in keys:
             if layout is not None:
                 layouts[k] = layout
             for suffix, sbp in (("weight", weight), ("bias", bias)):
                 if sbp is not None and any(f"{n}.{suffix}" in params for n in (theirs if k == key else [k])):
                     out[f"{k}.{suffix}"] = sbp
+    _reduce_at_parents(colwise, modules, layouts, B)
     out.update(layouts)
     return out
+
+
+# column-parallel styles: the module's input gradient is Partial over the tensor axis, reduced once for the siblings
+# that read one input (`_reduce_at_parents`)
+_COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}
+
+
+def _reduce_at_parents(colwise: list, modules: Mapping[str, torch.nn.Module], layouts: dict, B: tuple) -> None:
+    """Megatron's f operator once per block: where two or more column-parallel modules are children of one module
+    (an attention's q, k and v; an MLP's gate and up), that parent, which hands them its first argument (a
+    transformers decoder layer passes it by keyword: `self_attn(hidden_states=...)`), all-reduces its input's
+    gradient (`input_grad=B`), and its children leave theirs Partial: one all-reduce of [tokens, hidden] instead
+    of one per child. A parent the plan lays out itself, or the root, keeps the children's own reductions; so
+    does a parent whose children read other inputs than its first (a cross-attention's k and v read the
+    encoder's states): their gradients are then reduced where the dispatcher finds it cheapest, equal values."""
+    children: dict[str, int] = {}
+    for _, _, names in colwise:
+        for n in names:
+            parent = n.rpartition(".")[0]
+            children[parent] = children.get(parent, 0) + 1
+    hinted = {p for p, c in children.items() if c >= 2 and p and modules.get(p) is not None
+              and not any(fnmatch.fnmatchcase(p, k) for k in layouts if layouts[k].input_grad is not None
+                          or layouts[k].input is not None or layouts[k].output is not None)}
+    if not hinted:
+        return
+    for key, keys, names in colwise:
+        if not all(n.rpartition(".")[0] in hinted for n in names):
+            continue
+        for k in keys:
+            old = layouts.pop(k)
+            if old.output is not None:
+                layouts[k] = ModuleLayout(output=old.output)
+    generic = {generic_name(p) for p in hinted}
+    for g in sorted(generic):
+        theirs = sorted(n for n in modules if generic_name(n) == g)
+        ours = sorted(n for n in modules if fnmatch.fnmatchcase(n, g))
+        for k in ([g] if theirs == ours and set(theirs) <= hinted else sorted(set(theirs) & hinted)):
+            layouts[k] = ModuleLayout(input_grad=B)
 
 
 def model_ep_plan(model: torch.nn.Module) -> dict[str, str]:

@@ -248,13 +248,16 @@ def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
     DDP on the data axis): the data axis' all-reduce of each gradient shard this rank holds, 2(d-1)/d of it, and
     on the tensor axis (t ranks) 2(t-1)/t of each all-reduced activation, this data rank's half of the batch's
     (`acts`, from `activations`): a row-parallel module's (and a vocab-parallel embedding's) output in the forward,
-    a column-parallel module's input gradient in the backward, and (t-1)/t of a gathered column-parallel output
-    ("colwise_rep") in the forward. None where the plan has a style this count does not know."""
+    a column-parallel block's input gradient in the backward (Megatron's f: once for the column-parallel children
+    of one module, an attention's q, k and v, an MLP's gate and up, which read its input), and (t-1)/t of a
+    gathered column-parallel output ("colwise_rep") in the forward. None where the plan has a style this count does
+    not know."""
     d, t = 2, world // 2
     size = next(model.parameters()).element_size()
     total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
                 for q in model.parameters() if q.requires_grad)
     modules = dict(model.named_modules())
+    blocks: set = set()  # the modules whose column-parallel children's input gradient is counted
     for key, style in gt.hf.model_tp_plan(model).items():
         for name in modules:
             if gt.hf.generic_name(name) != key:
@@ -262,6 +265,10 @@ def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
             if name not in acts:
                 return None  # a planned module that took or gave no single tensor: not this count's
             x, y = (n / d * size for n in acts[name])
+            if style.startswith("colwise"):
+                if name.rpartition(".")[0] in blocks:
+                    x = 0  # a sibling's: its block's input gradient is counted once
+                blocks.add(name.rpartition(".")[0])
             if style == "colwise":
                 total += 2 * (t - 1) / t * x
             elif style in ("colwise_rep", "colwise_gather_output"):

@@ -117,7 +117,9 @@ def comm_of_a_step(use_cache: bool) -> tuple[dict, dict]:
 def test_tp_communicates_as_megatron(use_cache):
     """Forward: one all-reduce of [4, 8, 32] fp64 (8 KiB) after the vocab-parallel embedding and each row-parallel
     projection (1 + 2 per layer), one all-gather of the vocab-split logits; backward: one all-reduce of each
-    column-parallel module's input gradient (q, k, v, gate, up per layer, and lm_head). transformers' KV cache
+    column-parallel block's input gradient, Megatron's f (the attention's, whose q, k and v read it, and the MLP's,
+    for gate and up, per layer, and lm_head's), where each of the five projections all-reduced its own until
+    `gt.hf.tp_plan` hinted their parent (the attention takes its input by keyword). transformers' KV cache
     (`use_cache=True`, its default) changes nothing: its `torch.cat` of a plain empty 1-D tensor with the key
     split on the heads keeps the split (it made the key Partial, two reduce-scatters per layer, until torch.cat's
     rule learnt that torch skips such a tensor)."""
@@ -126,7 +128,7 @@ def test_tp_communicates_as_megatron(use_cache):
         fwd, bwd = gt.launch(comm_of_a_step, 2, args=(use_cache,))[0]
     layers = CFG["num_hidden_layers"]
     assert fwd == {("all_reduce", 8192): 1 + 2 * layers, ("all_gather", 8192): 1}
-    assert bwd == {("all_reduce", 8192): 5 * layers + 1}
+    assert bwd == {("all_reduce", 8192): 2 * layers + 1}
 
 
 @pytest.mark.parametrize("mesh", [(2,), (2, 2)])
@@ -153,7 +155,10 @@ def test_plan_from_llama():
     assert plan["model.embed_tokens.weight"] == (B, S0)
     assert plan["lm_head.weight"] == (B, S0)
     assert "model.layers.*.self_attn.q_proj.bias" not in plan  # Llama's projections have no bias
-    assert plan["model.layers.*.self_attn.q_proj"] == gt.ModuleLayout(input_grad=(None, B))
+    # q, k and v read the attention's input: its gradient all-reduced once there (Megatron's f), not at each
+    assert "model.layers.*.self_attn.q_proj" not in plan
+    assert plan["model.layers.*.self_attn"] == gt.ModuleLayout(input_grad=(None, B))
+    assert plan["model.layers.*.mlp"] == gt.ModuleLayout(input_grad=(None, B))  # gate and up
     assert plan["model.layers.*.self_attn.o_proj"] == gt.ModuleLayout(output=(None, B))
     assert plan["lm_head"] == gt.ModuleLayout(input_grad=(None, B), output=(None, B))  # colwise_gather_output
     assert plan["model.embed_tokens"] == gt.ModuleLayout(output=(None, B))
@@ -196,15 +201,16 @@ def test_expert_styles_split_the_experts_weights_and_reduce_at_the_experts_bound
     """Mixtral's plan names the experts' 3-D weights as parameters: gate_up_proj [E, 2I, H] "packed_colwise" splits
     dim 1 strided in two groups (each rank its slice of gate and of up: `chunk` moves nothing), down_proj
     [E, H, I] "rowwise" dim 2;
-    the experts module takes its input whole, and all-reduces its output and its input's gradient on the tensor
-    axis (on the data axis its output's rows go back to the tokens' cut)."""
+    the experts module takes its input whole, and all-reduces its output, its input's gradient and the routing
+    weights' (its third argument) on the tensor axis (on the data axis its output's rows go back to the tokens'
+    cut)."""
     config = transformers.MixtralConfig(**CFG, num_local_experts=4, num_experts_per_tok=2)
     plan = gt.hf.tp_plan(transformers.MixtralForCausalLM(config), axis=1, ndim=2)
     for i in range(2):
         assert plan[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (gt.broadcast, gt.strided(1, 2))
         assert plan[f"model.layers.{i}.mlp.experts.down_proj"] == (gt.broadcast, gt.split(2))
     B = (None, gt.broadcast)
-    assert plan["model.layers.*.mlp.experts"] == gt.ModuleLayout(input=B, input_grad=B,
+    assert plan["model.layers.*.mlp.experts"] == gt.ModuleLayout(input=B, input_grad=B, arg_grads={2: B},
                                                                   output=(gt.ragged(0), gt.broadcast))
     with pytest.raises(NotImplementedError, match="'grouped_gemm' of parameter pattern 'model.layers.*.mlp.experts"):
         gt.hf.tp_plan(transformers.MixtralForCausalLM(config), plan={"model.layers.*.mlp.experts.down_proj":

@@ -153,3 +153,121 @@ def _hooks_replaced():
 
 def test_second_conversion_replaces_hints():
     assert gt.launch(_hooks_replaced, 2) == [(S(1),), (S(1),)]
+
+
+class _Attn(torch.nn.Module):
+    """Two column-parallel projections of one input and a row-parallel one; returns a tuple, as transformers'
+    attention modules do."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.o = torch.nn.Linear(6, 8), torch.nn.Linear(6, 8), torch.nn.Linear(8, 6)
+
+    def forward(self, hidden_states, scale=None):
+        return self.o(torch.tanh(self.q(hidden_states)) * self.k(hidden_states)) * scale, None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+    def forward(self, x):
+        out, _ = self.attn(hidden_states=x, scale=2.0)  # keywords alone, as a transformers decoder layer calls it
+        return out + x
+
+
+def _block_input_grad(on_block: bool):
+    torch.manual_seed(0)
+    ref, net = _Layer().double(), _Layer().double()
+    net.load_state_dict(ref.state_dict())
+    p = gt.placement("cpu", [0, 1])
+    plan = {"attn.q.*": S(0), "attn.k.*": S(0), "attn.o.weight": S(1), "attn.o": gt.ModuleLayout(output=B)}
+    hint = gt.ModuleLayout(input_grad=B)
+    plan.update({"attn": hint} if on_block else {"attn.q": hint, "attn.k": hint})
+    gt.to_global(net, p, plan)
+    x_full = torch.randn(5, 6, dtype=torch.float64)
+    x = gt.to_global(x_full.clone().requires_grad_(), p, B)
+    with gt.comm_log() as fwd:
+        y = net(x)
+    with gt.comm_log() as bwd:
+        (y * y).sum().backward()
+    ref_x = x_full.clone().requires_grad_()
+    (ref(ref_x) ** 2).sum().backward()
+    grads = [(q.grad.full_tensor(), dict(ref.named_parameters())[n].grad) for n, q in net.named_parameters()]
+    return ([(e.kind, e.recv_bytes) for e in fwd.events], [(e.kind, e.recv_bytes) for e in bwd.events],
+            (y.full_tensor(), ref(x_full).detach()), grads + [(x.grad.full_tensor(), ref_x.grad)])
+
+
+@pytest.mark.parametrize("on_block", [False, True])
+def test_input_hint_reaches_a_block_called_by_keyword(on_block):
+    """Megatron's f once per block: `input_grad=B` on a module called with keywords alone (`attn(hidden_states=x)`)
+    lays out its forward's first parameter, so q's and k's input gradients, left Partial inside (the named scope
+    runs to the block's input, the backward entering it at its tuple output's first tensor), are all-reduced once,
+    [5, 6] fp64; hinted on q and k each, twice."""
+    for fwd, bwd, (y, want), grads in gt.launch(_block_input_grad, 2, args=(on_block,)):
+        torch.testing.assert_close(y, want)
+        for got, ref in grads:
+            torch.testing.assert_close(got, ref)
+        assert fwd == [("all_reduce", 240)]
+        assert bwd == [("all_reduce", 240)] * (1 if on_block else 2)
+
+
+class _Weighted(torch.nn.Module):
+    """Experts' shape: forward(x, index, weights), the output weighted per row by `weights`."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6, bias=False)
+
+    def forward(self, x, index, weights):
+        return self.down(torch.relu(self.up(x))) * weights[:, None]
+
+
+class _Routed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(6, 1)
+        self.experts = _Weighted()
+
+    def forward(self, x):
+        return self.experts(x, None, weights=torch.sigmoid(self.router(x))[:, 0]) + x
+
+
+def _arg_grads():
+    torch.manual_seed(0)
+    ref, net = _Routed().double(), _Routed().double()
+    net.load_state_dict(ref.state_dict())
+    p = gt.placement("cpu", [0, 1])
+    gt.to_global(net, p, {"experts.up.*": S(0), "experts.down.weight": S(1),
+                          "experts": gt.ModuleLayout(input_grad=B, arg_grads={2: B}, output=B)})
+    x_full = torch.randn(5, 6, dtype=torch.float64)
+    x = gt.to_global(x_full.clone().requires_grad_(), p, B)
+    y = net(x)
+    with gt.comm_log() as bwd:
+        (y * y).sum().backward()
+    ref_x = x_full.clone().requires_grad_()
+    (ref(ref_x) ** 2).sum().backward()
+    grads = [(q.grad.full_tensor(), dict(ref.named_parameters())[n].grad) for n, q in net.named_parameters()]
+    return ([(e.kind, e.recv_bytes) for e in bwd.events], (y.full_tensor(), ref(x_full).detach()),
+            grads + [(x.grad.full_tensor(), ref_x.grad)], net.router.weight.grad.sbp)
+
+
+def test_arg_grads_lay_out_another_arguments_gradient():
+    """`arg_grads={2: B}` (by position, the call passing it by keyword): the routing weights' gradient, Partial
+    over the tensor axis ([5] fp64, 40 B), all-reduced at the experts' boundary, as Megatron's MoE does; the
+    router's gradients are then whole, and the input's is all-reduced once ([5, 6], 240 B)."""
+    for bwd, (y, want), grads, router_sbp in gt.launch(_arg_grads, 2):
+        torch.testing.assert_close(y, want)
+        for got, ref in grads:
+            torch.testing.assert_close(got, ref)
+        assert sorted(bwd) == [("all_reduce", 40), ("all_reduce", 240)]
+        assert router_sbp == (B,)
+
+
+def test_arg_grads_are_checked():
+    with pytest.raises(TypeError, match="arg_grads"):
+        gt.ModuleLayout(arg_grads={-1: B})
+    with pytest.raises(TypeError, match="input_grad"):
+        gt.ModuleLayout(arg_grads={0: B})  # the first argument's gradient is input_grad's
+    assert gt.ModuleLayout(arg_grads={"weights": B}) == gt.ModuleLayout(arg_grads={"weights": B})

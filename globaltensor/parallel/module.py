@@ -7,7 +7,7 @@ things; the first matching pattern of each kind wins:
   are Broadcast). A tensor reachable under several names (tied weights) is
   converted once, under its first name, and stays one Parameter.
 - a `ModuleLayout`, for the submodules whose names match (the root is ""):
-  the layouts its first positional input and its output are converted to,
+  the layouts its first input and its output are converted to,
   and the layouts their gradients take. This is how a user states activation
   layouts where the per-op choice should not decide them, as DTensor's
   `ColwiseParallel(input_layouts=, output_layouts=)` and OneFlow's
@@ -23,6 +23,7 @@ together, one collective per bucket as DDP does, instead of one per parameter an
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
@@ -47,14 +48,21 @@ class ModuleLayout:
     """Layouts at a module's boundary and of its parameters while it runs; each an nd-SBP (one entry
     per mesh axis) or None (leave alone).
 
-    `input`/`output`: the layout the module's first positional argument is converted to before
-    `forward`, and the layout its output is converted to after. `input_grad`/`output_grad`: the
-    layout the gradient of that tensor is converted to in the backward (default: the dual of its
-    forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
+    `input`/`output`: the layout the module's first argument is converted to before `forward` (its first
+    positional one; for a call with keywords alone, its forward's first parameter's: a transformers decoder layer
+    calls `self_attn(hidden_states=...)`), and the layout its output is converted to after.
+    `input_grad`/`output_grad`: the layout the gradient of that tensor is converted to in the backward (default:
+    the dual of its forward layout, i.e. Partial -> Broadcast). An entry of None inside a tuple keeps that mesh
     axis as the tensor arrives (a tensor-parallel hint leaves the data axis alone), and a single
     SBP stands for a 1-D mesh's tuple. An `output` entry may be `gt.ragged(d)`: dim d cut as the
     module's input arrived cut on that axis (its ragged sizes, or a balanced split where it arrived
     split; whole where it arrived whole): MoE's experts hand their output back to the tokens' cut of the groups.
+
+    `arg_grads`: {argument: layout of its gradient} for the module's other arguments, each named by its position
+    in the forward's parameters (1 is the second; the first's is `input_grad`) or by its name, passed positionally
+    or by keyword; the forward leaves them as they are. MoE's experts all-reduce the routing weights' gradient
+    (their third argument) at their boundary, as Megatron and transformers' `MoeExpertsParallel` do:
+    `arg_grads={2: B}`.
 
     `params`: the compute layout of the module's parameters (recursively, except those of
     submodules with their own `params`): stored as the plan's nd-SBP says, they take this layout
@@ -78,6 +86,7 @@ class ModuleLayout:
     """
     input: Optional[SbpLike] = None
     input_grad: Optional[SbpLike] = None
+    arg_grads: Optional[Mapping[Union[int, str], SbpLike]] = None
     output: Optional[SbpLike] = None
     output_grad: Optional[SbpLike] = None
     params: Union[SbpLike, Layout, None] = None
@@ -88,10 +97,17 @@ class ModuleLayout:
     expert_local: bool = False
 
     def __post_init__(self) -> None:
-        if all(getattr(self, f) is None for f in ("input", "input_grad", "output", "output_grad", "params")) \
-                and not self.row_local and not self.expert_local:
-            raise ValueError("ModuleLayout: give at least one of input, input_grad, output, output_grad, params, "
-                             "row_local, expert_local")
+        if all(getattr(self, f) is None for f in ("input", "input_grad", "arg_grads", "output", "output_grad",
+                                                  "params")) and not self.row_local and not self.expert_local:
+            raise ValueError("ModuleLayout: give at least one of input, input_grad, arg_grads, output, output_grad, "
+                             "params, row_local, expert_local")
+        if self.arg_grads is not None:
+            if not isinstance(self.arg_grads, Mapping) or not all(
+                    isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)
+                    for k in self.arg_grads):
+                raise TypeError("ModuleLayout(arg_grads=): expected {argument position (1 on: the first argument's "
+                                f"is input_grad) or name: gradient layout}}, got {self.arg_grads!r}")
+            object.__setattr__(self, "arg_grads", tuple(sorted(self.arg_grads.items(), key=str)))
         for name in ("row_local", "expert_local"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ModuleLayout({name}=): expected True or False, got {getattr(self, name)!r}")
@@ -169,7 +185,8 @@ class _Boundary:
     def before(self, module: torch.nn.Module, args: tuple) -> tuple:
         """Forward pre-hook: the first positional input laid out."""
         if not args:
-            raise TypeError(f"{self.where}: the module was called without a positional input")
+            raise TypeError(f"{self.where}: the module was called without its first argument (positional, or "
+                            "by its forward's first parameter's name)")
         return (self.apply(args[0]),) + tuple(args[1:])
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any, arrived: Any = None) -> Any:
@@ -192,6 +209,7 @@ class _NamedModule:
     the named scope, where the cost model takes Partial outputs as the plan's (`ops/scope.py`)."""
     inp: Optional[_Boundary]
     out: Optional[_Boundary]
+    more: tuple = ()  # ((argument position or name, _Boundary of its gradient), ...): ModuleLayout.arg_grads
 
     def __post_init__(self) -> None:
         # its number among the boundaries ever made (equal ones share one): under torch.compile the hooks hand
@@ -200,13 +218,35 @@ class _NamedModule:
         _BY_SLOT[self._slot] = self
 
     def __reduce__(self):  # the slot is this process's: rebuilt (and numbered) where it is loaded
-        return (_NamedModule, (self.inp, self.out))
+        return (_NamedModule, (self.inp, self.out, self.more))
 
     # bound methods, not closures, so that a converted module pickles (torch.save(model))
-    def before(self, module: torch.nn.Module, args: tuple) -> tuple:
-        if torch.compiler.is_compiling():
-            return _compiled_before(self._slot, args)
-        return self._before(args)
+    def before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """The module's first argument laid out: its first positional one, or, called with keywords alone (a
+        transformers decoder layer calls `self_attn(hidden_states=...)`), its forward's first parameter's."""
+        if self.more:
+            args, kwargs = self._other_args(module, args, kwargs)
+        key = _first_keyword(module, kwargs) if not args else None
+        first = (kwargs[key],) if key is not None else args
+        first = _compiled_before(self._slot, first) if torch.compiler.is_compiling() else self._before(first)
+        return (args, {**kwargs, key: first[0]}) if key is not None else (first, kwargs)
+
+    def _other_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+        """`arg_grads`: the named arguments' gradients laid out, found by position or name in the forward's
+        parameters whether the call passes them positionally or by keyword."""
+        names = _forward_parameters(module)
+        args, kwargs = list(args), dict(kwargs)
+        for which, boundary in self.more:
+            name = names[which] if isinstance(which, int) and which < len(names) else which
+            at = names.index(name) if name in names else None
+            on = args if at is not None and at < len(args) else kwargs if name in kwargs else None
+            if on is None:
+                continue  # not passed: its default, which has no gradient
+            k = at if on is args else name
+            x = on[k]
+            if isinstance(x, GlobalTensor) and x.requires_grad and torch.is_grad_enabled():
+                on[k] = _compiled_arg(boundary, x) if torch.compiler.is_compiling() else boundary.apply(x)
+        return tuple(args), kwargs
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -232,11 +272,35 @@ class _NamedModule:
         armed, arrived = _ARMED.stack.pop() if _ARMED.stack else (False, None)
         if self.out is not None:
             output = self.out.after(module, args, output, arrived)
-        if isinstance(output, GlobalTensor) and output.requires_grad and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return output
+        # where the backward enters the module: its output's gradient, or, for a pytree of outputs (an attention's
+        # (output, weights)), its first tensor's that needs one
+        leaves, spec = torch.utils._pytree.tree_flatten(output)
+        at = next((i for i, t in enumerate(leaves) if isinstance(t, GlobalTensor) and t.requires_grad), None)
+        if at is not None:
             # an input that needs no gradient (an embedding's indices) marks no end: the module's backward is
             # the last of its branch, so the scope lasts until the backward ends
-            output = OnBackward.apply(output, dispatch.enter_named if armed else _named_until_backward_ends)
+            leaves[at] = OnBackward.apply(leaves[at], dispatch.enter_named if armed else _named_until_backward_ends)
+            output = leaves[at] if isinstance(output, GlobalTensor) else torch.utils._pytree.tree_unflatten(leaves,
+                                                                                                             spec)
         return output
+
+
+def _forward_parameters(module: torch.nn.Module) -> list:
+    """The names of the parameters of `module`'s class's forward (after self; not *args,
+    **kwargs): its class's, since a row-local or stage module's own `forward` is our wrapper."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # no signature to read (a builtin's)
+        return []
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _first_keyword(module: torch.nn.Module, kwargs: dict) -> Optional[str]:
+    """The name of `module`'s forward's first parameter where `kwargs` passes it, else None."""
+    names = _forward_parameters(module) if kwargs else []
+    return names[0] if names and names[0] in kwargs else None
 
 
 _SLOTS: dict = {}  # _NamedModule -> its slot
@@ -248,6 +312,11 @@ def _compiled_before(slot: int, args: tuple) -> tuple:
     """A named module's pre-hook under torch.compile: dynamo leaves it opaque (its Python reads layouts, opens
     the named scope, marks the backward), AOTAutograd runs it at trace time, so its conversions are graph ops."""
     return _BY_SLOT[slot]._before(args)
+
+
+@torch._dynamo.nonstrict_trace
+def _compiled_arg(boundary: _Boundary, x: GlobalTensor) -> GlobalTensor:
+    return boundary.apply(x)
 
 
 @torch._dynamo.nonstrict_trace
@@ -263,17 +332,19 @@ def _named_until_backward_ends() -> None:
 
 def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
     where = f"to_global(plan[{name!r}])"
-    if all(getattr(hint, f) is None for f in ("input", "input_grad", "output", "output_grad")):
+    if all(getattr(hint, f) is None for f in ("input", "input_grad", "arg_grads", "output", "output_grad")):
         return None, None  # only parameters: their group runs the module in the named scope (zero.py)
     inp = _Boundary(_hint(hint.input, ndim, f"{where}.input"), _hint(hint.input_grad, ndim, f"{where}.input_grad"),
                     f"{where} on the input")
     out = _Boundary(_hint(hint.output, ndim, f"{where}.output", ragged=True),
                     _hint(hint.output_grad, ndim, f"{where}.output_grad"), f"{where} on the output")
-    for b in (inp, out):
+    more = tuple((k, _Boundary(None, _hint(v, ndim, f"{where}.arg_grads[{k!r}]"), f"{where} on argument {k!r}"))
+                 for k, v in hint.arg_grads or ())
+    for b in (inp, out, *(b for _, b in more)):
         if b.grad is not None and any(isinstance(s, Partial) and s.op != "sum" for s in b.grad):
             raise ValueError(f"{where}: a gradient cannot be laid out as {b.grad} (gradients add up)")
     named = _NamedModule(inp if inp.sbp is not None or inp.grad is not None else None,
-                         out if out.sbp is not None or out.grad is not None else None)
+                         out if out.sbp is not None or out.grad is not None else None, more)
     return named.before, named.after
 
 
@@ -491,7 +562,7 @@ def module_to_global(module: torch.nn.Module, placement: Placement,
         handles = []
 
         if pre is not None:
-            handles.append(mod.register_forward_pre_hook(pre))
+            handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         if mod in groups:
             handles.append(mod.register_forward_pre_hook(groups[mod].before, with_kwargs=True))
             handles.append(mod.register_forward_hook(groups[mod].after))
