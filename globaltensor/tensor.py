@@ -16,6 +16,7 @@ from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import strided_split as _ops_strided
 from .ops import zigzag as _ops_zigzag
+from .ops.pointwise import _CompileOnly as _compile_only, register_compile_only as _register_compile_only
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
@@ -186,6 +187,8 @@ class GlobalTensor(torch.Tensor):
             raise TypeError(f"torch.compile: a {type(self).__name__} holds more than its shard and layout (its "
                             "split sizes are data) and cannot be traced; run the part that uses it eagerly "
                             "(torch.compiler.disable)")
+        if not _compile_only.registered:
+            _register_compile_only()
         return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
 
     __tensor_flatten__ = _NotForModuleApply(_flatten)
@@ -646,7 +649,10 @@ class _FullTensor(torch.autograd.Function):
     def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.layout, ctx.shape = x._layout, tuple(x.shape)
         full = Layout(x.placement, (Broadcast(),) * x.placement.ndim)
-        return boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
+        out = boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
+        # the shard itself (a Broadcast tensor's) is returned as a view: autograd makes a Function's output take
+        # a gradient, which the shard must not (a parameter's `_local` requiring grad fails compiled guards)
+        return out.view_as(out) if out is x._local else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

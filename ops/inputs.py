@@ -226,6 +226,21 @@ def settle(t: Any) -> None:
         box_global(t, pending[t][0])
 
 
+@torch._dynamo.disable
+def settle_step(opt: Any, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: this rank's pending gradients reduced now, one collective per bucket, as the
+    step's first read would reduce them. Eagerly that is the same reduction a moment earlier; under
+    `torch.compile(opt.step)` it is what keeps the bucket: the step is traced on fake gradients that are
+    not on the pending list, so each op would reduce its own read of a Partial gradient inside the graph
+    (twice over for AdamW, whose two moments read it). Opaque to dynamo (a graph break before the step's
+    own, `torch.optim`'s `_use_grad`), it runs eagerly, and the graph is traced on the reduced layouts."""
+    comm = context.current_or_none()
+    pending = _PENDING.get(comm) if comm is not None else None
+    if pending:
+        t, (dst, _place) = next(iter(pending.items()))
+        box_global(t, dst)
+
+
 def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = False) -> None:
     """Reduce `t` (just taken off the list) and the pending tensors whose route is bucketable collectives only
     (all-reduce, reduce-scatter, all-gather); clear the list.
