@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
-from torch.utils import _python_dispatch
 
 from .layout import Layout, normalize_sbp, slice_box, take_ranges
 from .placement import Placement, load_placement
@@ -66,37 +64,6 @@ def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any
     r._layout = layout
     r._key = key
     return r
-
-
-class _NotForModuleApply:
-    """`__tensor_flatten__`, except where `nn.Module._apply` asks whether a converted parameter is a traceable
-    subclass (`is_traceable_wrapper_subclass`).
-
-    For such subclasses `_apply` (`m.double()`, `m.to(...)`) swaps tensors (`torch.utils.swap_tensors`), which
-    refuses a tensor with weak references: a gradient waiting for its bucketed reduction has them (the
-    dispatcher's pending list, `ops/inputs.py`), so `m.double()` after a backward would raise. There
-    GlobalTensor keeps torch's `.data` path, whose setter swaps shard and layout (`GlobalTensor.data`); dynamo,
-    AOTAutograd and every other caller see the method."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __get__(self, obj: Any, cls: type) -> Any:
-        if obj is None:
-            return self.fn
-        caller = sys._getframe(1)
-        if caller.f_code in _ASKING:  # is_traceable_wrapper_subclass and the protocol check under it
-            while caller is not None and caller.f_code in _ASKING:
-                caller = caller.f_back
-            if caller is not None and caller.f_code is _MODULE_APPLY:
-                raise AttributeError("__tensor_flatten__")
-        return self.fn.__get__(obj, cls)
-
-
-_ASKING = frozenset(f.__code__ for f in (_python_dispatch.is_traceable_wrapper_subclass,
-                                         getattr(_python_dispatch, "_has_traceable_wrapper_subclass_protocol",
-                                                 _python_dispatch.is_traceable_wrapper_subclass)))
-_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 class GlobalTensor(torch.Tensor):
@@ -177,7 +144,7 @@ class GlobalTensor(torch.Tensor):
         return _run(func, args, kwargs, GlobalTensor)
 
     # -- torch.compile: a traceable wrapper subclass (as DTensor) -------------
-    def _flatten(self) -> tuple[list[str], tuple]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         """The shard is the one inner tensor; the layout, the global shape and geometry are constant metadata.
 
         Dynamo guards on the metadata (compared with `==`), so a compiled program is reused only for inputs
@@ -191,7 +158,6 @@ class GlobalTensor(torch.Tensor):
             _register_compile_only()
         return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
 
-    __tensor_flatten__ = _NotForModuleApply(_flatten)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "GlobalTensor":
