@@ -214,31 +214,49 @@ def _number(group: ParamGroup) -> None:
 @torch._dynamo.nonstrict_trace
 def _traced_gather(slot: int, params: tuple) -> tuple:
     """A gathering module's parameters in their compute layouts, traced: dynamo leaves this call opaque,
-    AOTAutograd traces it, so each parameter's conversion (`GlobalTensor.to_global`: its all-gather) is a
-    graph op whose backward is its dual (the gradient, Partial over the data axis, reduce-scattered into the
-    stored layout), which autograd accumulates into `.grad` as any leaf's.
+    AOTAutograd traces it (`_TracedGather`), so the group's all-gathers are forward graph ops and their duals
+    (the gradients, Partial over the data axis, reduce-scattered into the stored layouts) backward graph ops,
+    one collective per bucket as eagerly, landing in `.grad` as any leaf's gradient.
 
     ZeRO-3 (`reshard_after_forward`) frees the gathered copies after the forward and gathers them again in the
-    backward: here the conversion's nodes are marked to be recomputed (`recompute`, what
-    `torch.utils.checkpoint`'s selective policy sets under compile, SimpleFSDP's way), so AOTAutograd's
-    partitioner saves the shards, not the copies, and repeats the all-gather in the backward graph. ZeRO-2
-    saves the copies for the backward."""
+    backward: here the gather's nodes are marked to be recomputed (`recompute`, what `torch.utils.checkpoint`'s
+    selective policy sets under compile, SimpleFSDP's way), so AOTAutograd's partitioner saves the shards, not
+    the copies, and repeats the all-gather in the backward graph. ZeRO-2 saves the copies for the backward."""
     group = _GROUPS[slot]
-    if group.reduce_dtype is not None and any(p.dtype != group.reduce_dtype for p in params):
-        raise NotImplementedError(f"{group.where}: reduce_dtype under torch.compile (the gradient is reduced in "
-                                  "the dtype its module computes in); run without compile or drop reduce_dtype")
     with _recomputed(group.reshard_after_forward):
-        out = []
-        for p, c in zip(params, group.compute):
-            if group.param_dtype is not None and p.dtype != group.param_dtype:
-                p = p.to(group.param_dtype)
-            out.append(p.to_global(c.placement, c.sbp))
+        out = list(_TracedGather.apply(slot, *params))
         trainable = [i for i, t in enumerate(out) if t.requires_grad]
         if trainable and torch.is_grad_enabled():
             marked = _TracedScope.apply(slot, False, *(out[i] for i in trainable))
             for i, t in zip(trainable, marked):
                 out[i] = t
         return tuple(out)
+
+
+class _TracedGather(torch.autograd.Function):
+    """`_Gather` as AOTAutograd traces it: the parameters handed in (the traced ones, not the group's) to their
+    compute layouts, one collective per bucket (`boxing.execute_many`); backward, the gradients to the stored
+    layouts (`_Call.reduce_start`, eager's reduction), with no freeing, prefetching nor landing: the graph
+    orders its collectives, and autograd accumulates the reduced gradients."""
+
+    @staticmethod
+    def forward(ctx, slot: int, *params: GlobalTensor) -> tuple:  # type: ignore[override]
+        g = _GROUPS[slot]
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        shards = [p._local if g.param_dtype is None or p._local.dtype == g.param_dtype else p._local.to(g.param_dtype)
+                  for p in params]
+        routes = g.routes_for(tuple((p._layout, c, s.dtype) for p, c, s in zip(params, g.compute, shards)))
+        outs = boxing.execute_many(routes, shards, context.current())
+        out = tuple(GlobalTensor(o, c, tuple(p.shape)) for o, c, p in zip(outs, g.compute, params))
+        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        return (None, *_Call(_GROUPS[ctx.slot]).reduce_start(grads)())
 
 
 @torch._dynamo.nonstrict_trace
