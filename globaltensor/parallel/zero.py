@@ -28,6 +28,9 @@ the others but its copy takes no gradient, and one the forward never reads gets 
 their `.grad` stays None, the optimizer skips them, and the reduce-scatter carries only the gradients that
 exist. A module whose parameters are all frozen still re-gathers them for its backward (its inputs'
 gradients read them) and frees them where that backward ends (`_Release`, on its inputs).
+
+Under torch.compile the hooks trace instead (`_traced_gather`): the gathers and reduce-scatters are graph ops, and
+ZeRO-3's free-and-regather is the partitioner's recomputation of the gather in the backward graph.
 """
 from __future__ import annotations
 
