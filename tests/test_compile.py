@@ -522,7 +522,8 @@ def test_gpt_zero_compiles_with_gathers_and_reduce_scatters_in_the_graph(stage):
             assert sbps == esbps and set(sbps.values()) == {(gt.split(0),)}  # stored S(0), as their parameters
             assert fw == efw  # the all-gathers and the loss's scalar
             half = psi // 2 * F32  # (n-1)/n of the parameters on 2 ranks
-            assert bw == ebw == ({"reduce_scatter": half} if stage == 2 else {"all_gather": half, "reduce_scatter": half})
+            want_bw = {"reduce_scatter": half} if stage == 2 else {"all_gather": half, "reduce_scatter": half}
+            assert bw == ebw == want_bw
             graph = cap.collectives(rank, "fw") + cap.collectives(rank, "bw")
             assert sum(b for _, _, b in graph) == nbytes
             groups = 1 + cfg.n_layer  # the root's and each block's
@@ -585,7 +586,8 @@ def test_adamw_step_compiles_and_trains_as_eager_and_one_device(plan):
             def loss_of(idx, tgt):
                 return model(idx, tgt)[1]
             fwd, step = (loss_of, opt.step) if mode == "eager" else (
-                torch.compile(loss_of, backend=cap.backend, fullgraph=True), torch.compile(opt.step, backend=cap.backend))
+                torch.compile(loss_of, backend=cap.backend, fullgraph=True),
+                torch.compile(opt.step, backend=cap.backend))
             steps, graphs = [], []
             for _ in range(3):
                 fwd(idx, tgt).backward()
