@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import sys
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
-from torch.utils import _python_dispatch
 
 from .layout import Layout, normalize_sbp, slice_box, take_ranges
 from .placement import Placement, load_placement
@@ -16,6 +14,7 @@ from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import strided_split as _ops_strided
 from .ops import zigzag as _ops_zigzag
+from .ops.pointwise import _CompileOnly as _compile_only, register_compile_only as _register_compile_only
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
@@ -65,37 +64,6 @@ def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any
     r._layout = layout
     r._key = key
     return r
-
-
-class _NotForModuleApply:
-    """`__tensor_flatten__`, except where `nn.Module._apply` asks whether a converted parameter is a traceable
-    subclass (`is_traceable_wrapper_subclass`).
-
-    For such subclasses `_apply` (`m.double()`, `m.to(...)`) swaps tensors (`torch.utils.swap_tensors`), which
-    refuses a tensor with weak references: a gradient waiting for its bucketed reduction has them (the
-    dispatcher's pending list, `ops/inputs.py`), so `m.double()` after a backward would raise. There
-    GlobalTensor keeps torch's `.data` path, whose setter swaps shard and layout (`GlobalTensor.data`); dynamo,
-    AOTAutograd and every other caller see the method."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __get__(self, obj: Any, cls: type) -> Any:
-        if obj is None:
-            return self.fn
-        caller = sys._getframe(1)
-        if caller.f_code in _ASKING:  # is_traceable_wrapper_subclass and the protocol check under it
-            while caller is not None and caller.f_code in _ASKING:
-                caller = caller.f_back
-            if caller is not None and caller.f_code is _MODULE_APPLY:
-                raise AttributeError("__tensor_flatten__")
-        return self.fn.__get__(obj, cls)
-
-
-_ASKING = frozenset(f.__code__ for f in (_python_dispatch.is_traceable_wrapper_subclass,
-                                         getattr(_python_dispatch, "_has_traceable_wrapper_subclass_protocol",
-                                                 _python_dispatch.is_traceable_wrapper_subclass)))
-_MODULE_APPLY = torch.nn.Module._apply.__code__
 
 
 class GlobalTensor(torch.Tensor):
@@ -176,7 +144,7 @@ class GlobalTensor(torch.Tensor):
         return _run(func, args, kwargs, GlobalTensor)
 
     # -- torch.compile: a traceable wrapper subclass (as DTensor) -------------
-    def _flatten(self) -> tuple[list[str], tuple]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         """The shard is the one inner tensor; the layout, the global shape and geometry are constant metadata.
 
         Dynamo guards on the metadata (compared with `==`), so a compiled program is reused only for inputs
@@ -186,9 +154,10 @@ class GlobalTensor(torch.Tensor):
             raise TypeError(f"torch.compile: a {type(self).__name__} holds more than its shard and layout (its "
                             "split sizes are data) and cannot be traced; run the part that uses it eagerly "
                             "(torch.compiler.disable)")
+        if not _compile_only.registered:
+            _register_compile_only()
         return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
 
-    __tensor_flatten__ = _NotForModuleApply(_flatten)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "GlobalTensor":
@@ -646,7 +615,10 @@ class _FullTensor(torch.autograd.Function):
     def forward(ctx, x: GlobalTensor) -> torch.Tensor:  # type: ignore[override]
         ctx.layout, ctx.shape = x._layout, tuple(x.shape)
         full = Layout(x.placement, (Broadcast(),) * x.placement.ndim)
-        return boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
+        out = boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
+        # the shard itself (a Broadcast tensor's) is returned as a view: autograd makes a Function's output take
+        # a gradient, which the shard must not (a parameter's `_local` requiring grad fails compiled guards)
+        return out.view_as(out) if out is x._local else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

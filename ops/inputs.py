@@ -8,13 +8,13 @@ collective per bucket, as DDP does, and remembered likewise.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from functools import lru_cache
 from typing import Any, Sequence
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import boxing
 from ..layout import Layout
@@ -22,9 +22,55 @@ from ..runtime import context
 from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
 from ..sbp import Broadcast, Split
 
-_SETTLED = WeakIdKeyDictionary()  # gradient converted in place by its bucket -> the layout its backward gave it
-_REDUCED = WeakIdKeyDictionary()  # Partial GlobalTensor or noted gradient -> {target layout: (versions, local)}
-_PENDING = weakref.WeakKeyDictionary()  # Communicator -> {Partial GlobalTensor: expected target} (defer_reduction)
+# What is remembered of a GlobalTensor lives in its own `__dict__` (the memo of its reductions, `_MEMO`; the layout
+# its backward gave a gradient its bucket converted in place, `_SETTLED`), not in tables weakly keyed by it: it dies
+# with the tensor, and a tensor with no weak reference can be swapped (`torch.utils.swap_tensors`, which
+# `nn.Module._apply` uses for traceable subclasses: `m.double()`), which moves it to the discarded copy: what was
+# remembered of the old values is gone with them.
+_MEMO = "_gt_reduced"      # {target layout: (versions, reduced local)}
+_SETTLED = "_gt_settled"   # (layout, local shape) its backward gave it
+_PENDING = weakref.WeakKeyDictionary()  # Communicator -> _Pending (defer_reduction)
+
+
+class _Pending:
+    """A rank's gradients waiting for their bucketed reduction: id -> (tensor, expected target, in place).
+
+    Held strongly (a weak reference would forbid swapping the tensor, see `_MEMO`), and let go of once the
+    holder is the only one left: a gradient dropped unread (`zero_grad()` with no step between) is let go at
+    the next `defer_reduction` or flush, not when it dies."""
+
+    def __init__(self) -> None:
+        self.entries: dict = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def __contains__(self, t: Any) -> bool:
+        e = self.entries.get(id(t))
+        return e is not None and e[0] is t
+
+    def __getitem__(self, t: Any) -> tuple:
+        return self.entries[id(t)][1:]
+
+    def __setitem__(self, t: Any, value: tuple) -> None:
+        self.entries[id(t)] = (t, *value)
+
+    def pop(self, t: Any) -> tuple:
+        return self.entries.pop(id(t))[1:]
+
+    def items(self) -> list:
+        self.drop_unheld()
+        return [(t, (d, place)) for t, d, place in self.entries.values()]
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def drop_unheld(self) -> None:
+        # nobody else holds it: in Python, only the entry (and getrefcount's argument); in C++, only its own
+        # Python object (a parameter's `.grad` holds the tensor there, not in Python)
+        dead = [k for k, e in self.entries.items() if sys.getrefcount(e[0]) <= 2 and e[0]._use_count() <= 1]
+        for k in dead:
+            del self.entries[k]
 _CHECK = {"replicated": os.environ.get("GT_CHECK_REPLICATED", "") not in ("", "0")}
 
 
@@ -64,7 +110,7 @@ def box_global(t: Any, dst: Layout) -> torch.Tensor:
     if src == dst:
         return t._local
     pending = _PENDING.get(context.current())
-    if not src.has_partial and t not in _REDUCED and not (pending and t in pending):
+    if not src.has_partial and _MEMO not in t.__dict__ and not (pending and t in pending):
         node = torch._C._current_autograd_node()
         if node is None:
             return box(t._local, src, dst, t.shape)
@@ -97,17 +143,43 @@ class _NodeConversions(threading.local):
 
     def __init__(self) -> None:
         self.node: Any = None
-        self.memo: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.memo: _NodeMemo = _NodeMemo()
+        self.queued = False
+
+
+class _NodeMemo:
+    """{tensor: {layout: (versions, local)}} for one node's run, by identity; held strongly (no weak reference
+    on a tensor, see `_MEMO`) for as long as the node runs, and let go when the backward ends."""
+
+    def __init__(self) -> None:
+        self.by_id: dict = {}
+
+    def get(self, t: Any) -> Any:
+        e = self.by_id.get(id(t))
+        return e[1] if e is not None and e[0] is t else None
+
+    def __setitem__(self, t: Any, memo: dict) -> None:
+        self.by_id[id(t)] = (t, memo)
+
+    def items(self) -> list:
+        return list(self.by_id.values())
 
 
 _IN_NODE = _NodeConversions()
+
+
+def _forget_node() -> None:
+    _IN_NODE.node, _IN_NODE.memo, _IN_NODE.queued = None, _NodeMemo(), False
 
 
 def _once_in_node(t: Any, dst: Layout, node: Any) -> torch.Tensor:
     """`t` converted to `dst` once while the autograd node `node` runs; forgotten when another runs."""
     seen = _IN_NODE
     if seen.node is not node:
-        seen.node, seen.memo = node, WeakIdKeyDictionary()
+        seen.node, seen.memo = node, _NodeMemo()
+        if not seen.queued:  # the last node's tensors are not kept past the backward
+            seen.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_forget_node)
     memo = seen.memo.get(t)
     if memo is None:
         memo = seen.memo[t] = {}
@@ -179,9 +251,10 @@ def _permutation(t: Any, m: Any) -> Any:
 
 def _memo_of(t: Any) -> dict:
     """The reductions remembered for GlobalTensor `t`: {target layout: (versions, reduced local)}."""
-    memo = _REDUCED.get(t)
+    d = t.__dict__
+    memo = d.get(_MEMO)
     if memo is None:
-        memo = _REDUCED[t] = {}
+        memo = d[_MEMO] = {}
     return memo
 
 
@@ -203,7 +276,9 @@ def defer_reduction(t: Any, dst: Layout, in_place: bool = False) -> None:
     comm = context.current()
     pending = _PENDING.get(comm)
     if pending is None:
-        pending = _PENDING[comm] = WeakIdKeyDictionary()
+        pending = _PENDING[comm] = _Pending()
+    elif pending:
+        pending.drop_unheld()
     pending[t] = (dst, in_place)
 
 
@@ -212,7 +287,7 @@ def unsettle(t: Any) -> None:
     it takes back the layout its backward gave it (a zero is as cheap in any layout), so the next backward
     accumulates into it as into a fresh gradient (Partial + Partial: nothing moved) and the bucket reduces
     it again, rather than each accumulation reducing its own Partial into the reduced layout."""
-    was = _SETTLED.pop(t, None)
+    was = t.__dict__.pop(_SETTLED, None)
     if was is not None and t._layout != was[0]:
         t._set_layout(t._local.new_zeros(was[1]), was[0])
 
@@ -226,7 +301,22 @@ def settle(t: Any) -> None:
         box_global(t, pending[t][0])
 
 
-def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = False) -> None:
+@torch._dynamo.disable
+def settle_step(opt: Any, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: this rank's pending gradients reduced now, one collective per bucket, as the
+    step's first read would reduce them. Eagerly that is the same reduction a moment earlier; under
+    `torch.compile(opt.step)` it is what keeps the bucket: the step is traced on fake gradients that are
+    not on the pending list, so each op would reduce its own read of a Partial gradient inside the graph
+    (twice over for AdamW, whose two moments read it). Opaque to dynamo (a graph break before the step's
+    own, `torch.optim`'s `_use_grad`), it runs eagerly, and the graph is traced on the reduced layouts."""
+    comm = context.current_or_none()
+    pending = _PENDING.get(comm) if comm is not None else None
+    if pending:
+        t, (dst, _place) = next(iter(pending.items()))
+        box_global(t, dst)
+
+
+def _flush(pending: _Pending, t: Any, dst: Layout, place_t: bool = False) -> None:
     """Reduce `t` (just taken off the list) and the pending tensors whose route is bucketable collectives only
     (all-reduce, reduce-scatter, all-gather); clear the list.
 
@@ -256,7 +346,7 @@ def _flush(pending: WeakIdKeyDictionary, t: Any, dst: Layout, place_t: bool = Fa
     for i, out in zip(keep, outs):
         u, d, place = entries[i]
         if place and bool(d.zigzag_axes) == bool(u._layout.zigzag_axes):
-            _SETTLED[u] = (u._layout, tuple(u._local.shape))
+            u.__dict__[_SETTLED] = (u._layout, tuple(u._local.shape))
             u._set_layout(out, d)
         else:
             _memo_of(u)[d] = (_versions(u), out)

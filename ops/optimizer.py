@@ -16,8 +16,13 @@ from typing import Any, Optional
 
 import torch
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from ..sbp import Broadcast
+from .inputs import settle_step
 from .registry import Rule, aten, register
+
+_SETTLE = register_optimizer_step_pre_hook(settle_step)  # pending gradients reduced as a step begins
 
 _VALUE_KWARG = {"addcmul", "addcmul_", "addcdiv", "addcdiv_"}  # their scalar is keyword-only per tensor
 

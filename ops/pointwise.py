@@ -137,6 +137,21 @@ NONLINEAR_UNTAGGED = ("hardswish",)  # elementwise, but torch does not tag them 
 for names, rule in LINEAR.items():
     register(_ops(*names), rule)
 register(_ops(*NONLINEAR_OPS, *NONLINEAR_UNTAGGED), NONLINEAR)
+
+
+class _CompileOnly:
+    registered = False
+
+
+def register_compile_only() -> None:
+    """Rules for ops only dynamo emits: its decompositions turn `addcmul_(a, b, value=v)` (AdamW's second
+    moment) into `mul` and `prims.fma(a * b, v, self)`, an op `torch._inductor` defines, whose import would
+    cost every program half a second. Registered when a GlobalTensor is first flattened for tracing."""
+    if _CompileOnly.registered:
+        return
+    from torch._inductor import inductor_prims
+    register([inductor_prims.fma], NONLINEAR)  # x * y + z, elementwise
+    _CompileOnly.registered = True
 # every other op torch tags pointwise (elementwise with broadcasting), and its in-place form (torch tags
 # `copysign` but not `copysign_`): nonlinear unless LINEAR names it; out= overloads are ops/out_variants.py's
 def _tagged_pointwise() -> list:

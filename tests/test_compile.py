@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 import torch._dynamo
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -33,7 +33,9 @@ class Capture:
     def __init__(self) -> None:
         self.graphs: dict[int, dict[str, list]] = {}
         self._lock = threading.Lock()
-        self.backend = aot_autograd(fw_compiler=self._keep("fw"), bw_compiler=self._keep("bw"))
+        # the partitioner inductor and aot_eager use (it honours the nodes ZeRO-3 marks for recomputation)
+        self.backend = aot_autograd(fw_compiler=self._keep("fw"), bw_compiler=self._keep("bw"),
+                                    partition_fn=min_cut_rematerialization_partition)
 
     def _keep(self, kind: str):
         def compiler(gm: torch.fx.GraphModule, example_inputs):
@@ -459,3 +461,157 @@ def test_issue_example_compiles_with_inductor():
     for y, g in gt.launch(body, 2):
         _close(y, want.detach()), _close(g, Wr.grad)
     assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gpt_zero_compiles_with_gathers_and_reduce_scatters_in_the_graph(stage):
+    """The GPT under ZeRO-2/3 (`zero_plan`: every parameter stored S(0) on 2 ranks, gathered Broadcast per
+    block and at the root) with `torch.compile(fullgraph=True)` over its loss: the gathering hooks are traced
+    (`zero._traced_gather`), so the forward graph holds each group's all-gathers and the backward graph the
+    reduce-scatters of their gradients. Two steps equal eager globaltensor and one device, with one graph
+    per rank and no graph break.
+
+    Bytes and collectives: eager's exactly, per phase and kind: one all-gather per group forward (its
+    bucket, `boxing.execute_many`), one reduce-scatter per group backward, the loss's one-scalar all-reduce;
+    ZeRO-2 keeps the gathered copies for the backward, ZeRO-3 frees them and gathers again in the backward
+    (the partitioner recomputes the gather's nodes, marked for it), every parameter (n-1)/n of its bytes."""
+    from globaltensor.models.gpt import GPT, GPTConfig, zero_plan
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    g = torch.Generator().manual_seed(1)
+    IDX, TGT = (torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    want_loss = ref(IDX, TGT)[1]
+    want_loss.backward()
+    want_grads = {n: q.grad for n, q in ref.named_parameters()}
+    psi = sum(q.numel() for q in ref.parameters())  # the tied embedding/head once
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        out = {}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = gt.to_global(GPT(cfg), p, zero_plan(0, 1, reshard_after_forward=stage == 3))
+            idx, tgt = gt.to_global(IDX, p, gt.split(0)), gt.to_global(TGT, p, gt.split(0))
+
+            def step(idx, tgt):
+                return model(idx, tgt)[1]
+            fn = step if mode == "eager" else torch.compile(step, backend=cap.backend, fullgraph=True)
+            steps = []
+            for _ in range(2):
+                model.zero_grad()
+                with gt.comm_log() as fw:
+                    loss = fn(idx, tgt)
+                with gt.comm_log() as bw:
+                    loss.backward()
+                steps.append((_full(loss), {n: _full(q.grad) for n, q in model.named_parameters()},
+                              {n: q.grad.sbp for n, q in model.named_parameters()}, fw.summary(), bw.summary(),
+                              fw.recv_bytes + bw.recv_bytes))
+            out[mode] = steps
+        return out
+
+    for rank, out in enumerate(gt.launch(body, 2)):
+        for (loss, grads, sbps, fw, bw, nbytes), (eloss, egrads, esbps, efw, ebw, _) in zip(out["compiled"],
+                                                                                           out["eager"]):
+            _close(loss, want_loss.detach()), _close(loss, eloss)
+            for name, gr in grads.items():
+                torch.testing.assert_close(gr, want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+                torch.testing.assert_close(gr, egrads[name], rtol=1e-5, atol=1e-6, msg=name)
+            assert sbps == esbps and set(sbps.values()) == {(gt.split(0),)}  # stored S(0), as their parameters
+            assert fw == efw  # the all-gathers and the loss's scalar
+            half = psi // 2 * F32  # (n-1)/n of the parameters on 2 ranks
+            want_bw = {"reduce_scatter": half} if stage == 2 else {"all_gather": half, "reduce_scatter": half}
+            assert bw == ebw == want_bw
+            graph = cap.collectives(rank, "fw") + cap.collectives(rank, "bw")
+            assert sum(b for _, _, b in graph) == nbytes
+            groups = 1 + cfg.n_layer  # the root's and each block's
+            assert sorted(k for k, _, _ in cap.collectives(rank, "fw")) == ["all_gather"] * groups + ["all_reduce"]
+            assert sorted(k for k, _, _ in cap.collectives(rank, "bw")) == (
+                ["all_gather"] * groups * (stage == 3) + ["reduce_scatter"] * groups)
+        assert cap.compiles(rank) == 1 and len(cap.graphs[rank]["bw"]) == 1
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
+OPT_PLANS = {  # name: (mesh, module plan, batch layout)
+    "dp": ([0, 1], None, "dp"),
+    "tp": ([[0, 1]], "tp", "dp2"),
+    "zero3": ([0, 1], "zero3", "dp"),
+}
+
+
+@pytest.mark.parametrize("plan", [p if p == "dp" else pytest.param(p, marks=pytest.mark.slow) for p in OPT_PLANS])
+def test_adamw_step_compiles_and_trains_as_eager_and_one_device(plan):
+    """A training step with its forward + backward (the loss compiled) and AdamW's step compiled
+    (`torch.compile(opt.step)`) on the GPT under DP, Megatron TP and ZeRO-3, fp64, three steps: parameters
+    after each step equal eager globaltensor's and one device's; the step traced once per rank: the second
+    and third steps compile nothing (no recompile). Breaks only where torch.optim puts them (`_use_grad`'s
+    `graph_break()`, around the update, so that AOTAutograd traces it as an inference graph) and before the
+    step, where the step pre-hook reduces DP's pending gradients in their bucket (`ops/inputs.settle_step`):
+    the update's graph reads reduced gradients and moves nothing, and the step moves what eager's moves."""
+    from globaltensor.models.gpt import GPT, GPTConfig, dp_batch, tp_plan, zero_plan
+
+    ranks, module_plan, batch = OPT_PLANS[plan]
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16)
+    g = torch.Generator().manual_seed(1)
+    IDX, TGT = (torch.randint(0, cfg.vocab_size, (4, cfg.block_size), generator=g) for _ in range(2))
+    want = {}
+    for mode in ("eager", "compiled"):  # one device, the same program
+        torch.manual_seed(0)
+        ref = GPT(cfg).double()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+        step = ref_opt.step if mode == "eager" else torch.compile(ref_opt.step, backend="aot_eager")
+        want[mode] = []
+        for _ in range(3):
+            ref(IDX, TGT)[1].backward()
+            step()
+            ref_opt.zero_grad()
+            want[mode].append({n: q.detach().clone() for n, q in ref.named_parameters()})
+    torch._dynamo.reset()
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", ranks)
+        layout = {"dp": gt.split(0), "dp2": dp_batch(0, 2)}[batch]
+        out = {}
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = gt.to_global(GPT(cfg).double(), p, {None: None, "tp": tp_plan(1, 2),
+                                                         "zero3": zero_plan(0, 1)}[module_plan])
+            idx, tgt = gt.to_global(IDX, p, layout), gt.to_global(TGT, p, layout)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+            def loss_of(idx, tgt):
+                return model(idx, tgt)[1]
+            fwd, step = (loss_of, opt.step) if mode == "eager" else (
+                torch.compile(loss_of, backend=cap.backend, fullgraph=True),
+                torch.compile(opt.step, backend=cap.backend))
+            steps, graphs = [], []
+            for _ in range(3):
+                fwd(idx, tgt).backward()
+                with gt.comm_log() as log:
+                    step()
+                opt.zero_grad()
+                steps.append(({n: _full(q).clone() for n, q in model.named_parameters()}, log.summary()))
+                graphs.append(cap.compiles(gt.rank()))
+            out[mode] = (steps, graphs)
+        return out
+
+    for rank, out in enumerate(gt.launch(body, len(gt.placement("cpu", ranks).flat_ranks))):
+        (steps, graphs), (esteps, _) = out["compiled"], out["eager"]
+        for s, ((params, log), (eparams, elog)) in enumerate(zip(steps, esteps)):
+            for name, v in params.items():
+                torch.testing.assert_close(v, want["compiled"][s][name], rtol=0, atol=1e-12, msg=name)
+                torch.testing.assert_close(eparams[name], want["eager"][s][name], rtol=0, atol=1e-12, msg=name)
+                # (compiled and eager differ as on one device: compiled, torch's AdamW computes its bias corrections
+                # from the fp32 step counter, eagerly from its `.item()`, a Python float)
+            assert log == elog  # DP: the gradient bucket's all-reduce, eagerly at the step's start
+        assert graphs[0] == graphs[1] == graphs[2] >= 2  # the loss's graph and the update's, compiled once
+        assert cap.aten_only(rank)
+        update = cap.graphs[rank]["fw"][1:]  # after the loss's: the step's
+        assert not any(str(n.target).startswith("globaltensor.") for gm in update for n in gm.graph.nodes)
+        assert any("addcdiv" in str(n.target) for gm in update for n in gm.graph.nodes)  # the update is there
+    breaks = dict(counters["graph_break"])
+    assert all("graph_break()" in why or "disable" in why for why in breaks), breaks

@@ -104,3 +104,77 @@ def test_module_to_cuda_moves_shards_and_placement():
         return y.full_tensor().cpu()
     a, b = gt.launch(program, 2)
     torch.testing.assert_close(a, b)
+
+
+def test_module_dtype_change_after_backward_and_step_keeps_the_bucket_right():
+    """`nn.Module._apply` swaps a traceable subclass's tensors (`torch.utils.swap_tensors`), which refuses a
+    tensor with weak references: nothing of globaltensor holds one on a gradient waiting for its bucketed
+    reduction (the pending list holds it, `ops/inputs._Pending`), nor on one its bucket reduced in place (its
+    memo lives in the tensor). So `m.double()` works after a backward (DP's Partial gradients pending) and after
+    a step, and the next steps equal one device's: the pending gradients, converted, are still reduced once."""
+    from globaltensor.ops import inputs
+
+    torch.manual_seed(0)
+    X = torch.randn(8, 4)
+    ref = torch.nn.Linear(4, 3)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref(X).square().sum().backward()
+    ref.double()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt.step()
+    ref.double()
+    ref(X.double()).square().sum().backward()
+    opt.step()
+
+    def program(swap: bool):
+        mesh = gt.placement("cpu", [0, 1])
+        lin = torch.nn.Linear(4, 3)
+        lin.load_state_dict(state)
+        gt.to_global(lin if swap else lin.double(), mesh)
+        x = gt.to_global(X, mesh, gt.split(0))
+        lin(x if swap else x.double()).square().sum().backward()
+        g = lin.weight.grad
+        pending = g in inputs._PENDING[gt.runtime.context.current()]
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        with gt.comm_log() as log:
+            if swap:
+                # a gradient waiting for its bucket, swapped; the cast reads it reduced (a cast of a Partial is not
+                # the cast of its sum): reduce-scattered in fp32, then all-gathered by the bucket in fp64
+                lin.double()
+                assert lin.weight.grad is g and g.dtype == torch.float64
+            opt.step()
+        lin.double()  # after the bucket converted the gradients in place
+        lin(x.double()).square().sum().backward()
+        opt.step()
+        return pending, log.recv_bytes, {k: v.full_tensor() for k, v in lin.state_dict().items()}
+
+    for rank, ((pending, log, params), (_, want_log, _)) in enumerate(zip(gt.launch(program, 2, args=(True,)),
+                                                                          gt.launch(program, 2, args=(False,)))):
+        # fp64 from the start: one all-reduce of the 15 gradient elements; swapped: the 12 weight and 3 bias
+        # elements reduce-scattered in fp32 (this rank's 6 + 2 or 6 + 1), then all-gathered in fp64 (the others)
+        bias = (2, 1) if rank == 0 else (1, 2)
+        assert pending and want_log == 15 * 8 and log == (6 + bias[0]) * 4 + (6 + bias[1]) * 8
+        for k, v in ref.state_dict().items():  # the first gradients are fp32 sums (in another order than one device's)
+            torch.testing.assert_close(params[k], v, rtol=0, atol=1e-6)
+
+
+def test_pending_gradient_dropped_unread_is_let_go():
+    """The pending list holds gradients strongly (no weak reference: see above) but lets one go once nobody
+    else holds it: a backward whose gradients are dropped unread (`zero_grad()` with no step) leaves nothing
+    held after the next backward's."""
+    import weakref
+    from globaltensor.ops import inputs
+
+    def program():
+        mesh = gt.placement("cpu", [0, 1])
+        lin = gt.to_global(torch.nn.Linear(4, 3), mesh)
+        x = gt.to_global(torch.ones(8, 4), mesh, gt.split(0))
+        lin(x).sum().backward()
+        old = [weakref.ref(p.grad._local) for p in lin.parameters()]  # (a weakref on the shards, not the grads)
+        lin.zero_grad()
+        lin(x).sum().backward()
+        held = [e[0] for e in inputs._PENDING[gt.runtime.context.current()].entries.values()]
+        return [r() is None for r in old], held and all(any(t is p.grad for p in lin.parameters()) for t in held)
+
+    for gone, only_current in gt.launch(program, 2):
+        assert gone == [True, True] and only_current

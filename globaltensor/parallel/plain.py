@@ -139,6 +139,8 @@ class PlainRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = type(self.module).forward
+        if torch.compiler.is_compiling():  # the dispatcher runs once, at trace time: nothing to save by going plain
+            return forward(self.module, *args, **kwargs)
         slots = self._walk() if ENABLED else None
         if slots is None:
             return forward(self.module, *args, **kwargs)

@@ -28,10 +28,14 @@ the others but its copy takes no gradient, and one the forward never reads gets 
 their `.grad` stays None, the optimizer skips them, and the reduce-scatter carries only the gradients that
 exist. A module whose parameters are all frozen still re-gathers them for its backward (its inputs'
 gradients read them) and frees them where that backward ends (`_Release`, on its inputs).
+
+Under torch.compile the hooks trace instead (`_traced_gather`): the gathers and reduce-scatters are graph ops, and
+ZeRO-3's free-and-regather is the partitioner's recomputation of the gather in the backward graph.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -62,6 +66,16 @@ class ParamGroup:
     param_dtype: Optional[torch.dtype]
     reduce_dtype: Optional[torch.dtype]
 
+    def __post_init__(self) -> None:
+        _number(self)
+
+    def __getstate__(self) -> dict:  # the slot is this process's: renumbered where the group is loaded
+        return {k: v for k, v in self.__dict__.items() if k != "_slot"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _number(self)
+
     def routes_for(self, conversions: tuple, which: Optional[tuple] = None) -> list:
         """Boxing routes for (src, dst, dtype) per parameter (or per parameter in `which`), remembered
         per group: every step asks for the same ones."""
@@ -81,11 +95,25 @@ class ParamGroup:
 
         The next module is the one that followed this one in the previous forward (inside the same
         outer gathering module: never across a step, whose optimizer changes the parameters)."""
+        if torch.compiler.is_compiling():
+            return self._traced_before(args, kwargs)
         listener = _LISTENING.listener
         if listener is None:
             return self._before(module, args, kwargs)
         with listener.opening(self, module):
             return self._before(module, args, kwargs)
+
+    def _traced_before(self, args: tuple, kwargs: dict) -> tuple:
+        """The pre-hook under torch.compile: the gather is a graph op (`_traced_gather`), its copies go in the
+        module's slots (dynamo records the change), and `after` puts the stored parameters back. What eager
+        mode does by hand around the gather (freeing, re-gathering, prefetching, landing the reduced gradients)
+        is the graph's: see `_traced_gather`."""
+        gathered = _traced_gather(self._slot, tuple(self.params))
+        for mod, name, i in self.slots:
+            mod._parameters[name] = gathered[i]
+        if self.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
+        return args, kwargs
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         mine = _state(self)
@@ -130,6 +158,8 @@ class ParamGroup:
         """Forward hook run even when the forward raised (`always_call`): where `after` did not run, this call
         is still open; its stored parameters go back in their slots and its gathered copies are freed, so an
         exception leaves the module, and this thread's stack of open calls, as they were before it."""
+        if torch.compiler.is_compiling():
+            return  # dynamo applies the slots' changes only once the graph ran
         if not _OPEN.stack or _OPEN.stack[-1].group is not self:
             return  # `after` closed it: the forward returned
         call = _OPEN.stack.pop()
@@ -142,6 +172,10 @@ class ParamGroup:
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook: the stored parameters back in their slots; ZeRO-3 frees the gathered copies
         and marks the output so that its backward gathers them again first."""
+        if torch.compiler.is_compiling():
+            for mod, name, i in self.slots:
+                mod._parameters[name] = self.params[i]
+            return _traced_outputs(self._slot, output) if _taking_grad(output) else output
         listener = _LISTENING.listener
         if listener is not None:
             listener.closed(self, module)
@@ -167,6 +201,128 @@ class ParamGroup:
             # that of the call that ended before it, whose re-gather it starts (prefetch)
             call.before_in_backward, _OPEN.ended = _OPEN.ended, weakref.ref(call)
         return _mark_outputs(output, call)
+
+
+_GROUPS: "weakref.WeakValueDictionary[int, ParamGroup]" = weakref.WeakValueDictionary()  # slot -> group
+_NEXT_SLOT = itertools.count()
+
+
+def _number(group: ParamGroup) -> None:
+    """A group's slot: the int its compiled hook hands dynamo (`_traced_gather`), which guards it as a constant."""
+    slot = next(_NEXT_SLOT)
+    object.__setattr__(group, "_slot", slot)
+    _GROUPS[slot] = group
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_gather(slot: int, params: tuple) -> tuple:
+    """A gathering module's parameters in their compute layouts, traced: dynamo leaves this call opaque,
+    AOTAutograd traces it (`_TracedGather`), so the group's all-gathers are forward graph ops and their duals
+    (the gradients, Partial over the data axis, reduce-scattered into the stored layouts) backward graph ops,
+    one collective per bucket as eagerly, landing in `.grad` as any leaf's gradient.
+
+    ZeRO-3 (`reshard_after_forward`) frees the gathered copies after the forward and gathers them again in the
+    backward: here the gather's nodes are marked to be recomputed (`recompute`, what `torch.utils.checkpoint`'s
+    selective policy sets under compile, SimpleFSDP's way), so AOTAutograd's partitioner saves the shards, not
+    the copies, and repeats the all-gather in the backward graph. ZeRO-2 saves the copies for the backward."""
+    group = _GROUPS[slot]
+    with _recomputed(group.reshard_after_forward):
+        out = list(_TracedGather.apply(slot, *params))
+        trainable = [i for i, t in enumerate(out) if t.requires_grad]
+        if trainable and torch.is_grad_enabled():
+            marked = _TracedScope.apply(slot, False, *(out[i] for i in trainable))
+            for i, t in zip(trainable, marked):
+                out[i] = t
+        return tuple(out)
+
+
+class _TracedGather(torch.autograd.Function):
+    """`_Gather` as AOTAutograd traces it: the parameters handed in (the traced ones, not the group's) to their
+    compute layouts, one collective per bucket (`boxing.execute_many`); backward, the gradients to the stored
+    layouts (`_Call.reduce_start`, eager's reduction), with no freeing, prefetching nor landing: the graph
+    orders its collectives, and autograd accumulates the reduced gradients."""
+
+    @staticmethod
+    def forward(ctx, slot: int, *params: GlobalTensor) -> tuple:  # type: ignore[override]
+        g = _GROUPS[slot]
+        ctx.slot = slot
+        ctx.set_materialize_grads(False)
+        shards = [p._local if g.param_dtype is None or p._local.dtype == g.param_dtype else p._local.to(g.param_dtype)
+                  for p in params]
+        routes = g.routes_for(tuple((p._layout, c, s.dtype) for p, c, s in zip(params, g.compute, shards)))
+        outs = boxing.execute_many(routes, shards, context.current())
+        out = tuple(GlobalTensor(o, c, tuple(p.shape)) for o, c, p in zip(outs, g.compute, params))
+        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        return (None, *_Call(_GROUPS[ctx.slot]).reduce_start(grads)())
+
+
+@torch._dynamo.nonstrict_trace
+def _traced_outputs(slot: int, output: Any) -> Any:
+    """A gathering module's outputs under torch.compile, marked where the module's backward begins (eager's
+    `_Regather` marks, less the re-gather, which the graph holds)."""
+    return map_tensors(lambda t: _TracedScope.apply(slot, True, t)[0] if t.requires_grad else t, output)
+
+
+class _Traced(threading.local):
+    def __init__(self) -> None:
+        self.leaves: dict = {}  # group slot -> the leave of the named scope its traced backward entered
+
+
+_TRACED = _Traced()
+
+
+class _TracedScope(torch.autograd.Function):
+    """Identity; its backward, traced by AOTAutograd, enters (on the module's outputs) or leaves (on the
+    gathered parameters, before their reduce-scatter) the named scope the module's backward runs in, as
+    eager's `_Regather` and `_Gather` do: the cost model leaves a Partial of a parameter's shape for the
+    reduce-scatter there (the same plan as eager, and so the same bytes)."""
+
+    @staticmethod
+    def forward(ctx, slot: int, enter: bool, *xs: torch.Tensor) -> tuple:  # type: ignore[override]
+        ctx.slot, ctx.enter = slot, enter
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
+        leaves = _TRACED.leaves
+        if ctx.enter:
+            if ctx.slot not in leaves:
+                leaves[ctx.slot] = enter_named_here(tuple(q.shape) for q in _GROUPS[ctx.slot].params)
+        else:
+            leave = leaves.pop(ctx.slot, None)
+            if leave is not None:
+                leave()
+        return (None, None, *grads)
+
+
+_AC_IDS = itertools.count(1 << 20)  # apart from torch.utils.checkpoint's region numbers
+
+
+@contextlib.contextmanager
+def _recomputed(on: bool) -> Iterator[None]:
+    """Nodes traced inside are to be recomputed in the backward, one region of their own (the tags AOTAutograd's
+    partitioners read: `must_recompute`, `ac_graph_id`)."""
+    from torch.fx import traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy
+    if not on or not fx_traceback.has_preserved_node_meta():
+        yield
+        return
+    meta = fx_traceback.current_meta
+    before = {k: meta[k] for k in ("recompute", "ac_graph_id") if k in meta}
+    meta["recompute"], meta["ac_graph_id"] = CheckpointPolicy.MUST_RECOMPUTE, next(_AC_IDS)
+    try:
+        yield
+    finally:
+        for k in ("recompute", "ac_graph_id"):
+            meta.pop(k, None)
+        meta.update(before)
 
 
 class _Open(threading.local):
