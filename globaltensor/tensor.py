@@ -14,7 +14,7 @@ from . import chunks as _chunks
 from .ops import dispatch as _ops_dispatch
 from .ops import strided_split as _ops_strided
 from .ops import zigzag as _ops_zigzag
-from .ops.pointwise import _CompileOnly as _compile_only, register_compile_only as _register_compile_only
+from .ops.pointwise import register_compile_only
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context
@@ -154,8 +154,7 @@ class GlobalTensor(torch.Tensor):
             raise TypeError(f"torch.compile: a {type(self).__name__} holds more than its shard and layout (its "
                             "split sizes are data) and cannot be traced; run the part that uses it eagerly "
                             "(torch.compiler.disable)")
-        if not _compile_only.registered:
-            _register_compile_only()
+        register_compile_only()  # once: the rules of ops only dynamo emits
         return ["_local"], (self._layout, self._key.shape, self._key.geometry, _compile_rank())
 
 
