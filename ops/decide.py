@@ -33,8 +33,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from .. import boxing
-from ..runtime.topology import in_force, on_change
 from ..layout import Layout
+from ..runtime.topology import in_force, on_change
 from ..sbp import Broadcast, Partial, Ragged, Split
 from . import flops
 from .errors import data_dependent, kernel_error
