@@ -27,8 +27,8 @@ re-gather and its prefetch). Time per rank: `step_time` of its collectives, byte
 FLOPs (`torch.utils.flop_counter` on one device); the step waits on the slowest rank.
 
 Not in the family yet: ZeRO-1 (its sharded optimizer state is no plan entry), Ulysses/ring sequence splits,
-pipeline stages, a different strategy per mesh axis of the data axes (HSDP), mixed precision. A ZeRO root gathers every block without a group of its own (FSDP's root), so ZeRO
-roots are paired with ZeRO blocks only.
+pipeline stages, a different strategy per mesh axis of the data axes (HSDP), mixed precision. A ZeRO root
+gathers every block without a group of its own (FSDP's root), so ZeRO roots are paired with ZeRO blocks only.
 """
 from __future__ import annotations
 
