@@ -617,7 +617,9 @@ class _FullTensor(torch.autograd.Function):
         out = boxing.convert_local(x._local, x._layout, full, ctx.shape, context.current())
         # the shard itself (a Broadcast tensor's) is returned as a view: autograd makes a Function's output take
         # a gradient, which the shard must not (a parameter's `_local` requiring grad fails compiled guards)
-        return out.view_as(out) if out is x._local else out
+        if out is not x._local:
+            return out
+        return out.view_as(out) if out.layout == torch.strided else out.detach()  # a sparse shard has no views
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

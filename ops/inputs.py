@@ -301,14 +301,20 @@ def settle(t: Any) -> None:
         box_global(t, pending[t][0])
 
 
-@torch._dynamo.disable
 def settle_step(opt: Any, args: Any, kwargs: Any) -> None:
-    """Optimizer step pre-hook: this rank's pending gradients reduced now, one collective per bucket, as the
-    step's first read would reduce them. Eagerly that is the same reduction a moment earlier; under
-    `torch.compile(opt.step)` it is what keeps the bucket: the step is traced on fake gradients that are
-    not on the pending list, so each op would reduce its own read of a Partial gradient inside the graph
-    (twice over for AdamW, whose two moments read it). Opaque to dynamo (a graph break before the step's
-    own, `torch.optim`'s `_use_grad`), it runs eagerly, and the graph is traced on the reduced layouts."""
+    """Optimizer step pre-hook, under `torch.compile(opt.step)` only: this rank's pending gradients reduced
+    now, one collective per bucket. The step is traced on fake gradients that are not on the pending list,
+    so each op would reduce its own read of a Partial gradient inside the graph (twice over for AdamW, whose
+    two moments read it). Dynamo traces the hook, and `_settle_pending` is opaque to it (a graph break before
+    the step's own, `torch.optim`'s `_use_grad`): it runs eagerly, and the graph is traced on the reduced
+    layouts. An eager step keeps the reduction at the first read, whose op chooses the layout (a ZeRO update
+    reduce-scatters into its shard)."""
+    if torch.compiler.is_compiling():
+        _settle_pending()
+
+
+@torch._dynamo.disable
+def _settle_pending() -> None:
     comm = context.current_or_none()
     pending = _PENDING.get(comm) if comm is not None else None
     if pending:

@@ -348,7 +348,7 @@ def _losses(lines: list[str]) -> dict[int, str]:
     return {int(ln.split()[1]): ln.split()[3] for ln in lines if ln.startswith("step ")}
 
 
-@pytest.mark.parametrize("backend", ["sim", pytest.param("gloo", marks=pytest.mark.gloo)])
+@pytest.mark.parametrize("backend", ["sim", pytest.param("gloo", marks=[pytest.mark.gloo, pytest.mark.slow])])
 def test_resume_after_sigkill_is_bitwise(tmp_path, backend):
     """Train 4 steps saving each; SIGKILL the run (every rank) after the checkpoint of step 2 while it
     goes on; restart from the last complete checkpoint: the losses and the parameters equal the

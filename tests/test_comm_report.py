@@ -173,6 +173,7 @@ def _gpt_report_rows():
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # ~30 s on 4 gloo processes
 def test_gloo_report_matches_the_simulator_and_traces_every_rank():
     real = gt.launch(_gpt_report_rows, 4, backend="gloo", timeout=120)
     sim = gt.launch(_gpt_report_rows, 4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 
+import pytest
 import torch
 
 import globaltensor as gt
@@ -39,6 +40,7 @@ def _train(steps: int, start: int):
     return sizes
 
 
+@pytest.mark.slow  # ~50 s: 2,000 programs
 def test_two_thousand_changing_shapes_keep_memory_flat(monkeypatch):
     monkeypatch.setattr(dispatch, "MAX_PROGRAMS", 2048)  # reach the bound within the test's steps
     dispatch.clear_cache()

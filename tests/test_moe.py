@@ -847,6 +847,7 @@ def _under_gloo(steps: int, k: int, layer_cfg: MoEConfig) -> tuple:
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # ~30 s: 4 gloo processes; the simulator's EP tests count the same bytes
 def test_ep4_under_gloo_processes(capacity_reference):
     """EP=4 through torch.distributed (gloo), not the simulator: 20 AdamW steps of the capacity model
     equal one device (losses, routing, parameters) at the ideal all-to-alls; and a dropless layer's

@@ -99,6 +99,7 @@ def _final_state(directory: Path) -> dict:
 
 
 @pytest.mark.gloo
+@pytest.mark.slow  # ~70 s: two torchrun agents, a SIGKILL and a restart (issue 37's proof)
 def test_a_killed_rank_restarts_and_resumes_to_the_uninterrupted_run(tmp_path):
     """torchrun --max-restarts 1 with rank 1 SIGKILLed as it starts step 3: the agent restarts both workers,
     which resume from the last complete checkpoint (model, AdamW state, step, RNG and the data position;
