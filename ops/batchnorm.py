@@ -49,9 +49,9 @@ def batch_norm_train(func: Any, args: tuple, kwargs: dict) -> tuple:
     x, w, b, rm, rv = a["input"], a["weight"], a["bias"], a["running_mean"], a["running_var"]
     nd, dims = x.dim(), _stat_dims(x.dim())
     n = math.prod(x.shape[d] for d in dims)
-    mean = aten.mean.dim(x, dims)
+    mean = _whole(aten.sum.dim_IntList(x, dims), n)
     centred = aten.sub.Tensor(x, _channel_view(mean, nd))
-    var = aten.mean.dim(aten.pow.Tensor_Scalar(centred, 2), dims)
+    var = _whole(aten.sum.dim_IntList(aten.pow.Tensor_Scalar(centred, 2), dims), n)
     invstd = aten.rsqrt.default(aten.add.Scalar(var, a["eps"]))
     out = aten.mul.Tensor(centred, _channel_view(invstd, nd))
     if w is not None:
@@ -64,6 +64,14 @@ def batch_norm_train(func: Any, args: tuple, kwargs: dict) -> tuple:
     if rv is not None:
         aten.add_.Tensor(aten.mul_.Scalar(rv, 1 - m), var, alpha=m * n / max(n - 1, 1))
     return out, mean, invstd
+
+
+def _whole(total: Any, n: int) -> Any:
+    """A per-channel sum over the statistics' dims, made whole now (one all-reduce of [C] where the batch is
+    split) and divided by the elements it sums: the statistic every rank normalises with. Reduced here, not
+    left Partial for its readers to choose, which reduced the same statistic again for the running statistics'
+    update and the normalisation (5 collectives a layer where SyncBatchNorm makes one)."""
+    return aten.div.Scalar(reduce_partial(total), n)
 
 
 def batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> tuple:
@@ -80,6 +88,9 @@ def batch_norm_backward(func: Any, args: tuple, kwargs: dict) -> tuple:
     scale = invstd if w is None else aten.mul.Tensor(invstd, w)
     grad_b = aten.sum.dim_IntList(g, dims) if (mask[2] or a["train"]) else None
     grad_w = aten.sum.dim_IntList(aten.mul.Tensor(g, xhat), dims) if (mask[1] or a["train"]) else None
+    if a["train"]:  # both sums whole in one collective (SyncBatchNorm's backward all-reduce): dx reads them
+        both = reduce_partial(aten.stack.default([grad_b, grad_w]))
+        grad_b, grad_w = aten.select.int(both, 0, 0), aten.select.int(both, 0, 1)
     grad_x: Optional[Any] = None
     if mask[0]:
         if a["train"]:

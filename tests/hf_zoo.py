@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import globaltensor as gt
+from globaltensor.runtime.comm import all_reduce_recv_bytes
 
 transformers: Any = None  # imported on first use: collecting the tests must not need it
 
@@ -204,8 +205,16 @@ def textbook(model: nn.Module, strategy: str, world: int) -> float:
     2Ψ(n-1)/n; ZeRO-3's all-gather of each parameter before the forward and again before the backward
     and reduce-scatter of its gradient: 2(N - s) + (n-1)s for a parameter of N elements of which this
     rank stores s (an uneven split makes the ranks differ; an even one gives 3Ψ(n-1)/n), and for a
-    frozen parameter the two all-gathers only."""
+    frozen parameter the two all-gathers only.
+
+    A model with batch norm adds SyncBatchNorm's statistics, which DDP needs to compute the one-device
+    program (per-rank statistics are another): per layer of C channels, the forward's all-gather of each
+    rank's mean, invstd and count ((n-1)(2C+1) elements) and the backward's all-reduce of 2C sums."""
     total = 0.0
+    for mod in model.modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
+            c, size = mod.num_features, mod.running_mean.element_size()
+            total += ((world - 1) * (2 * c + 1) * size + all_reduce_recv_bytes(2 * c, size, world, 0))
     for q in model.parameters():
         size = q.element_size()
         if strategy == "dp":

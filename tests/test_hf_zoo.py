@@ -36,14 +36,6 @@ _TIED = ("the decoder's side of the tied embedding takes its backward as an all-
 OVER: dict = {
     ("t5", "dp"): (1.006, _TIED), ("mt5", "dp"): (1.005, _TIED), ("pegasus", "dp"): (1.006, _TIED),
     ("marian", "dp"): (1.006, _TIED),
-    ("resnet", "dp"): (1.28, "batch norm's statistics are the whole batch's (one device's): each layer all-reduces its "
-                             "sums forward and backward, as SyncBatchNorm does; DDP's per-rank statistics are another "
-                             "program"),
-    ("resnet", "zero3"): (1.21, "batch norm's statistics are the whole batch's, as under DP: each layer all-reduces "
-                                "its sums forward and backward (11.45x while a ZeRO block's backward excused every "
-                                "Partial output, activation gradients included: ops/scope.py)"),
-    ("albert", "zero3"): (1.54, "ALBERT runs its one shared layer at every depth: gathered at each call (and again "
-                                "for each call's backward), as FSDP2 gathers a module at each call"),
 }
 
 

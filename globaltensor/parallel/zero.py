@@ -12,7 +12,9 @@ when autograd calls it.
 
 ZeRO-3 (`reshard_after_forward=True`) frees the gathered copies when the forward leaves the module
 and gathers them again when the backward enters it, started one module ahead (when the backward
-enters the module that ended after it in the forward), as FSDP2 prefetches. Autograd keeps the tensors it saved, but their
+enters the module that ended after it in the forward), as FSDP2 prefetches. A module called again inside the same
+enclosing module, with no other gathering between (a layer shared by every depth), reuses its call (`_park`).
+Autograd keeps the tensors it saved, but their
 shards' storage is what is freed (resized to nothing, as FSDP2 does) and later refilled in place,
 so the saved tensors and their views see the data again without a saved-tensor hook. ZeRO-2 keeps
 the gathered copies until the module's backward has reduced the gradients. Either way nothing
@@ -120,7 +122,8 @@ class ParamGroup:
         scope = _SCOPES.get(context.current())
         keeps = scope is not None and not self.reshard_after_forward  # one call for the scope's micro-batches
         kept = scope.calls.get(self) if keeps else None
-        call = kept or mine.pop("prefetched", None) or _Call(self)
+        again, again_outputs = _unpark(self)
+        call = again or kept or mine.pop("prefetched", None) or _Call(self)
         if keeps:
             scope.calls[self] = call
         if _OPEN.stack and _OPEN.last is not None and _OPEN.last is not self:
@@ -130,7 +133,7 @@ class ParamGroup:
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             # kept for the step: every micro-batch takes the same outputs of one gather (one node, whose backward
             # each micro-batch's backward runs, or a one-rank stage hands the step's sum to once: `hand_on`)
-            gathered = scope.outputs.get(self) if keeps else None
+            gathered = scope.outputs.get(self) if keeps else again_outputs
             if gathered is None:
                 gathered = _Gather.apply(call, *params)
                 if keeps:
@@ -145,10 +148,18 @@ class ParamGroup:
         for mod, name, i in self.slots:
             mod._parameters[name] = gathered[i]
         _OPEN.installed.append(gathered)
+        # the next module is a sibling (taken inside the enclosing call) or, for the outermost, its first child
+        owner = _OPEN.stack[-1] if _OPEN.stack else call
+        if owner is not call:
+            owner.entered.add(self)
         nxt = mine.get("next")
-        if nxt is not None and "prefetched" not in _state(nxt) and not (scope is not None and nxt in scope.calls):
+        # a module already called in this forward is not gathered ahead again: a call that follows another
+        # module (A, B, A) would start a gather for what came after A the first time, which no call may take
+        if nxt is not None and nxt not in owner.entered and "prefetched" not in _state(nxt) and \
+                not (scope is not None and nxt in scope.calls):
             ahead = _state(nxt)["prefetched"] = _Call(nxt)
             ahead.start()
+            owner.prefetches.append(ahead)
         _OPEN.stack.append(call)
         if self.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), self.param_dtype)
@@ -166,6 +177,7 @@ class ParamGroup:
         _OPEN.installed.pop()
         for mod, name, i in self.slots:
             mod._parameters[name] = self.params[i]
+        _flush(call)
         if not call.freed:
             call.free()
 
@@ -180,11 +192,12 @@ class ParamGroup:
         if listener is not None:
             listener.closed(self, module)
         call = _OPEN.stack.pop()
-        _OPEN.installed.pop()
+        gathered = _OPEN.installed.pop()
         for mod, name, i in self.slots:
             mod._parameters[name] = self.params[i]
         kept = _SCOPES.get(context.current())
         if kept is not None and kept.calls.get(self) is call:  # kept for the scope's next micro-batches
+            _flush(call)
             # a module run on plain tensors (a one-rank stage) dispatches nothing in its backward: no named
             # scope for it to enter, no gather to redo
             return _mark_outputs(output, call) if call.tracked and not _state(self).get("plain") else output
@@ -192,14 +205,19 @@ class ParamGroup:
             if torch.is_grad_enabled() and _taking_grad(output):
                 # ... unless one comes through a submodule's trainable parameters (no input took a gradient to
                 # mark the backward's end at): the copies stay for it, held by what autograd saved of them
+                _flush(call)
                 return output
-            call.free()
+            _park(call, None, free=True)
             return output
         if self.reshard_after_forward:
-            call.free()
+            _park(call, gathered, free=True)
             # the backward meets the modules' ends in reverse: this call's backward comes right before
-            # that of the call that ended before it, whose re-gather it starts (prefetch)
-            call.before_in_backward, _OPEN.ended = _OPEN.ended, weakref.ref(call)
+            # that of the call that ended before it, whose re-gather it starts (prefetch); a call taken again
+            # (`_unpark`) ends twice, its backward still once
+            if _OPEN.ended is None or _OPEN.ended() is not call:
+                call.before_in_backward, _OPEN.ended = _OPEN.ended, weakref.ref(call)
+        else:
+            _park(call, gathered, free=False)
         return _mark_outputs(output, call)
 
 
@@ -429,6 +447,12 @@ class _Call:
         self.reduced = False          # its backward has run
         self.before_in_backward: Optional["weakref.ref[_Call]"] = None  # the call whose backward comes next
         self.prefetched: Optional["_Call"] = None  # that call, once its re-gather is started by this one's backward
+        # calls of inner modules whose forward ended inside this one and which may be called again (`_park`), with
+        # their gathered outputs (None: not through a `_Gather`); and whether this one, parked, frees when flushed
+        self.parked: list = []
+        self.frees_when_flushed = False
+        self.entered: set = set()      # the groups called inside this call's forward
+        self.prefetches: list = []     # the calls its forward started ahead: dropped at its end if none took them
 
     def start(self) -> None:
         """Start the gather now (a prefetch); `gather` finishes it."""
@@ -553,6 +577,65 @@ class _Call:
                 result[i] = GlobalTensor(out.to(p.dtype), targets[i], tuple(p.shape))
             return result
         return finish
+
+
+def _park(call: _Call, gathered: Optional[list], free: bool) -> None:
+    """A call whose forward ended: kept (its copies not freed yet, its `_Gather` outputs at hand) while its
+    enclosing gathering module's forward goes on, until another module gathers there or that module's forward
+    ends (`_flush`). A module called again in between (ALBERT's one layer, run at every depth) takes the same
+    call (`_unpark`): one gather for all its calls, and, through its one `_Gather` node, whose backward
+    autograd runs once with the calls' gradients summed, one re-gather and one reduce-scatter in the backward:
+    the textbook's bytes, where gathering per call (FSDP2) moves them once per call. Other modules free their
+    copies a little later (when the next module gathers, which is also when its prefetched gather lands),
+    moving the same bytes. Without an enclosing call (the outermost module), or inside one kept for a step's
+    micro-batches (`accumulating`, shared by their forwards), it is released now."""
+    call.frees_when_flushed = free
+    outer = _OPEN.stack[-1] if _OPEN.stack else None
+    scope = _SCOPES.get(context.current())
+    if outer is None or (scope is not None and scope.calls.get(outer.group) is outer):
+        _release(call)
+        return
+    outer.parked.append((call, gathered if gathered is not None and call.tracked else None))
+
+
+def _unpark(group: ParamGroup) -> tuple:
+    """The parked call of `group` in the innermost open call, and its `_Gather` outputs, (None, None) if none;
+    the other parked calls there are released: another module is gathering."""
+    outer = _OPEN.stack[-1] if _OPEN.stack else None
+    if outer is None or not outer.parked:
+        return None, None
+    found = (None, None)
+    parked, outer.parked = outer.parked, []
+    for call, gathered in parked:
+        if call.group is group and not call.freed:
+            found = (call, gathered if torch.is_grad_enabled() else None)
+        else:
+            _release(call)
+    return found
+
+
+def _flush(call: _Call) -> None:
+    """Release the calls parked in `call`: its forward is over (or it is released itself). A gather it started
+    ahead that no call took is finished and dropped: a later forward must not take it, its parameters
+    gathered before the optimizer changed them (the module whose call came next in the last forward was not
+    called in this one)."""
+    parked, call.parked = call.parked, []
+    for inner, _ in parked:
+        _release(inner)
+    ahead, call.prefetches = call.prefetches, []
+    for started in ahead:
+        st = _state(started.group)
+        if st.get("prefetched") is started:
+            del st["prefetched"]
+            started.gather()
+            started.free()
+    call.entered.clear()
+
+
+def _release(call: _Call) -> None:
+    _flush(call)
+    if call.frees_when_flushed:
+        call.free()
 
 
 _LIVE: "weakref.WeakSet[_Call]" = weakref.WeakSet()
