@@ -6,8 +6,11 @@ it is decomposed: mean and biased variance over every dim but the channel dim, e
 (a [channels]-sized all-reduce when the batch is split; nothing when channels are split), then the
 running statistics updated in place where they live (unbiased variance, as torch), so every rank
 keeps the same running statistics as one device. The backward is decomposed the same way: two
-per-channel sums (the weight and bias gradients, Partial when the batch is split) and an elementwise
-gradient of the input.
+per-channel sums (the weight and bias gradients), made whole together in one collective when the batch
+is split (SyncBatchNorm's backward all-reduce: the input's gradient reads both), and an elementwise
+gradient of the input. Per layer two [C] all-reduces forward (mean, then the centred variance: two passes,
+as one device's kernel, where SyncBatchNorm's one all-gather of each rank's mean and invstd combines them)
+and one [2, C] backward.
 """
 from __future__ import annotations
 
