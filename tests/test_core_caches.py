@@ -76,7 +76,7 @@ def _first_step_leaves_no_tensor_in_a_cycle():
     if comm.rank == 0:  # one collection for the whole process (the simulated ranks are its threads)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
-        caught = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+        caught = [(id(o), tuple(o.shape)) for o in gc.garbage if isinstance(o, torch.Tensor)]
         gc.set_debug(0)
         gc.garbage.clear()
     comm.barrier()
@@ -85,9 +85,13 @@ def _first_step_leaves_no_tensor_in_a_cycle():
 
 def test_a_first_step_leaves_no_tensor_in_a_reference_cycle():
     gc.collect()
+    # what earlier tests in this process left alive is not this step's: some is dropped while the step runs (an
+    # auto_plan test's MoE-GPT experts), and a collection then finds it
+    before = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
     gc.disable()
     try:
         caught = gt.launch(_first_step_leaves_no_tensor_in_a_cycle, 2)[0][0]
     finally:
         gc.enable()
+    caught = [shape for key, shape in caught if key not in before]
     assert not caught, f"{len(caught)} tensors freed only by the cyclic gc, e.g. {caught[:8]}"
