@@ -135,10 +135,15 @@ class GlobalTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         """Every aten op on GlobalTensors goes through the one dispatcher (rules in `globaltensor.ops`); a cat
-        of like splits along their dim is a strided split (`ops/strided_split.cat_of_splits`), which the
-        dispatcher's rules, reading one box per shard, have no word for."""
+        of like splits along their dim, and a view merging a split dim with the dims before it, are strided
+        splits (`ops/strided_split.cat_of_splits`, `merged_view`), which the dispatcher's rules, reading one box
+        per shard, have no word for."""
         if func is _CAT:
             out = _ops_strided.cat_of_splits(args, kwargs or {}, GlobalTensor)
+            if out is not None:
+                return out
+        elif func in _ops_strided.VIEWS:
+            out = _ops_strided.merged_view(func, args, kwargs or {}, GlobalTensor)
             if out is not None:
                 return out
         return _run(func, args, kwargs, GlobalTensor)

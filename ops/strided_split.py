@@ -24,6 +24,7 @@ in-place op that the reading does not cover is refused on a strided tensor: its 
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Optional
 
@@ -32,13 +33,16 @@ import torch
 from .. import boxing
 from ..layout import Layout
 from ..runtime import context
-from ..sbp import Broadcast, Ragged, Split, Strided, Zigzag
+from ..sbp import Broadcast, Partial, Ragged, Split, Strided, Zigzag
 from .decide import flatten_out, map_tensors
 from .dispatch import run as dispatch
 from .reading import on_reading
 from .registry import aten, is_inplace
+from .step_plan import ACTIVE as STEP_PLAN
+from .view import reshape_groups
 from .zigzag_dims import ALIGN, _pointwise, _mm
 
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 GROUP_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default)
 # results whose values do not depend on the operand's values (zeros, empty, a fill): read in any order
 VALUE_FREE = (aten.new_zeros.default, aten.new_empty.default, aten.new_full.default, aten.new_ones.default,
@@ -180,6 +184,10 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, cls: type) -> Any:
     axis, d, g = _key(first._layout)
     if func in GROUP_OPS and args[0] is first:
         done = _separate(func, args, kwargs, plain, first, axis, d, g)
+        if done is not None:
+            return done
+    if func in VIEWS and args[0] is first:
+        done = _unmerged_view(func, args, kwargs, plain, first, axis, d, g)
         if done is not None:
             return done
     if func.name().startswith("aten::_foreach_"):  # per tensor, back through here (or its kernel on like shards)
@@ -347,4 +355,99 @@ def cat_of_splits(args: tuple, kwargs: dict, plain: type) -> Optional[Any]:
     return plain(torch.cat([t._local for t in tensors], dim), Layout(layout.placement, sbp), out_shape)
 
 
-__all__ = ["run", "cat_of_splits"]
+def _view_shape(args: tuple, kwargs: dict, numel: int) -> Optional[tuple]:
+    size = args[1] if len(args) > 1 else kwargs.get("size", kwargs.get("shape"))
+    if size is None:
+        return None
+    size = [int(x) for x in size]
+    if size.count(-1) == 1:
+        rest = math.prod(x for x in size if x != -1)
+        size[size.index(-1)] = numel // rest if rest else 0
+    return tuple(size) if math.prod(size) == numel else None
+
+
+def _one_split_axis(layout: Layout, kind: type) -> Optional[int]:
+    """The one mesh axis whose SBP is a `kind`, every other axis Partial or of size 1; None else. (A Broadcast
+    axis may slice the dims before the split for free, keeping the merged dim one contiguous split: the
+    dispatcher's reshape rule finds that.)"""
+    shape = layout.placement.shape
+    cut = [a for a, x in enumerate(layout.sbp) if not isinstance(x, Partial) and shape[a] > 1]
+    return cut[0] if len(cut) == 1 and isinstance(layout.sbp[cut[0]], kind) else None
+
+
+def merged_view(func: Any, args: tuple, kwargs: dict, plain: type) -> Optional[Any]:
+    """A view that merges a split dim k with dims before it into one dim ([S, B, d] S(1) -> [S*B, d]: the batch
+    split of a sequence-first activation, as `nn.MultiheadAttention` flattens it for its projections): each
+    rank holds its piece of every block of the merged dim, which is the strided split `S(o, groups=G)` (G the
+    elements of the dims before k), with no bytes, where a contiguous split of the merged dim is an all-to-all
+    (and the view back another). Its readers take it as it is where exact (`run`), the view back included
+    (`_unmerged_view`). Only with one mesh axis cutting, k's pieces even; None otherwise (the dispatcher's
+    rules decide). Not under a step plan (`ops/step_plan.py`), which chooses among the dispatcher's choices for
+    the whole step, this one among them: taken outside it, the plan's choices after it no longer fit."""
+    t = args[0]
+    if func not in VIEWS or type(t) is not plain or STEP_PLAN.plan is not None:
+        return None
+    layout = t._layout
+    axis = _one_split_axis(layout, Split)
+    if axis is None:
+        return None
+    n, k, ins = layout.placement.shape[axis], layout.sbp[axis].dim, tuple(t.shape)
+    if n < 2 or ins[k] % n or t._local.dim() != len(ins):
+        return None
+    outs = _view_shape(args, kwargs, math.prod(ins))
+    if outs is None:
+        return None
+    for gi, gj in reshape_groups(ins, outs):
+        if k not in gi:
+            continue
+        merged = [j for j in gj if outs[j] != 1]
+        groups = math.prod(ins[x] for x in gi[:gi.index(k)])
+        if len(merged) != 1 or groups < 2:
+            return None
+        o = merged[0]
+        local_shape = list(outs)
+        local_shape[o] //= n
+        try:
+            local = func(t._local, local_shape)
+        except RuntimeError:  # not a view of this rank's shard (its strides): the dispatcher's way
+            return None
+        sbp = tuple(Strided(o, groups) if a == axis else x for a, x in enumerate(layout.sbp))
+        return plain(local, Layout(layout.placement, sbp), outs)
+    return None
+
+
+def _unmerged_view(func, args, kwargs, plain, x, axis, d, g) -> Optional[Any]:
+    """The view that undoes `merged_view`: the strided dim d cut into dims whose leading ones hold its g blocks
+    ([S*B, d] S(0, groups=S) -> [S, B, d] S(1)): each rank's pieces are its split of the dim after them, no bytes.
+    None otherwise."""
+    layout = x._layout
+    if _one_split_axis(layout, Strided) != axis or not layout.strided_even(tuple(x.shape)):
+        return None
+    ins, n = tuple(x.shape), layout.placement.shape[axis]
+    outs = _view_shape(args, kwargs, math.prod(ins))
+    if outs is None or x._local.dim() != len(ins):
+        return None
+    for gi, gj in reshape_groups(ins, outs):
+        if d not in gi:
+            continue
+        if [i for i in gi if ins[i] != 1] != [d]:
+            return None
+        lead = 1
+        for at, j in enumerate(gj):
+            if lead == g:
+                if outs[j] % n:
+                    return None
+                local_shape = list(outs)
+                local_shape[j] //= n
+                try:
+                    local = func(x._local, local_shape)
+                except RuntimeError:
+                    return None
+                sbp = tuple(Split(j) if a == axis else s for a, s in enumerate(layout.sbp))
+                return plain(local, Layout(layout.placement, sbp), outs)
+            lead *= outs[j]
+        return None
+    return None
+
+
+__all__ = ["run", "cat_of_splits", "merged_view"]
