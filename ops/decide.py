@@ -403,14 +403,16 @@ def owed(layout: Layout, shape: tuple, dtype: torch.dtype) -> Optional[Bill]:
     the parameter does not have is gathered back there. A Partial gradient keeps the reduction's charge: the
     bucket reduces it as DDP does, whichever op made it; charging it the whole all-reduce would trade that for
     gathering the activations where they are smaller (an expert's weight), a step-wide choice (gt.step_plan)."""
+    sink = grad_sink(shape, dtype)
+    if sink is not None and sink.placement == layout.placement:
+        bucket = Layout(sink.placement, tuple(s if isinstance(s, Partial) else d for s, d in zip(layout.sbp, sink.sbp)))
+        bill = conversion_cost(layout, bucket, shape, dtype)
+        return bill if bill is not None else conversion_cost(layout, sink, shape, dtype)
     if layout.has_partial:
         if excused(shape):
             return NOTHING
         bill = owed_by(layout, shape, dtype)
         return bill._replace(latency=0) if backward_key() else bill  # in the backward: launched with the bucket
-    sink = grad_sink(shape, dtype)
-    if sink is not None and sink.placement == layout.placement:
-        return conversion_cost(layout, sink, shape, dtype)
     return NOTHING
 
 
