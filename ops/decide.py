@@ -396,16 +396,20 @@ def _owing_rank(bill: Bill) -> tuple:
     return bill.time(), bill.collectives
 
 
-def owed(layout: Layout, shape: tuple, dtype: torch.dtype) -> Optional[Bill]:
-    """What an output in `layout` still owes. A Partial one its cheapest reduction (`owed_by`), unless a scope
-    excuses it (a named module's, a ZeRO module's reduce-scatter). One without Partial that is a parameter's
-    gradient (`scope.grad_sink`) its conversion into the parameter's layout, which the optimizer reads: a split
-    the parameter does not have is gathered back there. A Partial gradient keeps the reduction's charge: the
-    bucket reduces it as DDP does, whichever op made it; charging it the whole all-reduce would trade that for
-    gathering the activations where they are smaller (an expert's weight), a step-wide choice (gt.step_plan)."""
+def owed(layout: Layout, shape: tuple, dtype: torch.dtype, boxed: frozenset = frozenset()) -> Optional[Bill]:
+    """What an output in `layout` still owes. One that is a parameter's gradient (`scope.grad_sink`: in the
+    backward node that hands it to the parameter's accumulation) its conversion into the parameter's layout,
+    which the optimizer reads, less the reduction of a Partial the op made (the mesh axes not in `boxed`, on
+    which no input was boxed into Partial): the gradient bucket reduces every pending Partial gradient
+    together, DDP's all-reduce, which every data-parallel step pays once for a parameter whatever op made its
+    gradient, and once for the sum of a tied parameter's uses; a split the parameter does not have is gathered
+    back there. A Partial an input was boxed into (a split gradient zero-padded) is charged its reduction: the
+    bucket would all-reduce what it could have gathered. Any other Partial output owes its quickest reduction
+    (`owed_by`), unless a scope excuses it (a named module's, a ZeRO module's reduce-scatter)."""
     sink = grad_sink(shape, dtype)
     if sink is not None and sink.placement == layout.placement:
-        bucket = Layout(sink.placement, tuple(s if isinstance(s, Partial) else d for s, d in zip(layout.sbp, sink.sbp)))
+        bucket = Layout(sink.placement, tuple(s if isinstance(s, Partial) and a not in boxed else d
+                                              for a, (s, d) in enumerate(zip(layout.sbp, sink.sbp))))
         bill = conversion_cost(layout, bucket, shape, dtype)
         return bill if bill is not None else conversion_cost(layout, sink, shape, dtype)
     if layout.has_partial:
@@ -414,6 +418,13 @@ def owed(layout: Layout, shape: tuple, dtype: torch.dtype) -> Optional[Bill]:
         bill = owed_by(layout, shape, dtype)
         return bill._replace(latency=0) if backward_key() else bill  # in the backward: launched with the bucket
     return NOTHING
+
+
+def boxed_into_partial(srcs: tuple, targets: tuple) -> frozenset:
+    """The mesh axes on which some input is boxed into Partial (from a split or a Broadcast: no bytes)."""
+    return frozenset(a for s, t in zip(srcs, targets) if s is not None and t is not None
+                     for a, (x, y) in enumerate(zip(s.sbp, t.sbp))
+                     if isinstance(y, Partial) and not isinstance(x, Partial))
 
 
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
@@ -446,7 +457,8 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
     else:
-        bills += [owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype) for j, lay in enumerate(out_layouts)
+        boxed = boxed_into_partial(srcs, targets)
+        bills += [owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype, boxed) for j, lay in enumerate(out_layouts)
                   if lay is not None]
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0, 0)
