@@ -115,69 +115,14 @@ def grad_sinks() -> tuple:
     if memo.node is not node:
         found = []
         for fn, _ in node.next_functions:
-            sink = _sink_of(fn)
-            if sink is not None:
-                found.append(sink)
+            var = getattr(fn, "variable", None) if fn is not None else None
+            layout = getattr(var, "_layout", None)
+            # a strided or zigzag parameter's gradient is made on a permuted reading (as a plain split,
+            # `ops/strided_split.py`), whose layout is not the parameter's: left as any other output
+            if layout is not None and var.requires_grad and all(type(s) in (Broadcast, Split) for s in layout.sbp):
+                found.append((tuple(var.shape), var.dtype, layout))
         memo.node, memo.sinks = node, tuple(found)
     return memo.sinks
-
-
-# backward nodes of views that hand a gradient on reshaped and nothing else: what reaches a parameter through
-# them (a linear's weight gradient, made [in, out] by the mm of the linear's backward and transposed by the
-# `t` node after it) is that parameter's gradient as much as what reaches it directly
-_VIEW_NODES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
-                         "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
-                         "SqueezeBackward1", "SqueezeBackward2", "AliasBackward0"})
-_VIEW_DEPTH = 4
-
-
-def _sink_of(fn: Any) -> Optional[tuple]:
-    """(shape, dtype, layout) of the gradient `fn` takes, if it is a parameter's `AccumulateGrad` or a chain of
-    views ending in one: the parameter's shape and layout, or the view's input shape and the layout that the
-    view's backward maps to the parameter's (a Broadcast one is itself; split dims move with a transpose or
-    a permute, and through another view are not followed)."""
-    chain = []
-    while fn is not None and len(chain) < _VIEW_DEPTH and fn.name() in _VIEW_NODES and len(fn.next_functions) == 1:
-        chain.append(fn)
-        fn = fn.next_functions[0][0]
-    var = getattr(fn, "variable", None) if fn is not None else None
-    layout = getattr(var, "_layout", None)
-    # a strided or zigzag parameter's gradient is made on a permuted reading (as a plain split,
-    # `ops/strided_split.py`), whose layout is not the parameter's: left as any other output
-    if layout is None or not var.requires_grad or not all(type(s) in (Broadcast, Split) for s in layout.sbp):
-        return None
-    shape = tuple(var.shape)
-    for view in reversed(chain):  # from the parameter out: each view's output is the next one's input
-        sbp = _viewed(view, layout.sbp, len(shape))
-        if sbp is None:
-            return None
-        shape = tuple(view._input_metadata[0].shape)
-        layout = type(layout)(layout.placement, sbp)
-    return shape, var.dtype, layout
-
-
-def _viewed(view: Any, sbp: tuple, ndim: int) -> Optional[tuple]:
-    """`sbp` of a view's input as its output's: Broadcast stays; a split follows a transpose's or a permute's
-    dims; through other views, None."""
-    if all(type(s) is Broadcast for s in sbp):
-        return sbp
-    name = view.name()
-    if name == "TBackward0":
-        order = [1, 0] if ndim == 2 else list(range(ndim))
-    elif name == "TransposeBackward0":
-        order = list(range(ndim))
-        d0, d1 = _dim(view._saved_dim0, ndim), _dim(view._saved_dim1, ndim)
-        order[d0], order[d1] = order[d1], order[d0]
-    elif name == "PermuteBackward0":
-        order = [_dim(d, ndim) for d in view._saved_dims]
-    else:
-        return None
-    return tuple(Split(order.index(s.dim)) if type(s) is Split else s for s in sbp)
-
-
-def _dim(saved: int, ndim: int) -> int:
-    """A dim autograd saved (a negative one reads back as its unsigned 64-bit value) as 0..ndim-1."""
-    return (saved - (1 << 64) if saved >= 1 << 63 else saved) % ndim
 
 
 def grad_sink(shape: tuple, dtype: torch.dtype) -> Optional[Any]:
