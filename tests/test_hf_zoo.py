@@ -30,12 +30,7 @@ LOSS_BYTES = 64  # the loss's scalar (and a count beside it) all-reduced: a few 
 FALLS_BACK: dict = {}  # architecture -> the aten ops it may still run replicated (none left)
 # (architecture, strategy) -> (bytes allowed, as a multiple of the textbook's), and why: each measured, so that
 # more is a regression
-_TIED = ("the decoder's side of the tied embedding takes its backward as an all-to-all of the output gradient "
-         "(cheapest for that op), where reducing it Partial with the encoder's would be cheaper over the step: a "
-         "per-op choice that only a whole-step view (gt.step_plan) weighs")
 OVER: dict = {
-    ("t5", "dp"): (1.006, _TIED), ("mt5", "dp"): (1.005, _TIED), ("pegasus", "dp"): (1.006, _TIED),
-    ("marian", "dp"): (1.006, _TIED),
     ("resnet", "dp"): (1.28, "batch norm's statistics are the whole batch's (one device's): each layer all-reduces its "
                              "sums forward and backward, as SyncBatchNorm does; DDP's per-rank statistics are another "
                              "program"),
