@@ -411,13 +411,14 @@ def owed(layout: Layout, shape: tuple, dtype: torch.dtype, boxed: frozenset = fr
         bucket = Layout(sink.placement, tuple(s if isinstance(s, Partial) and a not in boxed else d
                                               for a, (s, d) in enumerate(zip(layout.sbp, sink.sbp))))
         bill = conversion_cost(layout, bucket, shape, dtype)
-        return bill if bill is not None else conversion_cost(layout, sink, shape, dtype)
-    if layout.has_partial:
-        if excused(shape):
-            return NOTHING
+        if bill is None:
+            bill = conversion_cost(layout, sink, shape, dtype)
+    elif not layout.has_partial or excused(shape):
+        return NOTHING
+    else:
         bill = owed_by(layout, shape, dtype)
-        return bill._replace(latency=0) if backward_key() else bill  # in the backward: launched with the bucket
-    return NOTHING
+    # in the backward: launched with the bucket's (one launch a bucket)
+    return bill._replace(latency=0) if bill is not None and backward_key() else bill
 
 
 def boxed_into_partial(srcs: tuple, targets: tuple) -> frozenset:
