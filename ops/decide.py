@@ -40,7 +40,7 @@ from . import flops
 from .errors import data_dependent, kernel_error
 from .keys import geometry_of, meta_of
 from .registry import RULES, Ctx, ShardSite, Rule, is_inplace
-from .scope import excused
+from .scope import excused, grad_sink
 from .span import placement_of
 
 MAX_COMBOS = 4096  # nd signatures scored per decision (only on a cache miss): 3-axis meshes stay cheap
@@ -396,6 +396,38 @@ def _owing_rank(bill: Bill) -> tuple:
     return bill.time(), bill.collectives
 
 
+def owed(layout: Layout, shape: tuple, dtype: torch.dtype, boxed: frozenset = frozenset()) -> Optional[Bill]:
+    """What an output in `layout` still owes. One that is a parameter's gradient (`scope.grad_sink`: in the
+    backward node that hands it to the parameter's accumulation) its conversion into the parameter's layout,
+    which the optimizer reads, less the reduction of a Partial the op made (the mesh axes not in `boxed`, on
+    which no input was boxed into Partial): the gradient bucket reduces every pending Partial gradient
+    together, DDP's all-reduce, which every data-parallel step pays once for a parameter whatever op made its
+    gradient, and once for the sum of a tied parameter's uses; a split the parameter does not have is gathered
+    back there. A Partial an input was boxed into (a split gradient zero-padded) is charged its reduction: the
+    bucket would all-reduce what it could have gathered. Any other Partial output owes its quickest reduction
+    (`owed_by`), unless a scope excuses it (a named module's, a ZeRO module's reduce-scatter)."""
+    sink = grad_sink(shape, dtype)
+    if sink is not None and sink.placement == layout.placement:
+        bucket = Layout(sink.placement, tuple(s if isinstance(s, Partial) and a not in boxed else d
+                                              for a, (s, d) in enumerate(zip(layout.sbp, sink.sbp))))
+        bill = conversion_cost(layout, bucket, shape, dtype)
+        if bill is None:
+            bill = conversion_cost(layout, sink, shape, dtype)
+    elif not layout.has_partial or excused(shape):
+        return NOTHING
+    else:
+        bill = owed_by(layout, shape, dtype)
+    # in the backward: launched with the bucket's (one launch a bucket)
+    return bill._replace(latency=0) if bill is not None and backward_key() else bill
+
+
+def boxed_into_partial(srcs: tuple, targets: tuple) -> frozenset:
+    """The mesh axes on which some input is boxed into Partial (from a split or a Broadcast: no bytes)."""
+    return frozenset(a for s, t in zip(srcs, targets) if s is not None and t is not None
+                     for a, (x, y) in enumerate(zip(s.sbp, t.sbp))
+                     if isinstance(y, Partial) and not isinstance(x, Partial))
+
+
 def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_layouts: tuple, outs: list,
                    inplace: bool) -> tuple:
     """(time, the busiest rank's receive time, all ranks' receive time, collectives, collectives now) of one
@@ -406,7 +438,8 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
 
     An in-place op owes the conversion of its result into its target's layout; any other op owes, for
     each Partial output, the quickest reduction (except inside a module whose boundary layouts the user
-    named: see `ops/scope.py`). Infinite when some conversion does not exist. On equal
+    named: see `ops/scope.py`), and for a parameter's gradient its conversion into the parameter's layout
+    (`owed`). Infinite when some conversion does not exist. On equal
     times, bytes and collectives, the choice that communicates later wins: a Partial passed on may meet a
     consumer that takes it as it is (a linear op, the gradient bucket) and never pay.
     """
@@ -425,11 +458,9 @@ def signature_cost(ctx: Ctx, srcs: tuple, tensors: list, targets: tuple, out_lay
     if inplace:
         bills.append(conversion_cost(out_layouts[0], srcs[0], ctx.out_shapes[0], outs[0].dtype))
     else:
-        owed = [owed_by(lay, ctx.out_shapes[j], outs[j].dtype)
-                for j, lay in enumerate(out_layouts) if lay is not None and not excused(tuple(ctx.out_shapes[j]))]
-        if backward_key():
-            owed = [b._replace(latency=0) for b in owed]  # in the backward: launched with the bucket
-        bills += owed
+        boxed = boxed_into_partial(srcs, targets)
+        bills += [owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype, boxed) for j, lay in enumerate(out_layouts)
+                  if lay is not None]
     if any(b is None for b in bills):
         return (float("inf"), 0, 0, 0, 0)
     bill = summed(bills)
@@ -488,8 +519,8 @@ def _choose(call: Call, tensors: list) -> Optional[tuple]:
             return False
         if inplace:
             return out_layouts[0] == srcs[0]
-        return not any(lay is not None and lay.has_partial and not excused(tuple(ctx.out_shapes[j]))
-                       for j, lay in enumerate(out_layouts))
+        return all(lay is None or owed(lay, tuple(ctx.out_shapes[j]), outs[j].dtype) == NOTHING
+                   for j, lay in enumerate(out_layouts))
 
     # a choice that boxes nothing and owes nothing costs nothing: the first valid one wins without
     # planning any conversion (boxing searches are most of a cache miss)

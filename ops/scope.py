@@ -14,9 +14,12 @@ part of the decision key.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
+
+import torch
 
 from ..runtime import fiber
+from ..sbp import Broadcast, Split
 
 
 class _Scope(threading.local):
@@ -84,9 +87,56 @@ def excused(shape: tuple) -> bool:
     return any(e is None or shape in e for e in _SCOPE.entries)
 
 
+class _Sinks(threading.local):
+    """The parameters the autograd node running on this thread accumulates gradients into (one node remembered:
+    the node itself, not its id, which a later node may reuse)."""
+
+    def __init__(self) -> None:
+        self.node: object = None
+        self.sinks: tuple = ()
+
+
+_SINKS = _Sinks()
+
+
+def grad_sinks() -> tuple:
+    """((shape, dtype, layout), ...) of the GlobalTensor parameters whose gradients the running backward node
+    hands to their accumulation (its next functions' `AccumulateGrad`): an output of that shape and dtype is
+    that parameter's gradient, which the optimizer reads in the parameter's layout (`_defer_grad_reduction`
+    converts it there), so what it owes is that conversion (`decide.owed`). Empty outside a backward, and inside a
+    scope, whose plan decides (a named module's Partial outputs are its to reduce, a ZeRO module reduce-scatters
+    its parameters' gradients)."""
+    node = torch._C._current_autograd_node() if not _SCOPE.entries else None
+    if node is None:  # outside a backward, or inside a scope: its plan (the named module's, ZeRO's) decides
+        return ()
+    if torch.compiler.is_compiling() or "Compiled" in node.name():
+        return ()  # a compiled backward is one node over every parameter: shapes alone would name the wrong ones
+    memo = _SINKS
+    if memo.node is not node:
+        found = []
+        for fn, _ in node.next_functions:
+            var = getattr(fn, "variable", None) if fn is not None else None
+            layout = getattr(var, "_layout", None)
+            # a strided or zigzag parameter's gradient is made on a permuted reading (as a plain split,
+            # `ops/strided_split.py`), whose layout is not the parameter's: left as any other output
+            if layout is not None and var.requires_grad and all(type(s) in (Broadcast, Split) for s in layout.sbp):
+                found.append((tuple(var.shape), var.dtype, layout))
+        memo.node, memo.sinks = node, tuple(found)
+    return memo.sinks
+
+
+def grad_sink(shape: tuple, dtype: torch.dtype) -> Optional[Any]:
+    """The layout an output of `shape` and `dtype` is read in as a parameter's gradient, if the running backward
+    node accumulates one such parameter (several of that shape in other layouts: None, no single reader)."""
+    found = {lay for s, d, lay in grad_sinks() if s == shape and d == dtype}
+    return next(iter(found)) if len(found) == 1 else None
+
+
 def scope_key() -> tuple:
-    """What of the open scopes a decision depends on (empty outside every scope)."""
-    return _SCOPE.key
+    """What of the open scopes a decision depends on (empty outside every scope), and the parameters the running
+    backward node accumulates (`grad_sinks`)."""
+    sinks = grad_sinks()
+    return _SCOPE.key + (("sinks", sinks),) if sinks else _SCOPE.key
 
 
 def enter_named_here(shapes: Optional[Iterable] = None) -> Callable[[], None]:

@@ -1,9 +1,10 @@
 """A gradient laid out otherwise than its parameter is converted once per step, in the gradient bucket.
 
-An untied GPT under data parallelism whose step has fewer tokens per rank than its vocabulary: the
-embedding's backward exchanges the output gradient's hidden slices (an all-to-all of the tokens'
-gradients) rather than leaving a Partial `[vocab, d]` gradient to all-reduce, so `wte.weight.grad` is split on
-the hidden dim while its parameter is Broadcast. AdamW reads each gradient three times (`lerp_`, and `addcmul_`
+An untied GPT under data parallelism whose step has few tokens per rank (8, on 2 ranks): the backward of the
+MLP's and the head's weights splits their gradients (each rank the rows of its slice: the tokens' gradients
+exchanged) rather than leaving a Partial gradient to all-reduce, while their parameters are Broadcast (until a
+parameter's gradient owed its gathering back, `ops/scope.py`'s `grad_sink`, the embedding's was split too, on
+the hidden dim). AdamW reads each gradient three times (`lerp_`, and `addcmul_`
 with the gradient twice): each read converted it again (three all-gathers of the whole table per step) until
 the post-accumulate hook noted it like a Partial one (module.py `_defer_grad_reduction`): converted at the
 optimizer's first read, in one all-gather for every such gradient, and remembered while it is unchanged.
@@ -15,7 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 import globaltensor as gt
 from globaltensor.models.gpt import GPT, GPTConfig, dp_batch
@@ -64,6 +65,7 @@ def _run(n, cfg, rows, clip, foreach):
         return gt.launch(_train, n, args=(cfg, rows, clip, foreach, n))
 
 
+@example(n=2, rows_per_rank=1, vocab=64, clip=False, foreach=False)
 @given(n=st.sampled_from([2, 4]), rows_per_rank=st.integers(1, 2), vocab=st.sampled_from([64, 256]),
        clip=st.booleans(), foreach=st.booleans())
 def test_a_gradient_split_otherwise_than_its_parameter_is_moved_once_per_step(n, rows_per_rank, vocab, clip,
@@ -77,9 +79,10 @@ def test_a_gradient_split_otherwise_than_its_parameter_is_moved_once_per_step(n,
         for layouts, events in steps:
             split = [numel for grad, param, numel in layouts.values() if not grad.has_partial and grad != param]
             partial = [numel for grad, param, numel in layouts.values() if grad.has_partial]
-            assert layouts["wte.weight"][0] != layouts["wte.weight"][1] and split  # the case this is about
+            if (n, rows_per_rank) == (2, 1):  # the case this is about (8 tokens a rank): some gradients split
+                assert split, layouts
             # every gradient once: the Partial ones in one all-reduce, the split ones in one all-gather
-            want_events = [("all_gather", (n - 1) * sum(split) * F64 // n)]
+            want_events = [("all_gather", (n - 1) * sum(split) * F64 // n)] if split else []
             if partial:
                 want_events.append(("all_reduce", all_reduce_recv_bytes(sum(partial), F64, n, 0)))
             assert sorted(events) == sorted(want_events), (events, want_events)
