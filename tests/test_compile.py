@@ -615,3 +615,87 @@ def test_adamw_step_compiles_and_trains_as_eager_and_one_device(plan):
         assert any("addcdiv" in str(n.target) for gm in update for n in gm.graph.nodes)  # the update is there
     breaks = dict(counters["graph_break"])
     assert all("graph_break()" in why or "disable" in why for why in breaks), breaks
+
+
+def _train(make, loss_of, inputs, ranks=None, plan=None, layout=None, cap=None, steps=2, lr=1e-2):
+    """`steps` training steps of the model `make()` (seeded alike each time): the loss `loss_of(model, *inputs)`,
+    its backward, an AdamW step. On one device when `ranks` is None, else on simulated ranks of that mesh with
+    the model placed by `plan(model)` and the inputs laid out `layout`, eagerly, or with the loss compiled
+    (`fullgraph=True` on `cap`'s backend) when `cap` is given. Per rank (one device: a one-item list), per
+    step: (loss, {name: gradient}, {name: parameter after the step}, the forward + backward's comm_log summary
+    and bytes, the step's summary), all whole."""
+    def run():
+        torch.manual_seed(0)
+        model = make()
+        args = list(inputs)
+        if ranks is not None:
+            p = gt.placement("cpu", ranks)
+            gt.to_global(model, p, plan(model))
+            args = [gt.to_global(t, p, layout) for t in args]
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        def step(*a):
+            return loss_of(model, *a)
+        fn = step if cap is None else torch.compile(step, backend=cap.backend, fullgraph=True)
+        out = []
+        for _ in range(steps):
+            opt.zero_grad()
+            with gt.comm_log() as log:
+                loss = fn(*args)
+                loss.backward()
+            with gt.comm_log() as at_step:  # DP's pending gradients are reduced at their first read: here
+                grads = {n: _full(q.grad) for n, q in model.named_parameters()}
+                opt.step()
+            out.append((_full(loss), grads, {n: _full(q).clone() for n, q in model.named_parameters()},
+                        log.summary(), log.recv_bytes, at_step.summary()))
+        return out
+    if ranks is None:
+        return [run()]
+    return gt.launch(run, len(gt.placement("cpu", ranks).flat_ranks))
+
+
+def _assert_compiled_as_eager(cap, compiled, eager, one, atol):
+    """Each rank's compiled steps equal its eager steps and one device's (loss, gradients, parameters after
+    AdamW) to `atol` (fp32 values, as HF's loss of an fp64 model: 1e-6), move what eager moves, and the forward + backward's bytes are exactly the graphs'
+    collectives priced (`_priced`); each rank compiled one forward and one backward graph on the first step
+    (none on the next: no recompile), of local aten ops and our collectives only; no graph break."""
+    (want,) = one
+    for rank, (steps, esteps) in enumerate(zip(compiled, eager)):
+        graph = cap.collectives(rank, "fw") + cap.collectives(rank, "bw")
+        for s, (got, ref, dev) in enumerate(zip(steps, esteps, want)):
+            for i, what in enumerate(("loss", "grad", "param")):
+                a, b, c = got[i], ref[i], dev[i]
+                for name in (a if isinstance(a, dict) else [None]):
+                    x, y, z = (t[name] if name is not None else t for t in (a, b, c))
+                    tol = atol if x.dtype == torch.float64 else 1e-6  # an fp64 model's fp32 loss (HF's)
+                    msg = f"rank {rank} step {s} {what} {name}"
+                    torch.testing.assert_close(x, y, rtol=0, atol=tol, msg=msg)
+                    torch.testing.assert_close(x, z, rtol=0, atol=tol, msg=msg)
+            assert got[3] == ref[3] and got[5] == ref[5], (rank, s)  # what moves: eager's
+            assert sum(b for _, _, b in graph) == got[4] > 0, (rank, s, graph, got[4])
+        assert cap.compiles(rank) == 1 and len(cap.graphs[rank]["bw"]) == 1, rank
+        assert cap.aten_only(rank), rank
+    assert dict(counters["graph_break"]) == {}
+
+
+@pytest.mark.slow
+def test_hf_llama_compiles_under_dp_x_tp_from_its_own_plan():
+    """A model nobody here wrote: transformers' Llama (tests/hf_zoo.py's tiny config, fp64), on a 2 x 2
+    (data, tensor) mesh placed by its own TP plan alone (`gt.hf.tp_plan`, the batch split on the data axis),
+    its loss compiled with `fullgraph=True`: two steps of forward + backward + AdamW equal eager globaltensor and
+    one device, the graphs' collectives are the bytes `gt.comm_log()` counts, no graph break, no recompile.
+    Slow: each of the 4 simulated ranks traces its own graph (~30 s on 2 cores)."""
+    pytest.importorskip("transformers")
+    import hf_zoo
+
+    arch = hf_zoo.ZOO["llama"]
+    ids = arch.batch()["input_ids"][:4, :8]
+
+    def loss_of(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+    run = dict(make=arch.build, loss_of=loss_of, inputs=[ids], ranks=[[0, 1], [2, 3]],
+               plan=lambda m: hf_zoo.plan_for("dp_tp", m), layout=hf_zoo.batch_sbp("dp_tp"))
+    cap = Capture()
+    compiled = _train(**run, cap=cap)
+    torch._dynamo.reset()
+    _assert_compiled_as_eager(cap, compiled, _train(**run), _train(arch.build, loss_of, [ids]), atol=1e-12)

@@ -228,7 +228,10 @@ class _NamedModule:
             args, kwargs = self._other_args(module, args, kwargs)
         key = _first_keyword(module, kwargs) if not args else None
         first = (kwargs[key],) if key is not None else args
-        first = _compiled_before(self._slot, first) if torch.compiler.is_compiling() else self._before(first)
+        if torch.compiler.is_compiling():  # the opaque call takes tensors and constants only: not the other args
+            first = _compiled_before(self._slot, first[:1]) + tuple(first[1:])
+        else:
+            first = self._before(first)
         return (args, {**kwargs, key: first[0]}) if key is not None else (first, kwargs)
 
     def _other_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -249,9 +252,18 @@ class _NamedModule:
         return tuple(args), kwargs
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return _compiled_after(self._slot, args, output)
-        return self._after(args, output)
+        if not torch.compiler.is_compiling():
+            return self._after(args, output)
+        if isinstance(output, torch.Tensor):
+            return _compiled_after(self._slot, output)
+        # the opaque call takes tensors and constants only: an output's other leaves (an attention's None
+        # weights, a cache object) stay outside it, and `_after` sees the output's tensors as one tuple (what it
+        # reads of a pytree output: the first that needs a gradient)
+        leaves, spec = torch.utils._pytree.tree_flatten(output)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        for i, t in zip(at, _compiled_after(self._slot, tuple(leaves[i] for i in at))):
+            leaves[i] = t
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
 
     def _before(self, args: tuple) -> tuple:
         module = None
@@ -320,8 +332,10 @@ def _compiled_arg(boundary: _Boundary, x: GlobalTensor) -> GlobalTensor:
 
 
 @torch._dynamo.nonstrict_trace
-def _compiled_after(slot: int, args: tuple, output: Any) -> Any:
-    return _BY_SLOT[slot]._after(args, output)
+def _compiled_after(slot: int, output: Any) -> Any:
+    """A named module's forward hook under torch.compile (its output: a tensor or a tuple of tensors). The
+    module's arguments are not passed: `_after` does not read them."""
+    return _BY_SLOT[slot]._after((), output)
 
 
 def _named_until_backward_ends() -> None:
