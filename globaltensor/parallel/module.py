@@ -363,22 +363,26 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
 
 
 def _defer_grad_reduction(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced, or,
-    where it has none but is laid out otherwise than its parameter, in the parameter's layout. The latter is
-    where the backward chose a split the parameter does not have (an embedding's gradient split on the hidden
-    dim when a step's tokens are fewer than its rows: their gradients exchanged, not the table's reduced), and
-    an optimizer reads the gradient several times (AdamW: three): converted once, at the first read, with the
-    other pending gradients."""
+    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its parameter, so in the
+    parameter's layout (an elementwise update takes its operands' common layout), or, for a parameter that is
+    not global on the gradient's placement, with its Partial axes reduced. Where the gradient is Partial that is
+    the bucket's reduction into the parameter's shard (a vocab-parallel embedding's gradient, Partial on the
+    data axis and whole on the tensor axis: sliced to the parameter's rows, then all-reduced: half the bytes of
+    reducing it whole); where it has no Partial axis it is a split the parameter does not have (an embedding's
+    gradient split on the hidden dim when a step's tokens are fewer than its rows: their gradients exchanged,
+    not the table's reduced). An optimizer reads the gradient several times (AdamW: three): converted once, at
+    the first read, with the other pending gradients; a compiled step converts them before it (`settle_step`)."""
     g = param.grad
     if not isinstance(g, GlobalTensor):
         return
     lay = g._layout
-    if lay.has_partial:
+    if isinstance(param, GlobalTensor) and lay.placement == param._layout.placement and not lay.zigzag_axes \
+            and not param._layout.zigzag_axes:
+        if lay != param._layout:
+            dispatch.defer_reduction(g, param._layout, in_place=True)
+    elif lay.has_partial:
         dispatch.defer_reduction(g, Layout(lay.placement, tuple(
             Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)), in_place=True)
-    elif isinstance(param, GlobalTensor) and lay != param._layout and lay.placement == param._layout.placement \
-            and not lay.zigzag_axes and not param._layout.zigzag_axes:
-        dispatch.defer_reduction(g, param._layout, in_place=True)
 
 
 def _matched_hints(module: torch.nn.Module, plan: Mapping[str, Any]) -> dict:
