@@ -743,8 +743,9 @@ def _gpt_strategy(name: str) -> dict:
 @pytest.mark.parametrize("name", ["zero3_tp", "ulysses", "moe"])
 def test_gpt_strategies_compile_as_eager_and_one_device(name):
     """More strategies on the GPT (fp64, one layer) with the loss compiled (`fullgraph=True`) and AdamW's
-    step compiled, two steps of forward + backward + AdamW: ZeRO-3 x TP on a 2 x 2 (data, tensor) mesh (`zero_plan(0, 2, 1)`: gathers and
-    reduce-scatters on the data axis, Megatron's all-reduces on the tensor axis, in one graph); Ulysses
+    step compiled, two steps of forward + backward + AdamW: ZeRO-3 x TP on a 2 x 2 (data, tensor) mesh
+    (`zero_plan(0, 2, 1)`: gathers and reduce-scatters on the data axis, Megatron's all-reduces on the tensor
+    axis, in one graph); Ulysses
     (`ulysses_plan`: the all-to-alls between sequence and heads splits); the MoE-GPT under expert parallelism
     (`moe_gpt_plan`, capacity routing: the dispatch and combine all-to-alls, and `one_hot`'s traced range checks
     asserted on each rank's shard, moving nothing). Each equals one device compiled alike and eager
