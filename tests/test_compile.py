@@ -763,6 +763,50 @@ def test_gpt_strategies_compile_as_eager_and_one_device(name):
                      "moe": {"all_to_all"}}[name]
 
 
+def test_ulysses_attention_compiles_with_its_all_to_alls_in_the_graphs():
+    """Attention on q, k, v split on the sequence under `gt.attention_method("ulysses")` (set outside the
+    compiled function: it is read when AOTAutograd traces), compiled with `fullgraph=True`: the forward graph
+    holds the all-to-alls from the sequence to the heads split; the output and the input gradients equal
+    eager's and one device's, the graphs priced at `gt.comm_log()`'s bytes: half of eager's, whose backward
+    converts the leaves again. (The GPT under `ulysses_plan`: the slow test above.)"""
+    torch.manual_seed(0)
+    Q, K, V = (torch.randn(1, 4, 8, 4, dtype=torch.float64) for _ in range(3))
+    ref = [t.clone().requires_grad_(True) for t in (Q, K, V)]
+    attend = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    attend(*ref).square().sum().backward()
+    cap = Capture()
+
+    def body():
+        p = gt.placement("cpu", [0, 1])
+        out = {}
+        for mode in ("eager", "compiled"):
+            qkv = [gt.to_global(t, p, gt.split(2)).requires_grad_(True) for t in (Q, K, V)]
+            fn = attend if mode == "eager" else torch.compile(attend, backend=cap.backend, fullgraph=True)
+            with gt.attention_method("ulysses"), gt.comm_log() as log:
+                y = fn(*qkv)
+                y.square().sum().backward()
+            out[mode] = (_full(y), [_full(t.grad) for t in qkv], log.summary(), log.recv_bytes)
+        return out
+
+    want = attend(Q, K, V)
+    for rank, out in enumerate(gt.launch(body, 2)):
+        (y, grads, log, nbytes), (ey, egrads, elog, _) = out["compiled"], out["eager"]
+        torch.testing.assert_close(y, want, rtol=0, atol=1e-12), torch.testing.assert_close(y, ey, rtol=0, atol=1e-12)
+        for g, eg, r in zip(grads, egrads, ref):
+            torch.testing.assert_close(g, r.grad, rtol=0, atol=1e-12)
+            torch.testing.assert_close(g, eg, rtol=0, atol=1e-12)
+        fw, bw = cap.collectives(rank, "fw"), cap.collectives(rank, "bw")
+        # q, k, v from the sequence to the heads split; the output stays so (the loss needs nothing else), and so
+        # do the inputs' gradients (a gradient keeps the layout its backward gives it). The backward reads the
+        # converted q, k, v the forward graph saved: it moves nothing, where eager's converts the three leaves
+        # again (a leaf keeps its layout: `ops/program._keep`), as many bytes again
+        assert {k for k, _, _ in fw} == {"all_to_all"} and len(fw) == 3 and bw == []
+        assert sum(b for _, _, b in fw) == nbytes == 3 * 4 * 4 * 4 * 8 // 2  # (n-1)/n of each [1, 4, 8, 4] / 2
+        assert log == {"all_to_all": nbytes} and elog == {"all_to_all": 2 * nbytes}
+        assert cap.aten_only(rank)
+    assert dict(counters["graph_break"]) == {}
+
+
 def test_traced_checks_run_on_each_ranks_shard():
     """`one_hot` traced leaves its range checks in the graph (`all` of a test, `_assert_async`): on a split
     input each rank asserts its own shard's `all` (a P(min): the global truth is every rank's), so the checks
