@@ -833,7 +833,8 @@ def test_traced_checks_run_on_each_ranks_shard():
 def test_ring_attention_and_the_dropless_dispatch_refuse_at_trace_time():
     """What cannot be traced says so when dynamo meets it (`fullgraph=True`), never a wrong value: ring
     attention passes key/value blocks point to point (no graph op); a dropless MoE's dispatch (`by_expert`)
-    has rows per expert that are data, so dynamo stops at it (`torch.compiler.disable` with the reason)."""
+    has rows per expert that are data, so dynamo stops at it (`torch.compiler.disable` with the reason), as
+    at `gt.attention_method` entered inside the compiled function."""
     from globaltensor.models.moe import MoEConfig, MoEGPT, moe_gpt_plan
 
     def ring():
@@ -845,6 +846,18 @@ def test_ring_attention_and_the_dropless_dispatch_refuse_at_trace_time():
 
     with pytest.raises(Exception, match="point-to-point exchange cannot be captured"):
         gt.launch(ring, 2)
+
+    def method_inside():  # the method is read when AOTAutograd traces: set outside the compiled function
+        p = gt.placement("cpu", [0, 1])
+        q, k, v = (gt.to_global(torch.randn(1, 4, 8, 4), p, gt.split(2)) for _ in range(3))
+
+        def f(q, k, v):
+            with gt.attention_method("ulysses"):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+
+    with pytest.raises(Exception, match="set it outside the compiled function"):
+        gt.launch(method_inside, 2)
 
     cfg = MoEConfig(vocab_size=32, block_size=8, n_layer=1, n_head=4, n_embd=16, n_expert=4, expert_hidden=16,
                     dropless=True)
