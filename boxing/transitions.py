@@ -16,6 +16,8 @@ from ..sbp import SBP, Broadcast, Partial, Split
 from .boxes import intersect, numel
 from .route import Step
 
+LOCAL_PRIMITIVES = ("slice", "fill", "pad")  # steps that move nothing: each rank from its own shard
+
 TRANSITIONS = {
     ("S", "B"): "all_gather",
     ("S", "S"): "all_to_all",
@@ -64,7 +66,7 @@ def _price(prim: str, src: Layout, dst: Layout, axis: int, shape: tuple[int, ...
     p = src.placement
     n = p.shape[axis]
     recv = [0] * (max(p.flat_ranks) + 1)
-    if prim in ("slice", "fill", "pad") or n == 1:
+    if prim in LOCAL_PRIMITIVES or n == 1:
         return tuple(recv), 0
     for r in p.flat_ranks:
         group = p.group(r, axis)

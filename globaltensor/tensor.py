@@ -17,7 +17,8 @@ from .ops import zigzag as _ops_zigzag
 from .ops.pointwise import register_compile_only
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
-from .runtime import context
+from .runtime import context, graph_ops
+from .ops.program import TRACED_INPUT
 from .sbp import Broadcast, Partial, SbpLike, Split, Strided, Zigzag
 
 _run, _tensor_key = _ops_dispatch.run, _ops_dispatch.tensor_key
@@ -167,7 +168,10 @@ class GlobalTensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> "GlobalTensor":
         layout, shape, geometry, _rank = meta
         local = inner["_local"]
-        return _wrap(_class_for(layout), local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry))
+        out = _wrap(_class_for(layout), local, layout, shape, _tensor_key(layout, shape, local.dtype, geometry))
+        if graph_ops.traced(local):  # a traced program's input (or tangent): its layout is not the program's to change
+            out.__dict__[TRACED_INPUT] = True
+        return out
 
     def __coerce_tangent_metadata__(self) -> "GlobalTensor":
         """The layout AOTAutograd traces an output's gradient in: the dual of the output's (Partial's is

@@ -82,6 +82,10 @@ class attention_method:
     Forcing a method excludes the other two for a sequence split; batch and heads splits stay free.
     """
 
+    # opaque to dynamo, which would guard on the thread-local it sets and fail its own check: the method is read
+    # when AOTAutograd traces, so it is set outside the compiled function (the error under fullgraph=True)
+    @torch.compiler.disable(reason="gt.attention_method: set it outside the compiled function (it is read when "
+                            "AOTAutograd traces the program)")
     def __init__(self, method: str) -> None:
         if method not in METHODS:
             raise ValueError(f"attention_method: {method!r} is not one of {', '.join(map(repr, METHODS))}")
@@ -90,6 +94,7 @@ class attention_method:
     def __enter__(self) -> "attention_method":
         return self
 
+    @torch.compiler.disable
     def __exit__(self, *exc: Any) -> None:
         _method.name = self.previous
 

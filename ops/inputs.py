@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import boxing
+from ..boxing.transitions import LOCAL_PRIMITIVES
 from ..layout import Layout
 from ..runtime import context
 from ..runtime.trace import FLAGS as _TRACING, pop_why, push_why
@@ -323,8 +324,8 @@ def _settle_pending() -> None:
 
 
 def _flush(pending: _Pending, t: Any, dst: Layout, place_t: bool = False) -> None:
-    """Reduce `t` (just taken off the list) and the pending tensors whose route is bucketable collectives only
-    (all-reduce, reduce-scatter, all-gather); clear the list.
+    """Reduce `t` (just taken off the list) and the pending tensors whose route is bucketable collectives and
+    local steps only (all-reduce, reduce-scatter, all-gather; a slice); clear the list.
 
     A route of several steps (a gradient Partial on two mesh axes, e.g. a norm weight under sequence and
     data parallelism: reduce-scatter, all-reduce, all-gather) runs step by step, each round one collective
@@ -335,7 +336,7 @@ def _flush(pending: _Pending, t: Any, dst: Layout, place_t: bool = False) -> Non
     pending.clear()
     routes = [boxing.route(u._layout, d, tuple(u.shape), u._local.dtype) for u, d, _ in entries]
     steps = {i: _one_step_routes(p) for i, p in enumerate(routes)}
-    keep = [i for i, s in steps.items() if s and all(boxing.bucket_key(q) is not None for q in s)]
+    keep = [i for i, s in steps.items() if s and all(_in_bucket(q) for q in s)]
     tracing = _TRACING.on
     if tracing:  # a gt.comm_report() says these collectives are the gradient bucket
         push_why(f"gradient bucket: {len(keep)} gradients reduced (or converted) together at their first read")
@@ -356,6 +357,13 @@ def _flush(pending: _Pending, t: Any, dst: Layout, place_t: bool = False) -> Non
             u._set_layout(out, d)
         else:
             _memo_of(u)[d] = (_versions(u), out)
+
+
+def _in_bucket(step: boxing.Route) -> bool:
+    """A one-step route the bucket runs in its round: a bucketable collective, or a local step (a gradient Partial
+    on one axis and whole on an axis its parameter splits is sliced to the parameter's shard before its
+    reduction), which each rank runs on its own shard."""
+    return boxing.bucket_key(step) is not None or step.steps[0].primitive in LOCAL_PRIMITIVES
 
 
 @lru_cache(maxsize=4096)

@@ -386,6 +386,9 @@ def _geometry(o: torch.Tensor) -> Any:
     return geometry_of(o.shape, o.stride(), o.storage_offset()) if o.layout is torch.strided else None
 
 
+TRACED_INPUT = "_gt_traced_input"  # __dict__ key: a GlobalTensor AOTAutograd rebuilt from a traced shard
+
+
 def _keep(t: Any, local: torch.Tensor, layout: Layout, cls: type) -> None:
     """An intermediate input takes the shard it was converted to (`Rule.keep_converted_inputs`).
 
@@ -394,9 +397,12 @@ def _keep(t: Any, local: torch.Tensor, layout: Layout, cls: type) -> None:
     out) is the user's choice, and an in-place op's target keeps its layout by the in-place rule. A view
     that takes its own shard no longer shares memory with its base: a later in-place write through one is
     not seen through the other, so a tensor autograd saved (the case this is for) raises at the backward
-    if written afterwards, as torch does for any saved tensor that changes.
+    if written afterwards, as torch does for any saved tensor that changes. Nor a traced program's input
+    (`TRACED_INPUT`, which AOTAutograd hands with a grad_fn): a new shard there is an input mutation, which the
+    compiled program would replay after its graph as a conversion back (its collectives outside the graph);
+    the partitioner saves what the backward reads instead.
     """
-    if isinstance(t, cls) and t.grad_fn is not None:
+    if isinstance(t, cls) and t.grad_fn is not None and not t.__dict__.get(TRACED_INPUT):
         t._set_layout(local, layout)
 
 

@@ -10,6 +10,10 @@ to read and is told so.
 identities False/True are what an empty shard gives), reduced one byte per element when read. A
 Partial input passes only when boolean: `any` of a sum is not the max of the ranks' `any`s.
 
+`_assert_async` (what `torch._check` and traced checks such as `one_hot`'s leave in a compiled graph: `all` of a
+test, then the assert) takes an `all`'s P(min) where it is: the global truth is every rank's, so each rank asserts
+its own part, as the op's eager kernel checks its own shard, instead of reducing a byte per check.
+
 `torch.equal(a, b)` is `eq`, `all`, then `item`: the shards are compared where they are and one
 boolean is reduced, instead of both tensors being gathered.
 """
@@ -56,3 +60,5 @@ register([aten._local_scalar_dense.default], Rule(no_signatures, meta=_scalar_me
 register([aten.any.default, aten.any.dim, aten.any.dims], truth_reduction(PMAX))
 register([aten.all.default, aten.all.dim, aten.all.dims], truth_reduction(PMIN))
 register([aten.equal.default], Rule(no_signatures, decompose=equal))
+register([aten._assert_async.default, aten._assert_async.msg],
+         Rule(lambda ctx: [((PMIN,), ())] if ctx.args[0].dtype == torch.bool else [], meta=lambda *a: None))

@@ -228,7 +228,10 @@ class _NamedModule:
             args, kwargs = self._other_args(module, args, kwargs)
         key = _first_keyword(module, kwargs) if not args else None
         first = (kwargs[key],) if key is not None else args
-        first = _compiled_before(self._slot, first) if torch.compiler.is_compiling() else self._before(first)
+        if torch.compiler.is_compiling():  # the opaque call takes tensors and constants only: not the other args
+            first = _compiled_before(self._slot, first[:1]) + tuple(first[1:])
+        else:
+            first = self._before(first)
         return (args, {**kwargs, key: first[0]}) if key is not None else (first, kwargs)
 
     def _other_args(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -249,9 +252,18 @@ class _NamedModule:
         return tuple(args), kwargs
 
     def after(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return _compiled_after(self._slot, args, output)
-        return self._after(args, output)
+        if not torch.compiler.is_compiling():
+            return self._after(args, output)
+        if isinstance(output, torch.Tensor):
+            return _compiled_after(self._slot, output)
+        # the opaque call takes tensors and constants only: an output's other leaves (an attention's None
+        # weights, a cache object) stay outside it, and `_after` sees the output's tensors as one tuple (what it
+        # reads of a pytree output: the first that needs a gradient)
+        leaves, spec = torch.utils._pytree.tree_flatten(output)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        for i, t in zip(at, _compiled_after(self._slot, tuple(leaves[i] for i in at))):
+            leaves[i] = t
+        return torch.utils._pytree.tree_unflatten(leaves, spec)
 
     def _before(self, args: tuple) -> tuple:
         module = None
@@ -320,8 +332,10 @@ def _compiled_arg(boundary: _Boundary, x: GlobalTensor) -> GlobalTensor:
 
 
 @torch._dynamo.nonstrict_trace
-def _compiled_after(slot: int, args: tuple, output: Any) -> Any:
-    return _BY_SLOT[slot]._after(args, output)
+def _compiled_after(slot: int, output: Any) -> Any:
+    """A named module's forward hook under torch.compile (its output: a tensor or a tuple of tensors). The
+    module's arguments are not passed: `_after` does not read them."""
+    return _BY_SLOT[slot]._after((), output)
 
 
 def _named_until_backward_ends() -> None:
@@ -349,22 +363,26 @@ def _layout_hooks(name: str, hint: ModuleLayout, ndim: int) -> tuple:
 
 
 def _defer_grad_reduction(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its Partial axes reduced, or,
-    where it has none but is laid out otherwise than its parameter, in the parameter's layout. The latter is
-    where the backward chose a split the parameter does not have (an embedding's gradient split on the hidden
-    dim when a step's tokens are fewer than its rows: their gradients exchanged, not the table's reduced), and
-    an optimizer reads the gradient several times (AdamW: three): converted once, at the first read, with the
-    other pending gradients."""
+    """Post-accumulate-grad hook; the guess: the optimizer reads the gradient with its parameter, so in the
+    parameter's layout (an elementwise update takes its operands' common layout), or, for a parameter that is
+    not global on the gradient's placement, with its Partial axes reduced. Where the gradient is Partial that is
+    the bucket's reduction into the parameter's shard (a vocab-parallel embedding's gradient, Partial on the
+    data axis and whole on the tensor axis: sliced to the parameter's rows, then all-reduced: half the bytes of
+    reducing it whole); where it has no Partial axis it is a split the parameter does not have (an embedding's
+    gradient split on the hidden dim when a step's tokens are fewer than its rows: their gradients exchanged,
+    not the table's reduced). An optimizer reads the gradient several times (AdamW: three): converted once, at
+    the first read, with the other pending gradients; a compiled step converts them before it (`settle_step`)."""
     g = param.grad
     if not isinstance(g, GlobalTensor):
         return
     lay = g._layout
-    if lay.has_partial:
+    if isinstance(param, GlobalTensor) and lay.placement == param._layout.placement and not lay.zigzag_axes \
+            and not param._layout.zigzag_axes:
+        if lay != param._layout:
+            dispatch.defer_reduction(g, param._layout, in_place=True)
+    elif lay.has_partial:
         dispatch.defer_reduction(g, Layout(lay.placement, tuple(
             Broadcast() if isinstance(s, Partial) else s for s in lay.sbp)), in_place=True)
-    elif isinstance(param, GlobalTensor) and lay != param._layout and lay.placement == param._layout.placement \
-            and not lay.zigzag_axes and not param._layout.zigzag_axes:
-        dispatch.defer_reduction(g, param._layout, in_place=True)
 
 
 def _matched_hints(module: torch.nn.Module, plan: Mapping[str, Any]) -> dict:

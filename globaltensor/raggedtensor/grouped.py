@@ -75,6 +75,14 @@ def _expert_axis(experts: GlobalTensor) -> int:
     return axes[0]
 
 
+# torch.compile: the rows each rank receives are data (the counts), so the dispatch is not traced: dynamo stops at
+# `by_expert` with this reason (the error under fullgraph=True), where nothing else would name the cause
+_UNTRACEABLE = ("by_expert: a dropless MoE's rows per expert are data (its counts), so the dispatch's shapes are not "
+                "known at trace time; run the experts module eagerly (torch.compiler.disable on its forward) or "
+                "route with a capacity (static shapes)")
+
+
+@torch.compiler.disable(reason=_UNTRACEABLE)
 def by_expert(xs: torch.Tensor, counts: torch.Tensor, experts: torch.Tensor,
               index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Routing]:
     """xs [G, R, d] (each group's rows sorted by expert) -> ([G*R, d] expert-major, its Routing).
