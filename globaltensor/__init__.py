@@ -7,7 +7,7 @@ from importlib import metadata as _metadata
 
 from .api import PlanLike, from_local, to_global
 from .layout import Layout
-from .parallel.module import ModuleLayout
+from .parallel.module import ModuleLayout, zero_plan
 from .placement import Placement, node_mesh, placement
 from .runtime import CollectiveError, RankError, comm_log, launch, rank, world_size
 from .sbp import SBP, SbpLike, Broadcast, Partial, Ragged, Split, Strided, Zigzag, broadcast, partial, partial_sum, ragged, split, strided, zigzag
@@ -40,4 +40,4 @@ __all__ = ["SbpLike", "PlanLike", "from_local", "to_global", "Layout", "ModuleLa
            "Routing", "by_expert", "by_group", "grouped_linear", "GlobalTensor",
            "empty", "ones", "rand", "randn", "zeros", "stats", "reset_stats", "check_replicated",
            "comm_report", "visualize", "explain", "attention_method", "StepPlan", "step_plan", "zero", "hf", "data",
-           "auto_plan", "AutoPlan", "calibrate", "link_model", "Link", "LinkModel", "Calibration"]
+           "auto_plan", "AutoPlan", "zero_plan", "calibrate", "link_model", "Link", "LinkModel", "Calibration"]

@@ -9,6 +9,7 @@ after the step (whole), the fallbacks and the bytes received.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable, Optional
 
@@ -171,17 +172,20 @@ def mesh_for(strategy: str, world: int) -> list:
     """Ranks of the placement: 1-D, or (data, tensor) for "dp_tp", (data, expert) for "dp_ep", (expert, tensor) for
     "ep_tp"."""
     ranks = list(range(world))
-    return [ranks[:world // 2], ranks[world // 2:]] if strategy in ("dp_tp", "dp_ep", "ep_tp") else ranks
+    return [ranks[:world // 2], ranks[world // 2:]] if strategy in ("dp_tp", "zero3_tp", "dp_ep", "ep_tp") else ranks
 
 
 def batch_sbp(strategy: str) -> Any:
     """The batch's layout: split over every axis but a tensor axis (under EP each rank routes its own tokens)."""
-    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast), "ep_tp": (gt.split(0), gt.broadcast),
+    return {"tp": gt.broadcast, "dp_tp": (gt.split(0), gt.broadcast), "zero3_tp": (gt.split(0), gt.broadcast),
+            "ep_tp": (gt.split(0), gt.broadcast),
             "dp_ep": (gt.split(0), gt.split(0))}.get(strategy, gt.split(0))
 
 
-def plan_for(strategy: str, model: nn.Module, row_local: tuple = ()) -> dict:
+def plan_for(strategy: str, model: nn.Module, row_local: tuple = (), mesh: Optional[gt.Placement] = None) -> dict:
     rows = {p: gt.ModuleLayout(row_local=True) for p in row_local}
+    if strategy == "zero3_tp":  # FSDP x TP: ZeRO-3 on the data axis over the model's own plan on the tensor axis
+        return gt.zero_plan(model, mesh, 0, {**gt.hf.tp_plan(model, axis=1, ndim=2), **rows})
     if strategy == "dp":
         return rows
     if strategy == "tp":
@@ -252,7 +256,7 @@ def activations(arch: Arch) -> dict[str, tuple[int, int]]:
     return sizes
 
 
-def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
+def textbook_dp_tp(model: nn.Module, world: int, acts: dict, zero: bool = False) -> Optional[float]:
     """Bytes this rank of the (2, world/2) data x tensor mesh receives in a step by the textbook (Megatron's TP,
     DDP on the data axis): the data axis' all-reduce of each gradient shard this rank holds, 2(d-1)/d of it, and
     on the tensor axis (t ranks) 2(t-1)/t of each all-reduced activation, this data rank's half of the batch's
@@ -260,11 +264,20 @@ def textbook_dp_tp(model: nn.Module, world: int, acts: dict) -> Optional[float]:
     a column-parallel block's input gradient in the backward (Megatron's f: once for the column-parallel children
     of one module, an attention's q, k and v, an MLP's gate and up, which read its input), and (t-1)/t of a
     gathered column-parallel output ("colwise_rep") in the forward. None where the plan has a style this count does
-    not know."""
+    not know. `zero`: ZeRO-3 on the data axis (`gt.zero_plan` over the plan) instead of DDP: each parameter's
+    tensor-axis shard of N elements, of which this rank stores s, all-gathered for the forward and again for the
+    backward (N - s each) and its gradient reduce-scattered ((d-1)s), as `textbook`'s ZeRO-3."""
     d, t = 2, world // 2
     size = next(model.parameters()).element_size()
-    total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
-                for q in model.parameters() if q.requires_grad)
+    if zero:
+        total = 0.0
+        for q in model.parameters():
+            whole = gt.Layout(q.placement, (gt.broadcast,) + tuple(q.sbp[1:])).local_shape(tuple(q.shape), gt.rank())
+            n, s = math.prod(whole), q.to_local().numel()
+            total += (2 * (n - s) + ((d - 1) * s if q.requires_grad else 0)) * q.element_size()
+    else:
+        total = sum(2 * (d - 1) / d * q.to_local().numel() * q.element_size()
+                    for q in model.parameters() if q.requires_grad)
     modules = dict(model.named_modules())
     blocks: set = set()  # the modules whose column-parallel children's input gradient is counted
     for key, style in gt.hf.model_tp_plan(model).items():
@@ -349,7 +362,7 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
     micro-batches; each parameter's gradient and value from the rank holding it. `microbatches` (one device):
     the batch cut as the pipeline cuts it (`tensor_split`), each piece's loss weighted by its share and its
     gradients accumulated in order, as the pipeline's stages sum them: the same sums in the same order."""
-    acts = activations(arch) if strategy in ("dp_tp", "pp") else {}
+    acts = activations(arch) if strategy in ("dp_tp", "zero3_tp", "pp") else {}
     layers = PP_LAYERS.get(arch_name(arch)) if strategy == "pp" else None
     if strategy == "pp" and layers is None:
         built = arch.build()
@@ -374,7 +387,7 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             gt.reset_stats()
         elif strategy is not None:
             p = gt.placement("cpu", mesh_for(strategy, world))
-            gt.to_global(model, p, plan_for(strategy, model, arch.row_local))
+            gt.to_global(model, p, plan_for(strategy, model, arch.row_local, p))
             batch = {k: gt.to_global(v, p, batch_sbp(strategy)) for k, v in batch.items()}
             gt.reset_stats()
         opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
@@ -413,8 +426,8 @@ def step(arch: Arch, strategy: Optional[str] = None, world: int = 4, steps: int 
             out["textbook"] = steps * textbook(model, strategy, world) if strategy in ("dp", "zero3") else None
             if strategy in ("ep", "dp_ep"):
                 out["ep_sizes"] = ep_sizes(model)
-            if strategy == "dp_tp":
-                tp = textbook_dp_tp(model, world, acts)
+            if strategy in ("dp_tp", "zero3_tp"):
+                tp = textbook_dp_tp(model, world, acts, zero=strategy == "zero3_tp")
                 out["textbook_dp_tp"] = None if tp is None else steps * tp
             if strategy == "pp":
                 out["textbook_pp"] = steps * textbook_pp(model, layers, acts, 2)

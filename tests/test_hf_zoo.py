@@ -193,14 +193,16 @@ def test_uneven_mesh_makes_as_few_collectives(name: str) -> None:
 # pipeline and DP x TP again, for their bytes
 PIPELINE_AND_VIT = [("mixtral", "pp", 2), ("vit", "dp_tp", 4), ("vit", "pp", 2),
                     pytest.param("convnext", "dp_tp", 4, marks=pytest.mark.slow),  # ~35 s: convolutions on 2x2
-                    ("convnext", "pp", 2), ("llama", "pp", 2), ("llama", "dp_tp", 4)]
+                    ("convnext", "pp", 2), ("llama", "pp", 2), ("llama", "dp_tp", 4),
+                    ("llama", "zero3_tp", 4), ("vit", "zero3_tp", 4)]
 # bytes a step beyond the textbook's, exactly, and why: the loss's 4 B (its sum over the data axis). Until an output
 # that is a parameter's gradient owed its conversion into the parameter's layout (`ops/scope.py`'s `grad_sink`), a
 # weight gradient of a parameter's shape with ones ([1, 1, 32] before its view to [32]: RMSNorm's weight, a bias) was
 # reduce-scattered over the data axis and sliced over the tensor axis at the view, then gathered over both for AdamW
 # (Llama 320 B, ViT 8 B, Mixtral 160 B more a step), and ConvNeXt's convolutions in its second stage re-split their
 # gradients by channels, whose weight gradients the bucket then gathered (1,528 B)
-TEXTBOOK_DIFF = {("llama", "dp_tp"): 4, ("vit", "dp_tp"): 4, ("convnext", "dp_tp"): 4}
+TEXTBOOK_DIFF = {("llama", "dp_tp"): 4, ("vit", "dp_tp"): 4, ("convnext", "dp_tp"): 4, ("llama", "zero3_tp"): 4,
+                 ("vit", "zero3_tp"): 4}
 
 
 @pytest.mark.parametrize("name,strategy,world", PIPELINE_AND_VIT)
@@ -216,7 +218,9 @@ def test_three_steps_pipelines_and_vit(name: str, strategy: str, world: int) -> 
     crosses the boundary contiguous, so its gradient's reductions run in another memory order, 1e-20 apart.)
     Bytes: a pipeline's last stage receives each micro-batch's activation (and a rotary model's cos and sin) and
     nothing else (`hf_zoo.textbook_pp`); DP x TP receives Megatron's activation all-reduces and the data
-    axis' gradient all-reduce (`hf_zoo.textbook_dp_tp`), and what TEXTBOOK_DIFF says exactly."""
+    axis' gradient all-reduce (`hf_zoo.textbook_dp_tp`), ZeRO-3 x TP (`gt.zero_plan` over the model's own TP
+    plan: FSDP2 + TP) the same activations and ZeRO-3's gathers and reduce-scatter of each parameter's tensor
+    shard over the data axis, and what TEXTBOOK_DIFF says exactly."""
     arch = hf_zoo.ZOO[name]
     want = one_device_steps(name, 3)
     got = hf_zoo.step(arch, strategy, world, steps=3)
@@ -242,6 +246,32 @@ def test_three_steps_pipelines_and_vit(name: str, strategy: str, world: int) -> 
                 _close(got["grads"][n], w, f"grad {n}")
         for n, w in want["params"].items():
             _close(got["params"][n], w, f"param {n}")
+
+
+def test_zero3_composes_with_a_moe_models_tp_plan() -> None:
+    """Mixtral (grouped experts) under ZeRO-3 on the data axis composed over its own TP plan on the tensor axis
+    (`gt.zero_plan`): each parameter stored split over the data axis on the dim its TP split leaves whole (the
+    packed experts' strided split included), one AdamW step equal to one device with no fallback."""
+    got = hf_zoo.step(hf_zoo.ZOO["mixtral"], "zero3_tp", 4)
+    _equal_one_device("mixtral", got)
+    assert not got["fallback"], got["fallback"]
+
+
+def test_zero_plan_stores_each_parameter_on_a_dim_the_tensor_plan_leaves_whole() -> None:
+    """`gt.zero_plan` over Llama's own TP plan on a 2x2 mesh: column-parallel weights (tensor split on dim 0)
+    stored split on dim 1 over the data axis, row-parallel ones (dim 1) on dim 0, the rest on dim 0; the root and
+    each decoder layer gather over the data axis; a bad axis is named."""
+    model = hf_zoo.ZOO["llama"].build()
+    mesh = gt.placement("cpu", [[0, 1], [2, 3]])
+    plan = gt.zero_plan(model, mesh, 0, gt.hf.tp_plan(model, axis=1, ndim=2))
+    S0, S1, B = gt.split(0), gt.split(1), gt.broadcast
+    assert plan["model.layers.0.self_attn.q_proj.weight"] == (S1, S0)
+    assert plan["model.layers.0.self_attn.o_proj.weight"] == (S0, S1)
+    assert plan["model.norm.weight"] == (S0, B)
+    use = gt.ModuleLayout(params=(B, None))
+    assert plan[""] == use and plan["model.layers.*"] == use
+    with pytest.raises(ValueError, match="zero_plan.axis=2"):
+        gt.zero_plan(model, mesh, 2)
 
 
 def test_pp_plan_cut_at_named_layers() -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -522,6 +522,47 @@ def _check_tied(name: str, converted: GlobalTensor, plan: Mapping[str, Any], pla
 # What `to_global(module, placement, plan)` accepts: parameter-name patterns to an SBP (or a Layout on
 # another placement: a pipeline stage) and module-name patterns to a ModuleLayout (fnmatch patterns).
 PlanLike = Mapping[str, Union[SbpLike, Layout, "ModuleLayout"]]
+
+
+def repeated_blocks(module: torch.nn.Module) -> list[str]:
+    """The children of every non-empty `nn.ModuleList`, as `name.*` patterns: a transformer's layers, the units
+    FSDP wraps one by one."""
+    return sorted({f"{name}.*" for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)})
+
+
+def zero_plan(module: torch.nn.Module, mesh: Placement, axis: int = 0, plan: Optional[Mapping[str, Any]] = None,
+              units: Optional[list] = None, *, reshard_after_forward: bool = True,
+              param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> dict:
+    """ZeRO (FSDP) on mesh axis `axis`, composed over `plan` (tensor or expert parallelism on the other axes, e.g.
+    `gt.hf.tp_plan(model, axis=1)`; or none): the whole plan to pass to `to_global`.
+
+    Each parameter is stored split over `axis` on the first dim `plan` leaves whole (a data split nested in the
+    tensor split would not be one all-gather) and gathered to Broadcast on `axis` while its unit runs: the root
+    and each of `units` (module-name patterns; default `repeated_blocks`: FSDP's per-layer wrapping), ZeRO-3 with
+    `reshard_after_forward`, else ZeRO-2. A parameter `plan` already splits on `axis` (experts under EP), or
+    with no dim left whole, keeps its layout. Returned whole rather than as a part to merge into `plan`: where
+    ZeRO splits a parameter depends on where `plan` does, and a plan's first matching entry wins."""
+    plan = dict(plan or {})
+    if not isinstance(axis, int) or not 0 <= axis < mesh.ndim:
+        raise ValueError(f"zero_plan(axis={axis!r}): the mesh has {mesh.ndim} axes; pass an axis in range({mesh.ndim})")
+    out: dict = {}
+    for name, p in module.named_parameters():
+        given = _layout_for(name, plan, mesh, ndim=p.dim())
+        sbp = list(given.sbp)
+        if isinstance(sbp[axis], Broadcast):
+            taken = {getattr(s, "dim", None) for s in sbp}
+            free = [d for d in range(p.dim()) if d not in taken]
+            if free:
+                sbp[axis] = Split(free[0])
+        out[name] = tuple(sbp) if given.placement == mesh else Layout(given.placement, tuple(sbp))
+    use = tuple(Broadcast() if a == axis else None for a in range(mesh.ndim))
+    gather = dict(params=use, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                  reduce_dtype=reduce_dtype)
+    hints = {k: v for k, v in plan.items() if isinstance(v, ModuleLayout)}
+    for unit in [""] + list(repeated_blocks(module) if units is None else units):
+        hints[unit] = replace(hints[unit], **gather) if unit in hints else ModuleLayout(**gather)
+    out.update(hints)
+    return out
 
 
 def module_to_global(module: torch.nn.Module, placement: Placement,
