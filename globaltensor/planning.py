@@ -47,13 +47,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from .api import to_global
 from .hf import model_tp_plan, tp_plan as hf_tp_plan
 from .layout import normalize_sbp
-from .parallel.module import ModuleLayout
+from .parallel.module import ModuleLayout, zero_stored
 from .parallel.pipeline import ActivationMeter
 from .parallel.zero import gathered_bytes
 from .placement import Placement
 from .runtime import comm_log, launch
 from .runtime.topology import GLOO_CPU, LinkModel, in_force
-from .sbp import Broadcast, Split, Strided
+from .sbp import Broadcast, Split
 from .tensor import GlobalTensor
 from .tools.explain import dry_run
 
@@ -283,14 +283,8 @@ def family_plan(model: torch.nn.Module, axes: Axes, ndim: int, root: str, block_
 
     def stored(name: str, dims: int, strategy: str) -> tuple:
         given = next((_as_tuple(v, ndim) for k, v in t_sbps if fnmatch.fnmatchcase(name, k)), None)
-        out = list(given) if given is not None else [Broadcast()] * ndim
-        if strategy != "dp" and axes.data:
-            taken = {x.dim for x in out if isinstance(x, (Split, Strided))}
-            free = [d for d in range(dims) if d not in taken]
-            for a in axes.data:
-                if isinstance(out[a], Broadcast):  # an axis the experts already split keeps its split
-                    out[a] = Split(free[0]) if free else Broadcast()
-        return tuple(out)
+        out = given if given is not None else (Broadcast(),) * ndim
+        return zero_stored(out, dims, tuple(axes.data)) if strategy != "dp" else tuple(out)
 
     use = tuple(Broadcast() if a in axes.data else None for a in range(ndim))
     plan: dict = {}

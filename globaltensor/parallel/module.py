@@ -530,6 +530,19 @@ def repeated_blocks(module: torch.nn.Module) -> list[str]:
     return sorted({f"{name}.*" for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)})
 
 
+def zero_stored(sbp: tuple, dims: int, axes: tuple) -> tuple:
+    """A parameter's stored layout under ZeRO on the data `axes`: each of them that `sbp` leaves Broadcast splits
+    the first dim no axis splits (tensor parallelism's split stays outermost: one all-gather gives it back); an
+    axis that already splits (the experts under EP), or no dim left whole, keeps `sbp`'s."""
+    out = list(sbp)
+    taken = {getattr(s, "dim", None) for s in sbp}
+    free = [d for d in range(dims) if d not in taken]
+    for a in axes:
+        if isinstance(out[a], Broadcast) and free:
+            out[a] = Split(free[0])
+    return tuple(out)
+
+
 def zero_plan(module: torch.nn.Module, mesh: Placement, axis: int = 0, plan: Optional[Mapping[str, Any]] = None,
               units: Optional[list] = None, *, reshard_after_forward: bool = True,
               param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> dict:
@@ -548,13 +561,8 @@ def zero_plan(module: torch.nn.Module, mesh: Placement, axis: int = 0, plan: Opt
     out: dict = {}
     for name, p in module.named_parameters():
         given = _layout_for(name, plan, mesh, ndim=p.dim())
-        sbp = list(given.sbp)
-        if isinstance(sbp[axis], Broadcast):
-            taken = {getattr(s, "dim", None) for s in sbp}
-            free = [d for d in range(p.dim()) if d not in taken]
-            if free:
-                sbp[axis] = Split(free[0])
-        out[name] = tuple(sbp) if given.placement == mesh else Layout(given.placement, tuple(sbp))
+        sbp = zero_stored(given.sbp, p.dim(), (axis,))
+        out[name] = sbp if given.placement == mesh else Layout(given.placement, sbp)
     use = tuple(Broadcast() if a == axis else None for a in range(mesh.ndim))
     gather = dict(params=use, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
                   reduce_dtype=reduce_dtype)
