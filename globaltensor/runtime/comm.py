@@ -30,6 +30,9 @@ class CommEvent:
     group: tuple[int, ...]
     recv_bytes: int
     across: bool = False  # its group spans nodes (runtime/topology.py)
+    # a symmetric dry run's event stands for the same collective on the ranks its one rank was run for
+    # (runtime/symmetry.py): ((rank, recv_bytes), ...) of each; empty: this rank's alone
+    by_rank: tuple = ()
 
 
 @dataclass
@@ -39,6 +42,11 @@ class CommLog:
     @property
     def recv_bytes(self) -> int:
         return sum(e.recv_bytes for e in self.events)
+
+    def recv_bytes_of(self, rank: int) -> int:
+        """What `rank` receives: `recv_bytes`, except in a symmetric dry run's log, whose events stand for other
+        ranks too (`CommEvent.by_rank`)."""
+        return sum(dict(e.by_rank)[rank] if e.by_rank else e.recv_bytes for e in self.events)
 
     def by_link(self) -> dict[str, int]:
         """Bytes received in collectives whose group spans nodes ("across") and in the rest ("inside")."""
