@@ -386,13 +386,18 @@ def _step(model: torch.nn.Module, mesh: Placement, plan: dict, example_inputs: A
         opt.step()
     persistent = sum(_nbytes(p) + _nbytes(p.grad) + sum(_nbytes(s) for s in opt.state[p].values())
                      for p in model.parameters())
-    return log, len(log.events), persistent, activations, gathered
+    return log, persistent, activations, gathered
 
 
 def _figures(per_rank: list) -> Figures:
-    """Each rank's `_step` (rank order) as Figures."""
-    return Figures(tuple(r[0].recv_bytes_of(rank) for rank, r in enumerate(per_rank)),
-                   *(tuple(int(r[i]) for r in per_rank) for i in range(1, 5)))
+    """Each rank's `_step` (rank order) as Figures (a symmetric dry run's ranks share their class's log)."""
+    tallies: dict = {}
+    for rank, r in enumerate(per_rank):
+        tallies.setdefault(id(r[0]), (r[0], []))[1].append(rank)
+    comm = {rank: t for log, ranks in tallies.values() for rank, t in log.per_rank(ranks).items()}
+    return Figures(tuple(comm[rank][0] for rank in range(len(per_rank))),
+                   tuple(comm[rank][1] for rank in range(len(per_rank))),
+                   *(tuple(int(r[i]) for r in per_rank) for i in range(1, 4)))
 
 
 def measure(model: torch.nn.Module, example_inputs: Any, mesh: Placement, plan: dict, *, sbp: Optional[tuple] = None,

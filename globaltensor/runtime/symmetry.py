@@ -12,7 +12,8 @@ Nothing is assumed: every layout a run materialises is checked against every ran
 by a new layout starts the run again with finer classes), and what cannot be worked out from one rank is refused
 (`Asymmetric`): the caller runs every rank instead. Refused: layouts on part of the mesh (pipeline stages),
 ragged layouts (sizes only the values tell), collectives of host tensors (values), point-to-point messages and
-exchanges of Python objects (what the peers hold), uneven all-to-alls, groups that are not whole mesh axes, and
+exchanges of Python objects (what the peers hold), any mechanism that works out what particular ranks send each
+other (`rank_specific`: boxing's point-to-point steps, which a rank with nothing to send skips), uneven all-to-alls, groups that are not whole mesh axes, and
 representatives whose collectives disagree. Assumed (the program's part): a rank's control flow depends on its
 rank only through its shards and its groups, as a global program's does (`if rank == 0:` would break it).
 
@@ -167,6 +168,15 @@ class SoloCommunicator(Communicator):
         for log in self._logs:
             log.add(ev)
 
+    def record_for(self, kind: str, group: tuple, rank: int, recv_bytes: int) -> None:
+        """A communication only `rank` (one this run stands for) makes, receiving `recv_bytes` (boxing's
+        point-to-point steps: `boxing/execute.py`)."""
+        if self._logs:
+            ev = CommEvent(kind, tuple(group), recv_bytes if rank == self.rank else 0, self.topology.crosses(group),
+                           ((rank, int(recv_bytes)),))
+            for log in self._logs:
+                log.add(ev)
+
     def _all_gather(self, t, group, shapes):
         i = self._note("all_gather", group, [t], (t.dtype, tuple(shapes)),
                        lambda i: sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
@@ -197,14 +207,17 @@ class SoloCommunicator(Communicator):
                    lambda i: 0 if i == at else nbytes(shape, dtype))
         return t if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
 
+    def exchange(self, sends, recvs, into=None, device=None, key=0):
+        self.classes.refuse("a point-to-point exchange (its ends are ranks of their own)")
+
+    def send_recv_start(self, sends, recvs, key=0, device=None):
+        self.classes.refuse("a point-to-point exchange (its ends are ranks of their own)")
+
+    def post_receive(self, src, shape, dtype, key=0, device=None):
+        self.classes.refuse("a point-to-point exchange (its ends are ranks of their own)")
+
     def _all_gather_object(self, obj, group):
         self.classes.refuse("an exchange of Python objects (what the peers hold)")
-
-    def _exchange(self, sends, bufs, tag=0):
-        self.classes.refuse("a point-to-point exchange (its ends are ranks of their own)")
-
-    def _exchange_start(self, sends, bufs, tag=0):
-        self.classes.refuse("a point-to-point exchange (its ends are ranks of their own)")
 
     def flush_sends(self) -> None:
         pass
@@ -218,11 +231,13 @@ class _Checking:
 CHECKING = _Checking()  # read by GlobalTensor's wrapper (tensor.py): the classes every new layout is checked against
 
 
-def check_layout(layout: Any, shape: tuple) -> None:
-    """Called for each tensor a symmetric run makes (a no-op elsewhere)."""
+def rank_specific(what: str) -> None:
+    """Called by every rank where a mechanism works out which pieces particular ranks send each other (boxing's
+    point-to-point steps, ops' moves of pieces): a rank may have nothing to send there while its neighbour has,
+    which one rank's run cannot see. Refused in a symmetric run (a no-op elsewhere)."""
     classes = CHECKING.classes
     if classes is not None:
-        classes.check(layout, shape)
+        classes.refuse(what)
 
 
 def run(body: Callable[[Communicator], Any], mesh: Placement) -> list:
@@ -276,4 +291,4 @@ def _alone(body: Callable[[Communicator], Any], classes: RankClasses, rank: int,
     return out["result"]
 
 
-__all__ = ["Asymmetric", "RankClasses", "SoloCommunicator", "check_layout", "run"]
+__all__ = ["Asymmetric", "RankClasses", "SoloCommunicator", "rank_specific", "run"]
