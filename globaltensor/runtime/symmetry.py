@@ -11,7 +11,7 @@ shapes whatever the other coordinates are); one rank per combination of classes 
 Nothing is assumed: every layout a run materialises is checked against every rank's shard shapes (a class split
 by a new layout starts the run again with finer classes), and what cannot be worked out from one rank is refused
 (`Asymmetric`): the caller runs every rank instead. Refused: layouts on part of the mesh (pipeline stages),
-ragged layouts (sizes only the values tell), collectives of host tensors (values), point-to-point messages and
+collectives of host tensors (values), point-to-point messages and
 exchanges of Python objects (what the peers hold), any mechanism that works out what particular ranks send each
 other (`rank_specific`: boxing's point-to-point steps, which a rank with nothing to send skips), uneven all-to-alls, groups that are not whole mesh axes, and
 representatives whose collectives disagree. Assumed (the program's part): a rank's control flow depends on its
@@ -22,6 +22,7 @@ The run's `comm_log()` events carry every rank's received bytes (`CommEvent.by_r
 """
 from __future__ import annotations
 
+import gc
 import math
 import threading
 from typing import Any, Callable, Optional
@@ -29,7 +30,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from ..layout import Layout
 from ..placement import Placement
+from ..sbp import Broadcast, Ragged
 from .comm import CommEvent, Communicator, all_reduce_recv_bytes, nbytes
 from .sim import _capture_rng, _restore_rng
 
@@ -76,16 +79,23 @@ class RankClasses:
 
     def check(self, layout: Any, shape: tuple) -> None:
         """A layout the run materialises: every rank's shard must have its representative's shape."""
-        key = (layout, shape)
+        sizes = CHECKING.sizes if layout.ragged_axes else None
+        key = (layout, shape, sizes)
         if key in self.seen:
             return
-        if layout.ragged_axes:
-            self.refuse(f"a ragged layout {layout.sbp} (its sizes are values)")
+        if layout.ragged_axes and sizes is None:
+            self.refuse(f"a ragged layout {layout.sbp} made without its sizes")
         placement = layout.placement
         if placement.size != self.world or sorted(placement.flat_ranks) != list(range(self.world)):
             self.refuse(f"a layout on ranks {placement.flat_ranks}, not the whole mesh of {self.world}")
         shapes = [None] * self.world
-        for r, s in zip(placement.flat_ranks, layout.local_shapes(shape)):
+        balanced = Layout(placement, tuple(Broadcast() if isinstance(s, Ragged) else s for s in layout.sbp))
+        for r, s in zip(placement.flat_ranks, balanced.local_shapes(shape)):
+            if sizes is not None:  # a ragged axis's rows: its sizes, per coordinate (raggedtensor/cuts.local_shape)
+                s = list(s)
+                for a in layout.ragged_axes:
+                    s[layout.sbp[a].dim] = sizes[a][placement.coord(r)[a]]
+                s = tuple(s)
             shapes[r] = s
         if any(shapes[r] != shapes[self.rep[r]] for r in range(self.world)):
             self._refine(shapes)
@@ -226,6 +236,7 @@ class SoloCommunicator(Communicator):
 class _Checking:
     """Process-wide, as a dry run is (one at a time): threads the program starts (fibers) are checked too."""
     classes: Optional[RankClasses] = None
+    sizes: Any = None  # a ragged tensor's sizes while it is made (RaggedTensor.make): its shards' shapes
 
 
 CHECKING = _Checking()  # read by GlobalTensor's wrapper (tensor.py): the classes every new layout is checked against
@@ -285,6 +296,10 @@ def _alone(body: Callable[[Communicator], Any], classes: RankClasses, rank: int,
     thread.start()
     thread.join()
     if classes.broken or classes.refined:  # whatever the program made of the exception it was handed
+        # the run stopped midway: what it held (gathered parameters, which `zero.gathered_bytes` counts while
+        # they live) goes now, not at some later collection inside the next run
+        out.clear()
+        gc.collect()
         raise _Refined() if not classes.broken else Asymmetric(classes.broken)
     if "error" in out:
         raise out["error"]
