@@ -385,7 +385,13 @@ def _all_to_all(step, shape, rank, group):
     pack, unpack = sends.packer(), recvs.unpacker()
     send_splits, recv_splits, new_shape, total = sends.splits, recvs.splits, sizes(new), sum(recvs.splits)
 
+    def receives(g: tuple, j: int) -> list:  # what member j of a group g (any rank's) receives from each
+        mine = step.dst.shard(shape, g[j])
+        return [numel(intersect(step.src.shard(shape, r), mine)) for r in g]
+
     def all_to_all(local, comm):
+        if _SYMMETRY.classes is not None:  # a symmetric dry run (runtime/symmetry.py): what every member receives
+            comm.receives = receives
         send = pack(local, lambda n, dtype: comm.send_buffer(n, dtype, local.device))  # sim: cuda shards, cpu comm
         if unpack is None:  # receive straight into the new shard
             out = local.new_empty(new_shape)

@@ -335,6 +335,7 @@ def test_symmetric_dry_runs_receive_what_every_rank_does(symmetric_runs):
     assert len({id(r[0]) for r in dry_run(lambda: program(False), 8, symmetric=mesh)}) == 2
 
 
+@pytest.mark.slow  # about 24 CPU-seconds: two all-rank dry runs on 16 ranks
 def test_a_4x4_mesh_plans_from_symmetric_runs_as_from_every_rank(symmetric_runs):
     """16 ranks, each candidate's dry runs on one rank: the chosen plan and the TP x ZeRO-3 plan (whose ZeRO
     conversions send rank-specific messages) receive, count, store, save and gather exactly what the all-rank dry

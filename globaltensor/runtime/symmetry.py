@@ -127,6 +127,12 @@ class RankClasses:
             self.refuse(f"a collective on ranks {group}, not whole mesh axes of rank {rank}")
         return {r: at[tuple(self.coords[r][a] for a in axes)] for r in members}, tuple(axes)
 
+    def translate(self, group: tuple, axes: tuple, rank: int) -> tuple:
+        """`rank`'s own group of the kind `group` is (the same axes, in the same order)."""
+        mine = self.coords[rank]
+        return tuple(self.mesh.rank_at(tuple(self.coords[m][a] if a in axes else mine[a]
+                                             for a in range(self.mesh.ndim))) for m in group)
+
     def agree(self) -> None:
         """Representatives in different classes must make the same collectives, on the same axes, with the same
         shapes where they are in the same group's translate (their classes agree off the group's axes)."""
@@ -154,6 +160,10 @@ class SoloCommunicator(Communicator):
         self.device = torch.device("meta")
         self.members = classes.members(rank)
         self._bytes_at: Optional[Callable[[int], int]] = None
+        # set just before an uneven all-to-all by a caller that knows every member's receives (boxing's boxes, a
+        # ragged recut's overlaps, which every rank works out alike): (a rank's group, its index there) -> the
+        # elements it receives from each member
+        self.receives: Optional[Callable[[tuple, int], list]] = None
         self._at: dict = {}
         self._calls = classes.calls.setdefault(rank, [])
 
@@ -173,7 +183,7 @@ class SoloCommunicator(Communicator):
 
     def _record(self, kind: str, group: tuple, recv_bytes: int) -> None:
         at = self._at[tuple(group)][0]
-        by_rank = tuple((r, int(self._bytes_at(i))) for r, i in at.items())
+        by_rank = tuple((r, int(self._bytes_at(i, r))) for r, i in at.items())
         ev = CommEvent(kind, tuple(group), int(recv_bytes), self.topology.crosses(group), by_rank)
         for log in self._logs:
             log.add(ev)
@@ -189,32 +199,41 @@ class SoloCommunicator(Communicator):
 
     def _all_gather(self, t, group, shapes):
         i = self._note("all_gather", group, [t], (t.dtype, tuple(shapes)),
-                       lambda i: sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
+                       lambda i, r: sum(nbytes(s, t.dtype) for j, s in enumerate(shapes) if j != i))
         return [t if j == i else t.new_empty(s) for j, s in enumerate(shapes)]
 
     def _reduce_scatter(self, chunks, group, op):
         n = len(group)
         i = self._note("reduce_scatter", group, list(chunks), (op, chunks[0].dtype, tuple(c.shape for c in chunks)),
-                       lambda i: (n - 1) * chunks[i].numel() * chunks[i].element_size())
+                       lambda i, r: (n - 1) * chunks[i].numel() * chunks[i].element_size())
         return torch.empty_like(chunks[i])
 
     def _all_reduce(self, t, group, op):
         n = len(group)
         self._note("all_reduce", group, [t], (op, t.dtype, tuple(t.shape)),
-                   lambda i: all_reduce_recv_bytes(t.numel(), t.element_size(), n, i))
+                   lambda i, r: all_reduce_recv_bytes(t.numel(), t.element_size(), n, i))
         return torch.empty_like(t)
 
     def _all_to_all_into(self, send, send_splits, recv, recv_splits, group):
-        if len(set(send_splits)) > 1 or len(set(recv_splits)) > 1:
+        receives, self.receives = self.receives, None
+        if receives is None and (len(set(send_splits)) > 1 or len(set(recv_splits)) > 1):
             self.classes.refuse(f"an uneven all_to_all (splits {list(send_splits)} / {list(recv_splits)})")
-        n = len(group)
-        self._note("all_to_all", group, [send, recv], (send.dtype, tuple(send_splits), tuple(recv_splits)),
-                   lambda i: (n - 1) * recv_splits[0] * recv.element_size())
+        group = tuple(group)
+        if receives is None:
+            receives = lambda g, j: [recv_splits[0]] * len(g)  # noqa: E731
+        elif list(receives(group, group.index(self.rank))) != list(recv_splits):
+            self.classes.refuse(f"an all_to_all whose receives {list(recv_splits)} are not the ones its caller "
+                                f"worked out ({receives(group, group.index(self.rank))})")
+
+        def bytes_at(i: int, r: int) -> int:
+            got = receives(self.classes.translate(group, self._at[group][1], r), i)
+            return (sum(got) - got[i]) * recv.element_size()
+        self._note("all_to_all", group, [send, recv], (send.dtype,), bytes_at)  # the splits are each member's own
 
     def _broadcast(self, t, group, src, shape, dtype):
         at = group.index(src)
         self._note("broadcast", group, [] if t is None else [t], (at, tuple(shape), dtype),
-                   lambda i: 0 if i == at else nbytes(shape, dtype))
+                   lambda i, r: 0 if i == at else nbytes(shape, dtype))
         return t if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
 
     def exchange(self, sends, recvs, into=None, device=None, key=0):
