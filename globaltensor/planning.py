@@ -8,7 +8,8 @@ costs the same wherever it sits, so each candidate runs the model cut to one blo
 is one block's bill, the rest (embeddings, head, loss) is the one-block run less that, and an L-block model's
 bill is the rest plus L blocks' (bytes, collectives and stored state exactly: `tests/test_auto_plan.py`
 compares them with a real step). A 32-layer model costs what a 2-layer one does to plan, and its width nothing
-(meta); the runs' cost grows with the ranks, which the simulator runs one at a time.
+(meta); the mesh little: the runs are symmetric (`dry_run(symmetric=mesh)`, `runtime/symmetry.py`: one rank per
+class of alike ranks, every rank where that cannot be exact).
 
 Family: each mesh axis is a data axis or the tensor axis (at most one; Megatron TP, or TP + SP, from the
 plans the caller or the model gives: `tensor_plans=`, else a Hugging Face model's own `gt.hf.tp_plan`), and one
@@ -60,8 +61,9 @@ from .tools.explain import dry_run
 __all__ = ["auto_plan", "AutoPlan", "Figures", "measure", "step_time", "planning_links"]
 
 DATA_STRATEGIES = ("dp", "zero2", "zero3")
-# seconds a dry-run rank may wait in a collective: the simulator runs the ranks one at a time, so on 64 ranks a
-# wait spans 63 ranks' work (the default 300 s timed out planning the 8B-shaped GPT on a loaded 2-core machine)
+# seconds a dry-run rank may wait in a collective where every rank runs (a symmetric run refused): the simulator
+# runs the ranks one at a time, so on 64 ranks a wait spans 63 ranks' work (the default 300 s timed out planning the
+# 8B-shaped GPT on a loaded 2-core machine)
 DRY_RUN_TIMEOUT = 3600.0
 
 
