@@ -9,16 +9,19 @@ uneven, the ranks fall into classes per mesh axis (the coordinates along an axis
 shapes whatever the other coordinates are); one rank per combination of classes is run.
 
 Nothing is assumed: every layout a run materialises is checked against every rank's shard shapes (a class split
-by a new layout starts the run again with finer classes), and what cannot be worked out from one rank is refused
-(`Asymmetric`): the caller runs every rank instead. Refused: layouts on part of the mesh (pipeline stages),
-collectives of host tensors (values), point-to-point messages and
-exchanges of Python objects (what the peers hold), any mechanism that works out what particular ranks send each
-other (`rank_specific`: boxing's point-to-point steps, which a rank with nothing to send skips), uneven all-to-alls, groups that are not whole mesh axes, and
-representatives whose collectives disagree. Assumed (the program's part): a rank's control flow depends on its
-rank only through its shards and its groups, as a global program's does (`if rank == 0:` would break it).
+by a new layout starts the run again with finer classes; a ragged tensor's by its sizes), and what cannot be worked
+out from one rank is refused (`Asymmetric`): the caller runs every rank instead. Boxing's point-to-point steps are
+recorded per rank from what the step says each rank sends and receives (`boxing/execute._stand_in`); an uneven
+all-to-all is taken where its caller says what every member receives (`SoloCommunicator.receives`). Refused:
+layouts on part of the mesh (pipeline stages), collectives of host tensors (values), point-to-point messages and
+exchanges of Python objects (what the peers hold), the ops that move pieces between particular ranks
+(`rank_specific`: flips, recuts, halos, which a rank with nothing to send skips), other uneven all-to-alls, groups
+that are not whole mesh axes, and representatives whose shared collectives disagree. Assumed (the program's
+part): a rank's control flow depends on its rank only through its shards and its groups, as a global program's
+does (`if rank == 0:` would break it).
 
-The run's `comm_log()` events carry every rank's received bytes (`CommEvent.by_rank`, read by
-`CommLog.recv_bytes_of(rank)`); a rank's result is its class representative's.
+The run's `comm_log()` events carry the received bytes of every rank they stand for (`CommEvent.by_rank`, read by
+`CommLog.per_rank`); a rank's result is its class representative's.
 """
 from __future__ import annotations
 
