@@ -66,20 +66,17 @@ def _price(prim: str, src: Layout, dst: Layout, axis: int, shape: tuple[int, ...
     recv = [0] * (max(p.flat_ranks) + 1)
     if prim in ("slice", "fill", "pad") or n == 1:
         return tuple(recv), 0
-    # once per rank, not once per rank and peer (a reduce-scatter reads the destination's alone)
-    held = {} if prim == "reduce_scatter" else {q: src.shard(shape, q) for q in p.flat_ranks}
-    sizes = {q: numel(b) for q, b in held.items()}
     for r in p.flat_ranks:
         group = p.group(r, axis)
         if prim == "all_gather":
-            got = sum(sizes[q] for q in group if q != r)
+            got = sum(numel(src.shard(shape, q)) for q in group if q != r)
         elif prim == "all_to_all":
             mine = dst.shard(shape, r)
-            got = sum(numel(intersect(held[q], mine)) for q in group if q != r)
+            got = sum(numel(intersect(src.shard(shape, q), mine)) for q in group if q != r)
         elif prim == "reduce_scatter":
             got = (n - 1) * numel(dst.shard(shape, r))
         else:  # all_reduce
-            recv[r] = all_reduce_recv_bytes(sizes[r], itemsize, n, group.index(r))
+            recv[r] = all_reduce_recv_bytes(numel(src.shard(shape, r)), itemsize, n, group.index(r))
             continue
         recv[r] = got * itemsize
     return tuple(recv), 1
