@@ -11,6 +11,8 @@ identity there, and only pieces nobody in the group holds are received.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..layout import Layout
@@ -30,6 +32,36 @@ def _fill_op(dst: Layout, m: tuple[int, ...], c: tuple[int, ...]) -> str:
     return dst.sbp[axes[-1]].op
 
 
+def _overlaps(tiles: dict) -> Callable[[Box], list]:
+    """`meeting(box)`: the (tile, holders) of `tiles` whose tile shares elements with `box`, in their order. Per dim
+    the tiles take a few distinct ranges (a mesh axis's cuts), so a box is matched per dim against those, not
+    against every tile: a direct exchange on 64 ranks meets 64 x 64 (tile, shard) pairs, most of them disjoint."""
+    items = list(tiles.items())
+    ndim = len(items[0][0]) if items else 0
+    per_dim = []  # per dim: (start, size) -> the indices of the tiles with that range there
+    for d in range(ndim):
+        ranges: dict = {}
+        for i, (tile, _) in enumerate(items):
+            ranges.setdefault(tile[d], set()).add(i)
+        per_dim.append(ranges)
+
+    def meeting(box: Box) -> list:
+        if not ndim:  # 0-d: the one element is in every tile
+            return items
+        found: set = set()
+        for d, ranges in enumerate(per_dim):
+            s, n = box[d]
+            here: set = set()
+            for (s2, n2), ids in ranges.items():
+                if min(s + n, s2 + n2) > max(s, s2):
+                    here |= ids
+            found = here if d == 0 else found & here
+            if not found:
+                return []
+        return [items[i] for i in sorted(found)]
+    return meeting
+
+
 def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype) -> Step:
     A, B = src.placement, dst.placement
     tiles: dict[Box, list[int]] = {}
@@ -44,13 +76,12 @@ def direct(src: Layout, dst: Layout, shape: tuple[int, ...], dtype: torch.dtype)
 
     regions: dict[int, list] = {r: [] for r in B.flat_ranks}
     wants = []  # (receiver, piece in its output, piece in the tile, holders)
+    meeting = _overlaps(tiles)
     for members in groups.values():
         box = dst.shard(shape, members[0])
         zero = next(m for m in members if all(B.coord(m)[a] == 0 for a in partial_axes))
-        for tile, holders in tiles.items():
+        for tile, holders in meeting(box):
             inter = intersect(tile, box)
-            if numel(inter) == 0:
-                continue
             local = [m for m in members if own.get(m) == tile]
             c = local[0] if local else zero
             if local:

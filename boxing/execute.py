@@ -17,6 +17,7 @@ import torch
 from ..layout import Layout, slice_box
 from ..runtime.comm import Communicator
 from ..runtime.graph_ops import traced as _traced
+from ..runtime.symmetry import CHECKING as _SYMMETRY, rank_specific
 from ..runtime.trace import FLAGS as _TRACING, pop_route, push_route
 from .boxes import identity, intersect, numel, relative, sizes
 from .pack import Tiling
@@ -28,6 +29,8 @@ from .zigzag import COMPILE as _ZIGZAG_COMPILE
 
 def execute(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Run `route` on this rank's shard; returns the shard of the target layout (empty outside it)."""
+    if _SYMMETRY.classes is not None and _point_to_point(route):  # a symmetric dry run (runtime/symmetry.py)
+        return _stand_in(route, local, comm)
     key = (comm.rank, comm.world_size)
     program = route.programs.get(key)
     if program is None:
@@ -43,6 +46,57 @@ def execute(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tens
         return local
     for run in program:
         local = run(local, comm)
+    return local
+
+
+# the steps every rank runs alike, up to its shard's shape and its index in the axis group
+_SYMMETRIC = frozenset({"all_gather", "all_to_all", "reduce_scatter", "all_reduce", "slice", "fill", "pad"})
+_POINT_TO_POINT = frozenset({"send_recv", "broadcast", "local"})  # `_exchange`: each rank's messages its own
+
+
+def _point_to_point(route: Route) -> bool:
+    """Whether the route has point-to-point steps (refused inside a strided reading, or a step of another kind)."""
+    found = False
+    for step in route.steps:
+        if isinstance(step, ReadingStep):
+            if _point_to_point(step.sub):
+                rank_specific(f"a point-to-point step inside a strided reading ({step})")
+        elif step.primitive in _POINT_TO_POINT:
+            found = True
+        elif step.primitive not in _SYMMETRIC:
+            rank_specific(f"a conversion's {step.primitive} step")
+    return found
+
+
+def _stand_in(route: Route, local: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """The route in a symmetric dry run (meta shards): its collectives as every rank runs them, and for each
+    point-to-point step what each rank the run stands for would send and receive (`Step.exchanges` knows every
+    rank's), recorded for that rank, the output a meta shard of the step's shape (the same on each, or refused)."""
+    for step in route.steps:
+        if isinstance(step, ReadingStep) or step.primitive not in _POINT_TO_POINT:
+            run = (_reading if isinstance(step, ReadingStep) else _COMPILE[step.primitive])(step, route.shape,
+                                                                                            comm.rank)
+            local = run(local, comm) if run is not None else local
+            continue
+        mine = step.exchange(comm.rank)
+        size = local.element_size()
+        for r in comm.members:
+            part = step.exchange(r)
+            if (part is None) != (mine is None) or (part is not None and part.out_shape != mine.out_shape):
+                rank_specific(f"a point-to-point step whose ranks hold shards of other shapes ({step})")
+            if part is None:
+                continue
+            for group, src, _, n in part.bcasts:
+                if len(group) > 1:
+                    comm.record_for("broadcast", group, r, 0 if src == r else n * size)
+            if part.sends or part.recvs:
+                peers = tuple(sorted({p for p, _ in part.sends} | {p for p, _ in part.recvs} | {r}))
+                comm.record_for("send_recv", peers, r, sum(numel(b) for _, bs in part.recvs for b in bs) * size)
+        if mine is not None:
+            inside = comm.rank in step.dst.placement
+            local = local.new_empty(mine.out_shape if inside else (0,))
+    if comm.rank not in route.dst.placement:
+        local = local.new_empty((0,))
     return local
 
 
@@ -331,7 +385,13 @@ def _all_to_all(step, shape, rank, group):
     pack, unpack = sends.packer(), recvs.unpacker()
     send_splits, recv_splits, new_shape, total = sends.splits, recvs.splits, sizes(new), sum(recvs.splits)
 
+    def receives(g: tuple, j: int) -> list:  # what member j of a group g (any rank's) receives from each
+        mine = step.dst.shard(shape, g[j])
+        return [numel(intersect(step.src.shard(shape, r), mine)) for r in g]
+
     def all_to_all(local, comm):
+        if _SYMMETRY.classes is not None:  # a symmetric dry run (runtime/symmetry.py): what every member receives
+            comm.receives = receives
         send = pack(local, lambda n, dtype: comm.send_buffer(n, dtype, local.device))  # sim: cuda shards, cpu comm
         if unpack is None:  # receive straight into the new shard
             out = local.new_empty(new_shape)

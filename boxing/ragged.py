@@ -45,6 +45,8 @@ def recut(local: torch.Tensor, dim: int, src: Sequence[int], dst: Sequence[int],
     send = moved.contiguous().reshape(-1)
     recv_rows = [rows[i][me] for i in range(len(group))]
     recv = send.new_empty(sum(recv_rows) * per_row)
+    if hasattr(comm, "receives"):  # a symmetric dry run (runtime/symmetry.py): what every member receives
+        comm.receives = lambda g, j: [rows[i][j] * per_row for i in range(len(g))]
     comm.all_to_all_into(send, [n * per_row for n in rows[me]], recv, [n * per_row for n in recv_rows],
                          tuple(group))
     out = recv.view((sum(recv_rows),) + rest)

@@ -8,7 +8,8 @@ costs the same wherever it sits, so each candidate runs the model cut to one blo
 is one block's bill, the rest (embeddings, head, loss) is the one-block run less that, and an L-block model's
 bill is the rest plus L blocks' (bytes, collectives and stored state exactly: `tests/test_auto_plan.py`
 compares them with a real step). A 32-layer model costs what a 2-layer one does to plan, and its width nothing
-(meta); the runs' cost grows with the ranks, which the simulator runs one at a time.
+(meta); the mesh little: the runs are symmetric (`dry_run(symmetric=mesh)`, `runtime/symmetry.py`: one rank per
+class of alike ranks, every rank where that cannot be exact).
 
 Family: each mesh axis is a data axis or the tensor axis (at most one; Megatron TP, or TP + SP, from the
 plans the caller or the model gives: `tensor_plans=`, else a Hugging Face model's own `gt.hf.tp_plan`), and one
@@ -60,8 +61,9 @@ from .tools.explain import dry_run
 __all__ = ["auto_plan", "AutoPlan", "Figures", "measure", "step_time", "planning_links"]
 
 DATA_STRATEGIES = ("dp", "zero2", "zero3")
-# seconds a dry-run rank may wait in a collective: the simulator runs the ranks one at a time, so on 64 ranks a
-# wait spans 63 ranks' work (the default 300 s timed out planning the 8B-shaped GPT on a loaded 2-core machine)
+# seconds a dry-run rank may wait in a collective where every rank runs (a symmetric run refused): the simulator
+# runs the ranks one at a time, so on 64 ranks a wait spans 63 ranks' work (the default 300 s timed out planning the
+# 8B-shaped GPT on a loaded 2-core machine)
 DRY_RUN_TIMEOUT = 3600.0
 
 
@@ -365,7 +367,8 @@ def _inputs(example_inputs: Any, mesh: Placement, sbp: tuple, device: Optional[s
 
 def _step(model: torch.nn.Module, mesh: Placement, plan: dict, example_inputs: Any, sbp: tuple,
           loss_fn: Callable, device: Optional[str] = None) -> tuple:
-    """This rank's figures of one AdamW training step of `model` (converted here) under `plan`."""
+    """This rank's figures of one AdamW training step of `model` (converted here) under `plan`: its comm log (a
+    symmetric dry run's holds the bytes of every rank it stands for), stored, saved and gathered bytes."""
     to_global(model, mesh, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     args, kwargs = _inputs(example_inputs, mesh, sbp, device)
@@ -379,24 +382,34 @@ def _step(model: torch.nn.Module, mesh: Placement, plan: dict, example_inputs: A
         opt.step()
     persistent = sum(_nbytes(p) + _nbytes(p.grad) + sum(_nbytes(s) for s in opt.state[p].values())
                      for p in model.parameters())
-    return log.recv_bytes, len(log.events), persistent, activations, gathered
+    return log, persistent, activations, gathered
 
 
 def _figures(per_rank: list) -> Figures:
-    return Figures(*(tuple(int(r[i]) for r in per_rank) for i in range(5)))
+    """Each rank's `_step` (rank order) as Figures (a symmetric dry run's ranks share their class's log)."""
+    tallies: dict = {}
+    for rank, r in enumerate(per_rank):
+        tallies.setdefault(id(r[0]), (r[0], []))[1].append(rank)
+    comm = {rank: t for log, ranks in tallies.values() for rank, t in log.per_rank(ranks).items()}
+    return Figures(tuple(comm[rank][0] for rank in range(len(per_rank))),
+                   tuple(comm[rank][1] for rank in range(len(per_rank))),
+                   *(tuple(int(r[i]) for r in per_rank) for i in range(1, 4)))
 
 
 def measure(model: torch.nn.Module, example_inputs: Any, mesh: Placement, plan: dict, *, sbp: Optional[tuple] = None,
-            loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, dry: bool = True) -> Figures:
+            loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, dry: bool = True,
+            symmetric: bool = True) -> Figures:
     """One training step (forward, backward, AdamW) of `model` under `plan`: each rank's figures. `dry`: on meta
-    tensors (`dry_run`: any size); else on the simulator with the model's values (a copy; `model` is unchanged)."""
+    tensors (`dry_run`: any size; `symmetric`: one rank per class of alike ranks where that is exact, else every
+    rank); else on the simulator with the model's values (a copy; `model` is unchanged)."""
     sbp = sbp if sbp is not None else tuple(Split(0) if a == 0 else Broadcast() for a in range(mesh.ndim))
     loss_fn = loss_fn or _loss_of
     n = len(mesh.flat_ranks)
     if dry:
         template = meta_copy(model)
         return _figures(dry_run(lambda: _step(copy.deepcopy(template), mesh, plan, example_inputs, sbp, loss_fn,
-                                              "meta"), n, timeout=DRY_RUN_TIMEOUT))
+                                              "meta"), n, timeout=DRY_RUN_TIMEOUT,
+                                      symmetric=mesh if symmetric else None))
     return _figures(launch(lambda: _step(copy.deepcopy(model), mesh, plan, example_inputs, sbp, loss_fn), n))
 
 
@@ -484,7 +497,8 @@ def auto_plan(model: torch.nn.Module, example_inputs: Any, mesh: Placement, memo
             sbp = batch_sbp(axes, ndim)
             try:
                 runs = dry_run(lambda: [_step(copy.deepcopy(c), mesh, p, example_inputs, sbp, loss_fn, "meta")
-                                        for c, p in zip(cuts, cut_plans)], n, timeout=DRY_RUN_TIMEOUT)
+                                        for c, p in zip(cuts, cut_plans)], n, timeout=DRY_RUN_TIMEOUT,
+                               symmetric=mesh)
             except Exception as e:  # noqa: BLE001  (a plan that cannot run is no candidate; explain() says why)
                 skipped[f"axes {axes}, {s}"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 continue

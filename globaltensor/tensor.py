@@ -18,6 +18,7 @@ from .ops.pointwise import register_compile_only
 from .ops.keys import geometry_of
 from .ops.step_plan import ACTIVE as _STEP, note_conversion
 from .runtime import context, graph_ops
+from .runtime.symmetry import CHECKING as _SYMMETRY
 from .ops.program import TRACED_INPUT
 from .sbp import Broadcast, Partial, SbpLike, Split, Strided, Zigzag
 
@@ -53,6 +54,8 @@ def _wrap(cls: type, local: torch.Tensor, layout: Layout, shape: tuple, key: Any
     """The wrapper: the global sizes, and the strides and storage offset one device's tensor would have
     (`key.geometry`: an op's output strides follow its inputs', and as_strided reads them), contiguous where
     the key holds none."""
+    if _SYMMETRY.classes is not None:  # a symmetric dry run: is this rank's shard every rank's? (runtime/symmetry.py)
+        _SYMMETRY.classes.check(layout, shape)
     device = layout.placement.device_type if _DRY_RUN.on and local.is_meta else local.device
     geometry = key.geometry
     if geometry is None:
@@ -129,6 +132,8 @@ class GlobalTensor(torch.Tensor):
         self._local = local
         self._layout = layout
         shape = tuple(self.shape)
+        if _SYMMETRY.classes is not None:
+            _SYMMETRY.classes.check(layout, shape)
         self._key = _tensor_key(layout, shape, self.dtype, geometry_of(shape, self.stride(), self.storage_offset()))
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -24,6 +24,7 @@ import torch
 
 from ..layout import Layout
 from ..runtime import context
+from ..runtime.symmetry import rank_specific
 from .moves import peers
 
 
@@ -69,6 +70,7 @@ def gather_window(x: torch.Tensor, layout: Layout, in_shape: tuple, out_layout: 
     window = x.new_zeros(_resized(x.shape, win.dim, win.rows(out_start, out_size)[1]))
     if checking:
         return window
+    rank_specific("a halo exchange (edge ranks have one neighbour)")
     sends, recvs = {}, {}
     for q in peers(layout, {win.dim}, rank):
         give = halo_piece(layout, in_shape, out_layout, out_shape, win, rank, q)
@@ -97,6 +99,7 @@ def return_window(grad_window: torch.Tensor, x_shape: torch.Size, layout: Layout
     grad = grad_window.new_zeros(x_shape)
     if checking:
         return grad
+    rank_specific("a halo exchange (edge ranks have one neighbour)")
     sends, recvs = {}, {}
     for q in peers(layout, {win.dim}, rank):
         mine = halo_piece(layout, in_shape, out_layout, out_shape, win, rank, q)  # my rows q's window read

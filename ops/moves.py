@@ -17,6 +17,7 @@ import torch
 from ..boxing.boxes import numel, sizes
 from ..layout import Layout, slice_box
 from ..runtime import context
+from ..runtime.symmetry import rank_specific
 from ..sbp import Split
 
 
@@ -75,6 +76,7 @@ def exchange_moved(x: torch.Tensor, out: torch.Tensor, src_layout: Layout, in_sh
                    out_shape: tuple, moves: tuple, rank: int) -> torch.Tensor:
     """`out` (this rank's output shard) filled with the pieces that land in it: its own copied, its peers'
     received, one message per peer (the pieces flattened in order)."""
+    rank_specific("pieces moved between particular ranks (a split dim's rows reordered)")
     sends, recvs, places = {}, {}, {}
     for q in peers(src_layout, {d for d, _, _ in moves}, rank):
         if q == rank:

@@ -21,6 +21,7 @@ import torch
 from ..boxing.boxes import Box, intersect, numel, relative, sizes
 from ..layout import Layout, slice_box, split_sizes
 from ..runtime import context
+from ..runtime.symmetry import rank_specific
 from ..sbp import Broadcast, Partial, Split
 from .moves import exchange_moved, moved_cost
 from .scope import in_named
@@ -404,6 +405,7 @@ def flip_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> torch.
     layout, shape, flipped, rank = where.in_layouts[0], where.ctx.shapes[0], _flipped(where.ctx), where.rank
     if where.checking or not any(isinstance(s, Split) and s.dim in flipped for s in layout.sbp):
         return out
+    rank_specific("a flip of a split dim (mirror ranks swap rows)")
     mine = layout.shard(shape, rank)      # its shard of the input, and of the result (the same layout)
     held = _mirror(mine, shape, flipped)  # the rows of the result this rank's flipped shard holds
     result, sends, recvs, places = torch.empty_like(out), {}, {}, {}
@@ -564,6 +566,7 @@ def recut_local(func: Any, args: tuple, kwargs: dict, where: ShardSite) -> Any:
     like = locals_in[0]
     results = [torch.zeros(where.out_shape(j), dtype=like.dtype, device=like.device) for j in range(len(outs))]
     if not where.checking:
+        rank_specific("a recut of split pieces (rows moved between particular ranks)")
         plan, rank = recut_plan(ins, outs, dim), where.rank
 
         def mine_of(j: int, r: int) -> Box:

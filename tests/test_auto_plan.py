@@ -276,3 +276,77 @@ def test_moe_gpt_takes_expert_parallelism_predicted_exactly_and_trains_as_one_de
         for g, w in zip(got[1:], want[1:]):
             for n in w:
                 torch.testing.assert_close(g[n], w[n], rtol=0, atol=1e-10, msg=n)
+
+
+def _tallies(results: list) -> list:
+    """Each rank's (received bytes, communications) from dry-run results whose first item is a comm log (a symmetric
+    run's ranks share their class's log)."""
+    shared: dict = {}
+    for rank, r in enumerate(results):
+        shared.setdefault(id(r[0]), (r[0], []))[1].append(rank)
+    out = {rank: t for log, ranks in shared.values() for rank, t in log.per_rank(ranks).items()}
+    return [out[r] for r in range(len(results))]
+
+
+@pytest.fixture
+def symmetric_runs(monkeypatch):
+    """The outcome of each symmetric dry run: "ran" or why every rank was run instead."""
+    from globaltensor.runtime import symmetry
+    outcomes, real = [], symmetry.run
+
+    def run(body, mesh):
+        try:
+            out = real(body, mesh)
+        except symmetry.Asymmetric as e:
+            outcomes.append(str(e))
+            raise
+        outcomes.append("ran")
+        return out
+    monkeypatch.setattr(symmetry, "run", run)
+    return outcomes
+
+
+def test_symmetric_dry_runs_receive_what_every_rank_does(symmetric_runs):
+    """Uneven splits (6 rows over 4 ranks: classes of ranks), an all-gather of them, a transposing conversion whose
+    point-to-point messages differ per rank (the diagonal ranks keep their rows), a loss's scalar all-reduce (rank 0
+    of a group receives more): one rank per class is run, and every rank's bytes and communications are the all-rank
+    run's. A layout on part of the mesh is refused, and the all-rank run answers."""
+    from globaltensor.tools.explain import dry_run
+    ranks = [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+    def program(part: bool):
+        mesh = gt.placement("cpu", ranks)
+        x = gt.to_global(torch.empty(6, 8), mesh, (gt.broadcast, gt.split(0)))
+        with gt.comm_log() as log:
+            y = x.to_global(sbp=(gt.split(0), gt.broadcast))
+            z = x.to_global(sbp=(gt.broadcast, gt.broadcast))
+            s = (y * 2).sum().to_global(sbp=(gt.broadcast, gt.broadcast))
+            if part:
+                gt.to_global(torch.empty(4), gt.placement("cpu", [0, 1]), gt.split(0))
+        return log, tuple(y.to_local().shape), tuple(z.to_local().shape), tuple(s.to_local().shape)
+
+    mesh = gt.placement("cpu", ranks)
+    for part in (False, True):
+        every = dry_run(lambda: program(part), 8)
+        one = dry_run(lambda: program(part), 8, symmetric=mesh)
+        assert _tallies(one) == _tallies(every) and [r[1:] for r in one] == [r[1:] for r in every]
+        assert len({b for b, _ in _tallies(every)}) > 2  # the ranks do differ
+    assert symmetric_runs[0] == "ran" and "not the whole mesh" in symmetric_runs[1], symmetric_runs
+    # 6 rows over axis 1 as 2, 2, 1, 1: two classes of ranks there, one on axis 0 (3, 3): two ranks run
+    assert len({id(r[0]) for r in dry_run(lambda: program(False), 8, symmetric=mesh)}) == 2
+
+
+@pytest.mark.slow  # about 24 CPU-seconds: two all-rank dry runs on 16 ranks
+def test_a_4x4_mesh_plans_from_symmetric_runs_as_from_every_rank(symmetric_runs):
+    """16 ranks, each candidate's dry runs on one rank: the chosen plan and the TP x ZeRO-3 plan (whose ZeRO
+    conversions send rank-specific messages) receive, count, store, save and gather exactly what the all-rank dry
+    run of the full-depth model does."""
+    model, inputs = gpt(n_layer=2), batch(16)
+    mesh = gt.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]])
+    auto = gt.auto_plan(model, inputs, mesh, tensor_plans=TP)
+    assert symmetric_runs == ["ran"] * 9, symmetric_runs
+    tp_zero3 = next(c for c in auto.candidates if c.axes.tensor == 1 and c.root == "zero3"
+                    and dict(c.blocks)["zero3"] == 2)
+    for c in (auto.chosen, tp_zero3):
+        sbp = gt.planning.batch_sbp(c.axes, 2)
+        assert measure(model, inputs, mesh, auto.plan_of(c), sbp=sbp, symmetric=False) == c.figures, c

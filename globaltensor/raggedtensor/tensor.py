@@ -18,6 +18,7 @@ from ..boxing import ragged as _recut
 from ..layout import Layout, normalize_sbp, slice_box
 from ..placement import Placement
 from ..runtime import context
+from ..runtime.symmetry import CHECKING as _SYMMETRY
 from ..sbp import Broadcast, Ragged, Split, split_sizes
 from ..tensor import GlobalTensor, grad_layout
 from .cuts import (Sizes, _balanced, _balanced_sbp, _box_at, _cuts, _outer_splits_ragged, _runs_of_layout, check_sizes,
@@ -66,7 +67,11 @@ class RaggedTensor(GlobalTensor, kind="ragged"):
         if not layout.ragged_axes:
             return GlobalTensor(local, layout, shape, requires_grad=requires_grad)
         layout, sizes = _outer_splits_ragged(layout, shape, sizes)
-        r = GlobalTensor.__new__(cls, local, layout, shape, requires_grad)
+        _SYMMETRY.sizes = sizes  # what a symmetric dry run checks the shards' shapes by (runtime/symmetry.py)
+        try:
+            r = GlobalTensor.__new__(cls, local, layout, shape, requires_grad)
+        finally:
+            _SYMMETRY.sizes = None
         r._sizes = sizes
         r._unit = unit
         return r

@@ -30,6 +30,9 @@ class CommEvent:
     group: tuple[int, ...]
     recv_bytes: int
     across: bool = False  # its group spans nodes (runtime/topology.py)
+    # a symmetric dry run's event stands for the ranks its one rank was run for (runtime/symmetry.py): ((rank,
+    # recv_bytes), ...) of those taking part; empty: this rank's alone
+    by_rank: tuple = ()
 
 
 @dataclass
@@ -39,6 +42,17 @@ class CommLog:
     @property
     def recv_bytes(self) -> int:
         return sum(e.recv_bytes for e in self.events)
+
+    def per_rank(self, ranks: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Each of `ranks`' (received bytes, communications): a symmetric dry run's log stands for several ranks
+        (`CommEvent.by_rank`); another log's events are its own rank's, whichever it is among `ranks`."""
+        out = {r: [0, 0] for r in ranks}
+        for e in self.events:
+            for r, b in (e.by_rank or ((r, e.recv_bytes) for r in ranks)):
+                if r in out:
+                    out[r][0] += b
+                    out[r][1] += 1
+        return {r: (b, n) for r, (b, n) in out.items()}
 
     def by_link(self) -> dict[str, int]:
         """Bytes received in collectives whose group spans nodes ("across") and in the rest ("inside")."""

@@ -24,8 +24,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from ..tensor import dry_run_devices
 from .report import CommReport, comm_report
-from ..runtime import context
-from ..runtime.sim import SimCommunicator, SimWorld
+from ..placement import Placement
+from ..runtime import context, symmetry
+from ..runtime.comm import Communicator
+from ..runtime.sim import SimWorld
+from ..runtime.topology import default_for, install
 
 _LOCK = threading.Lock()
 _STEP = threading.local()  # per dry-run rank: `open`, the host-device contexts its optimizer steps entered
@@ -70,19 +73,25 @@ def explain(fn: Callable, world_size: int, args: Sequence = (), timeout: float |
 
 
 def dry_run(fn: Callable, world_size: int, args: Sequence = (), timeout: float | None = None,
-            name: str = "dry_run") -> list[Any]:
+            name: str = "dry_run", symmetric: Placement | None = None) -> list[Any]:
     """Run `fn(*args)` on `world_size` simulated ranks with every tensor on meta (shapes only: no memory,
     no arithmetic; an optimizer's step makes its host scalars on the host); returns each rank's result.
-    `gt.explain` is this with a `comm_report()` around `fn`; `gt.auto_plan` measures its candidates so."""
+    `gt.explain` is this with a `comm_report()` around `fn`; `gt.auto_plan` measures its candidates so.
+
+    `symmetric`: the mesh (ranks 0..world_size-1) over which the program is one global program: it runs on
+    one rank per class of alike ranks (`runtime/symmetry.py`: every rank where a split is uneven, a
+    point-to-point message is sent, ...: then on every rank), and a rank's result is its class's. So `fn` must
+    read what it received with `CommLog.recv_bytes_of(rank)`, not `recv_bytes`, and return the log."""
     if not callable(fn):
         raise TypeError(f"{name}(fn): must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"{name}(world_size): must be a positive int, got {world_size!r}")
     if context.current_or_none() is not None:
         raise RuntimeError(f"{name}: already inside a launched rank; call it from the top level")
-    world = SimWorld(world_size, timeout, device="meta")
+    if symmetric is not None and symmetric.size != world_size:
+        raise ValueError(f"{name}(symmetric): a mesh of {symmetric.size} ranks for {world_size} ranks")
 
-    def body(comm: SimCommunicator) -> Any:
+    def body(comm: Communicator) -> Any:
         comm.device_for = _meta_device  # type: ignore[method-assign]  # every placement's shards on meta
         context.set_thread(comm)
         _STEP.open = []
@@ -101,7 +110,13 @@ def dry_run(fn: Callable, world_size: int, args: Sequence = (), timeout: float |
         hooks = (register_optimizer_step_pre_hook(_step_on_host), register_optimizer_step_post_hook(_step_done))
         try:
             with dry_run_devices():
-                return world.run(body)
+                if symmetric is not None:
+                    install(default_for("sim"))  # as a simulated world starts
+                    try:
+                        return symmetry.run(body, symmetric)
+                    except symmetry.Asymmetric:
+                        pass  # every rank, then
+                return SimWorld(world_size, timeout, device="meta").run(body)
         finally:
             for hook in hooks:
                 hook.remove()
