@@ -35,9 +35,10 @@ COPIES = {aten.squeeze.default: aten.squeeze_copy.default, aten.squeeze.dim: ate
 
 
 def balanced(view: Any, args: tuple, kwargs: dict) -> Any:
-    """`view(*args)` dispatched, or its copy twin's where the view would be ragged."""
+    """`view(*args)` dispatched, or its copy twin's where the view would be of another class (ragged, strided): the
+    target keeps its class in place."""
     out = view(*args, **kwargs)
-    if out._layout.ragged_axes and not args[0]._layout.ragged_axes:
+    if type(out) is not type(args[0]):
         out = COPIES[view](*args, **kwargs)
     return out
 

@@ -413,9 +413,9 @@ def _adopt(tensors: list, cls: type) -> bool:
     depending on reference counts, which may differ between ranks; with this both give the same layout.
     """
     dst, src = tensors[0], tensors[1]
-    if not (isinstance(dst, cls) and isinstance(src, cls) and dst._local in _FRESH) or \
-            dst.shape != src.shape or dst._layout.placement != src._layout.placement:
-        return False
+    if not (isinstance(dst, cls) and isinstance(src, cls) and dst._local in _FRESH) or type(src) is not type(dst) \
+            or dst.shape != src.shape or dst._layout.placement != src._layout.placement:
+        return False  # (a strided or zigzag source is another class: the copy boxes it)
     del _FRESH[dst._local]
     dst._set_layout(src._local.to(dst.dtype, copy=True), src._layout)
     ADOPTED[dst] = src

@@ -179,8 +179,8 @@ def reduce_partial(t: Any) -> Any:
     A plain tensor comes back as it is: mixed with GlobalTensors it is taken as Broadcast, so it
     is already whole on every rank (a decomposition's intermediate is plain when all its inputs
     were, e.g. the count of scored targets of a plain target beside Partial logits)."""
-    if not hasattr(t, "placement"):
-        return t
+    if not hasattr(t, "placement") or not any(isinstance(s, Partial) for s in t.sbp):
+        return t  # nothing to reduce (a ragged axis is kept as it is, sizes and all)
     return t.to_global(t.placement, tuple(B if isinstance(s, Partial) else s for s in t.sbp))
 
 

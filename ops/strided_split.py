@@ -220,6 +220,11 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, cls: type) -> Any:
             f"{func}: writes a strided tensor ({args[0].sbp}) in place, which only ops on its strided reading do; "
             f"box it first: x = x.to_global(x.placement, {args[0]._layout.strided_as_split().sbp})")
     new_args, new_kwargs = map_tensors(args, kwargs, lambda t, i: _as_split(t, plain) if isinstance(t, cls) else t)
+    others: list = []
+    map_tensors(new_args, new_kwargs, lambda t, i: others.append(t) if isinstance(t, plain) and type(t) is not plain
+                else None)
+    if others:  # an operand of another class (a ragged tensor) takes its own op path
+        return func(*new_args, **new_kwargs)
     return dispatch(func, new_args, new_kwargs, plain)
 
 
@@ -254,6 +259,8 @@ def _on_reading(func, args, kwargs, plain, cls, first, alignment) -> Any:
         if isinstance(t, cls):  # strided otherwise: its contiguous split first
             t = _as_split(t, plain)
         target = _with_axis(t._layout, dim, axis, Strided(dim, g))
+        if t._layout.ragged_axes or not target.strided_even(tuple(t.shape)):
+            return None  # an operand the reading cannot hold alike (ragged, uneven): the strided one is boxed
         if _cuts(t._layout, dim):
             t = _box(t, target, plain)
             return plain(t._local, target.strided_as_split(), tuple(t.shape))

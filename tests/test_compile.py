@@ -143,8 +143,8 @@ def test_dp_forward_compiles_without_communication():
 
 def test_collectives_are_graph_ops_priced_as_textbook():
     """x S(1) @ w S(0) is Partial; relu needs it whole per row block: one reduce-scatter forward (to S(0)),
-    and its dual, one all-gather of the gradient, backward. Each rank receives (n-1)/n of the [8, 3]
-    product forward and of its gradient backward: 4*3 floats on 2 ranks, each way."""
+    and its dual, one all-gather of the gradient, backward (compiled; eager's backward differs: see below). Each
+    rank receives (n-1)/n of the [8, 3] product forward and of its gradient backward: 4*3 floats on 2 ranks."""
     torch.manual_seed(0)
     X, W = torch.randn(8, 4), torch.randn(4, 3)
     Xr = X.clone().requires_grad_(True)
@@ -176,7 +176,10 @@ def test_collectives_are_graph_ops_priced_as_textbook():
         assert cap.collectives(rank, "fw") == [("reduce_scatter", (0, 1), want_bytes)]
         assert cap.collectives(rank, "bw") == [("all_gather", (0, 1), want_bytes)]
         assert fw == efw == {"reduce_scatter": want_bytes}  # the compiled graph's collectives are eager's
-        assert bw == ebw == {"all_gather": want_bytes}
+        # backward: w is a leaf whose gradient is read in w's layout, S(0); eager prices the product's output as
+        # that (`ops/scope.grad_sink`) and exchanges x's rows instead, 8 floats an all-to-all; a compiled backward
+        # is one node over every leaf, where the sink is not known, and gathers the gradient as the forward's dual
+        assert bw == {"all_gather": want_bytes} and ebw == {"all_to_all": 8 * F32}
         assert cap.aten_only(rank)
     # each rank traced its own graph (its own chunk of the reduce-scatter): the rank is in the guarded metadata
     idx = [[n.args[3] for n in cap.graphs[r]["fw"][0].graph.nodes if "reduce_scatter" in str(n.target)]

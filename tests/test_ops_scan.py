@@ -142,11 +142,12 @@ def test_in_place_scans_keep_the_split():
 
 def test_cumsum_backward_along_a_split_dim():
     """torch's cumsum backward is flip, cumsum, flip of the gradient. A flip of a split dim may keep
-    the split (the ranks exchange mirror rows, 24 B here) or convert first: the first flip moves the
-    gradient's split to another dim (one all-to-all, 12 B), where the reverse scan and the second flip
-    are local; with no other dim to move to, the gradient's shards become Partial (zero-filled to the
-    whole size, free now; the mirror exchange's 12 B tie with its reduction, and the later communication
-    wins) and the input's gradient is Partial: its reduction, a gather's bytes, is owed to whoever reads it."""
+    the split (the ranks exchange mirror rows, 24 B here) or convert first. The input is a leaf, whose
+    gradient the optimizer reads in its layout (`ops/scope.grad_sink`): a Partial gradient owes only its
+    reduction there, which the gradient bucket makes anyway, so the gradient's shards become Partial
+    (zero-filled to the whole size, free) and the backward moves nothing; the reduction is the reader's.
+    (Before the leaf was priced as its reader, the (6, 2) case moved its split to dim 1 with a 12 B
+    all-to-all, and its reader converted it back.)"""
     def body():
         p = mesh_placement(Mesh((2,)))
         out = []
@@ -162,5 +163,5 @@ def test_cumsum_backward_along_a_split_dim():
     for rank, ((g2, ev2, sbp2), (g1, ev1, sbp1)) in enumerate(gt.launch(body, 2)):
         torch.testing.assert_close(g2, torch.arange(6.0, 0, -1)[:, None].expand(6, 2))
         torch.testing.assert_close(g1, torch.arange(6.0, 0, -1))
-        assert ev2 == [("all_to_all", 3 * 4)] and sbp2 == (gt.split(1),)  # the other half's rows, one column
+        assert ev2 == [] and sbp2 == (gt.partial_sum,)
         assert ev1 == [] and sbp1 == (gt.partial_sum,)
