@@ -220,11 +220,10 @@ def run(func: Any, args: tuple, kwargs: dict, plain: type, cls: type) -> Any:
             f"{func}: writes a strided tensor ({args[0].sbp}) in place, which only ops on its strided reading do; "
             f"box it first: x = x.to_global(x.placement, {args[0]._layout.strided_as_split().sbp})")
     new_args, new_kwargs = map_tensors(args, kwargs, lambda t, i: _as_split(t, plain) if isinstance(t, cls) else t)
-    others: list = []
-    map_tensors(new_args, new_kwargs, lambda t, i: others.append(t) if isinstance(t, plain) and type(t) is not plain
-                else None)
-    if others:  # an operand of another class (a ragged tensor) takes its own op path
-        return func(*new_args, **new_kwargs)
+    left: list = []
+    map_tensors(new_args, new_kwargs, lambda t, i: left.append(t))
+    if any(isinstance(t, plain) and type(t) is not plain for t in left):
+        return func(*new_args, **new_kwargs)  # an operand of another class (a ragged tensor) takes its own op path
     return dispatch(func, new_args, new_kwargs, plain)
 
 

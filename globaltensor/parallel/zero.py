@@ -254,6 +254,15 @@ def _traced_gather(slot: int, params: tuple) -> tuple:
         return tuple(out)
 
 
+def _frozen_marked(ctx: Any, out: tuple, params: tuple) -> tuple:
+    """A gather's outputs, a frozen parameter's copy marked as taking no gradient: as FSDP2, it is gathered, but
+    its module's backward must not make it a gradient the reduce-scatter lands in a `.grad` the optimizer applies."""
+    frozen = [t for t, p in zip(out, params) if not p.requires_grad]
+    if frozen:
+        ctx.mark_non_differentiable(*frozen)
+    return out
+
+
 class _TracedGather(torch.autograd.Function):
     """`_Gather` as AOTAutograd traces it: the parameters handed in (the traced ones, not the group's) to their
     compute layouts, one collective per bucket (`boxing.execute_many`); backward, the gradients to the stored
@@ -269,11 +278,8 @@ class _TracedGather(torch.autograd.Function):
                   for p in params]
         routes = g.routes_for(tuple((p._layout, c, s.dtype) for p, c, s in zip(params, g.compute, shards)))
         outs = boxing.execute_many(routes, shards, context.current())
-        out = tuple(GlobalTensor(o, c, tuple(p.shape)) for o, c, p in zip(outs, g.compute, params))
-        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return out
+        return _frozen_marked(ctx, tuple(GlobalTensor(o, c, tuple(p.shape)) for o, c, p in
+                                         zip(outs, g.compute, params)), params)
 
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
@@ -669,15 +675,10 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, call: _Call, *params: GlobalTensor) -> tuple:  # type: ignore[override]
         ctx.call = call
         call.tracked = True
-        # As FSDP2: a frozen parameter is gathered but its copy takes no gradient (else the module's backward
-        # made one and the reduce-scatter landed it in a `.grad` the optimizer then applied), and an unused one's
-        # gradient stays None rather than autograd's plain zeros (`reduce_start` carries only those that exist)
+        # an unused parameter's gradient stays None rather than autograd's plain zeros (`reduce_start` carries
+        # only those that exist)
         ctx.set_materialize_grads(False)
-        out = tuple(call.gather())
-        frozen = [t for t, p in zip(out, params) if not p.requires_grad]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return out
+        return _frozen_marked(ctx, tuple(call.gather()), params)
 
     @staticmethod
     def backward(ctx, *grads: Any) -> tuple:  # type: ignore[override]
